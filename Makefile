@@ -1,0 +1,42 @@
+# neuron-serving: install, serve, test, bench, lint.
+# `make test` works on a fresh clone: it installs everything it needs first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench lint clean
+
+install: $(STAMP)
+
+# Install fixes from DESIGN.md:
+# - torchvision/torchaudio/torchcodec from PyPI do not load beside torch+cpu and
+#   break `import transformers`; text models need none of them.
+# - numpy 1.26: Triton's Python backend stub mis-reads BYTES tensors under numpy 2.
+# - the Triton 2.51 binary ships in nvidia-pytriton; --no-deps because its pins
+#   are for pytriton's Python API, which we do not use.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q numpy==1.26.4
+	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0
+	$(BIN)/python -c "import vllm, transformers, tritonclient.grpc, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/neuron-serving up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra --durations=15
+
+bench: $(STAMP)
+	$(BIN)/neuron-serving bench all
+
+lint: $(STAMP)
+	$(BIN)/ruff check neuron_serving proxy tests bench triton_models
+	$(BIN)/ruff format --check neuron_serving proxy tests bench triton_models
+
+clean:
+	rm -rf $(VENV)

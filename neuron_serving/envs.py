@@ -1,0 +1,91 @@
+"""The one registry of environment variables read by neuron-serving.
+
+Nobody else calls ``os.getenv``/``os.environ.get`` for our variables: add a
+line here (name, type, default, meaning) and read it as ``envs.NAME``. Values are
+read at access time, so tests and launchers may set them after import.
+
+Variables owned by other projects (``VLLM_*``, ``OMP_*``, ``NEURON_RT_*``,
+``FI_*``) are *written* by our device backends for the processes they configure;
+they are listed in ``neuron_serving/devices`` where they are produced.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _str(name: str, default: str | None) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name, default)
+
+
+def _float(name: str, default: float) -> Callable[[], float]:
+    return lambda: float(os.environ.get(name, default))
+
+
+def _int(name: str, default: int) -> Callable[[], int]:
+    return lambda: int(os.environ.get(name, default))
+
+
+_REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
+    "NEURON_SERVING_UNIT_TOKEN": (
+        _str("NEURON_SERVING_UNIT_TOKEN", None),
+        "Shared secret of an inference unit (overrides --token-file and the default token file).",
+    ),
+    "NEURON_SERVING_TOKEN_FILE": (
+        _str("NEURON_SERVING_TOKEN_FILE", None),
+        "Path of the unit's shared-secret file (default ~/.config/neuron-serving/unit-token).",
+    ),
+    "NEURON_SERVING_JOIN_TIMEOUT_S": (
+        _float("NEURON_SERVING_JOIN_TIMEOUT_S", 600.0),
+        "How long a leader waits for all followers to join (and a follower for its leader).",
+    ),
+    "NEURON_SERVING_HEARTBEAT_INTERVAL_S": (
+        _float("NEURON_SERVING_HEARTBEAT_INTERVAL_S", 0.5),
+        "Interval of heartbeats between leader and followers on the control connection.",
+    ),
+    "NEURON_SERVING_HEARTBEAT_TIMEOUT_S": (
+        _float("NEURON_SERVING_HEARTBEAT_TIMEOUT_S", 2.5),
+        "Silence after which a peer is declared hung (must stay well under 5 s).",
+    ),
+    "NEURON_SERVING_ABORT_GRACE_S": (
+        _float("NEURON_SERVING_ABORT_GRACE_S", 1.0),
+        "After a rank fails, how long the engine may take to unwind before the process aborts.",
+    ),
+    "NEURON_SERVING_RPC_TIMEOUT_S": (
+        _float("NEURON_SERVING_RPC_TIMEOUT_S", 1800.0),
+        "Upper bound on one gathered collective_rpc (model load, profiling, warm-up).",
+    ),
+    "NEURON_SERVING_HEALTH_HOST": (
+        _str("NEURON_SERVING_HEALTH_HOST", "127.0.0.1"),
+        "Address the node health servers (gRPC health, HTTP /healthz) bind to.",
+    ),
+    "NEURON_SERVING_LEADER_HEALTH_PORT": (
+        _int("NEURON_SERVING_LEADER_HEALTH_PORT", 0),
+        "Port of the leader's health server (gRPC + HTTP on port and port+1); 0 disables it.",
+    ),
+    "NEURON_SERVING_UNIT_ID": (
+        _str("NEURON_SERVING_UNIT_ID", "unit-0"),
+        "Identifier of the inference unit, reported in health and metrics.",
+    ),
+    "NEURON_SERVING_DEVICE": (
+        _str("NEURON_SERVING_DEVICE", "cpu"),
+        "Device backend of this node: cpu or neuron.",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REGISTRY:
+        return _REGISTRY[name][0]()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return list(_REGISTRY)
+
+
+def describe() -> dict[str, str]:
+    """Name -> meaning, for ``neuron-serving env`` and the README."""
+    return {name: doc for name, (_, doc) in _REGISTRY.items()}

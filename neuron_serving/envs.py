@@ -69,6 +69,19 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _str("NEURON_SERVING_UNIT_ID", "unit-0"),
         "Identifier of the inference unit, reported in health and metrics.",
     ),
+    "NEURON_SERVING_PROXY_ADMIN_TOKEN": (
+        _str("NEURON_SERVING_PROXY_ADMIN_TOKEN", None),
+        "Bearer token of the proxy's admin API (overrides admin_token_file in its config).",
+    ),
+    "VLLM_CPU_OMP_THREADS_BIND": (
+        _str("VLLM_CPU_OMP_THREADS_BIND", None),
+        "vLLM's CPU binding list, read per rank by the cpu backend: '0|1' gives rank r entry r; "
+        "'nobind' or unset leaves OpenMP alone.",
+    ),
+    "NEURON_SERVING_NEURON_CORES_PER_NODE": (
+        _int("NEURON_SERVING_NEURON_CORES_PER_NODE", 32),
+        "NeuronCores per node for the neuron backend (32 on trn1.32xlarge, 64 on trn2.48xlarge).",
+    ),
     "NEURON_SERVING_DEVICE": (
         _str("NEURON_SERVING_DEVICE", "cpu"),
         "Device backend of this node: cpu or neuron.",

@@ -1,0 +1,61 @@
+"""`neuron-serving` command line.
+
+Each sub-command lives in its own module under ``neuron_serving/commands/`` and
+exposes ``add_parser(subparsers)`` (which sets ``func`` on its parser). Commands
+are imported lazily by name so that ``neuron-serving status`` does not pay for
+importing torch and vLLM, and so that commands which must set process-wide
+environment (OpenMP thread binding) before torch is imported can do so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> module under neuron_serving.commands
+COMMANDS: dict[str, str] = {
+    "demo-model": "demo_model",
+    "follower": "follower",
+    "generate": "generate",
+    "leader": "leader",
+    "proxy": "proxy",
+    "up": "up",
+    "status": "status",
+    "checkpoint": "checkpoint",
+    "deploy": "deploy",
+    "ecs": "ecs",
+    "bench": "bench",
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="neuron-serving", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            # Register a placeholder so `--help` lists every command without importing it.
+            sub.add_parser(name)
+            continue
+        try:
+            module = importlib.import_module(f"neuron_serving.commands.{module_name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"neuron_serving.commands.{module_name}":
+                continue  # command not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    parser = build_parser(only)
+    args = parser.parse_args(argv)
+    rc = args.func(args)
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`neuron-serving follower --leader HOST:PORT --rank R`: one shard of a unit."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("follower", help="run one tensor-parallel rank of an inference unit")
+    p.add_argument("--leader", required=True, metavar="HOST:PORT", help="leader's control address")
+    p.add_argument("--rank", required=True, type=int, help="this rank (1..N-1)")
+    p.add_argument("--token-file", help="unit shared-secret file (see neuron_serving.unit.auth)")
+    p.add_argument("--health-port", type=int, default=0, help="gRPC health port (HTTP /healthz on +1)")
+    p.add_argument("--health-host", default=None, help="health bind address (default 127.0.0.1)")
+    p.add_argument("--join-timeout", type=float, default=None, help="seconds to wait for the leader")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="unit size, to pick this rank's CPU binding before the leader is reached")
+    p.add_argument("--device", default=None, help="device backend: cpu (default) or neuron")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuron_serving import envs
+    from neuron_serving.devices.base import RankPlacement, get_backend
+    from neuron_serving.unit.follower import EXIT_FAILED, Follower, FollowerConfig, FollowerRejected
+    from neuron_serving.unit.auth import AuthError
+    from neuron_serving.unit.state import NodeState, NodeStatus
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(rank)s] %(message)s".replace("%(rank)s", str(args.rank)))
+    host, _, port = args.leader.rpartition(":")
+    try:
+        cfg = FollowerConfig(
+            leader_host=host,
+            leader_port=int(port),
+            rank=args.rank,
+            token_file=args.token_file,
+            join_timeout_s=args.join_timeout or envs.NEURON_SERVING_JOIN_TIMEOUT_S,
+            health_port=args.health_port,
+            health_host=args.health_host or envs.NEURON_SERVING_HEALTH_HOST,
+        )
+    except ValueError as e:
+        print(f"neuron-serving follower: {e}", file=sys.stderr)
+        return 2
+    device = args.device or envs.NEURON_SERVING_DEVICE
+    backend = get_backend(device)
+    status = NodeStatus("?", args.rank, args.world_size or 0)
+    health = None
+    if cfg.health_port:
+        from neuron_serving.unit.health import HealthServer
+
+        health = HealthServer(status, cfg.health_host, cfg.health_port)
+        health.start()
+    try:
+        backend.check_available()
+        follower = Follower(cfg, status)
+        welcome = follower.join()
+        # Thread binding must be in the environment before torch is imported
+        # (OpenMP reads it once); the unit size is known now.
+        os.environ.update(
+            backend.process_env(RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port))
+        )
+        follower.start_background()
+        from neuron_serving.unit.worker_loop import serve
+
+        rc = serve(follower, backend)
+    except (FollowerRejected, AuthError, TimeoutError, ValueError) as e:
+        status.set_state(NodeState.FAILED, str(e))
+        print(f"neuron-serving follower: {e}", file=sys.stderr)
+        rc = EXIT_FAILED
+    except Exception as e:
+        status.set_state(NodeState.FAILED, str(e))
+        logging.getLogger("neuron_serving.follower").exception("follower failed")
+        print(f"neuron-serving follower: rank {args.rank} failed: {e}", file=sys.stderr)
+        rc = EXIT_FAILED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if health is not None:
+        health.stop()
+    # vLLM and Gloo leave non-daemon threads behind; exit now rather than hang.
+    os._exit(rc)

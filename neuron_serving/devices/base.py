@@ -1,0 +1,61 @@
+"""Device backends: what differs per accelerator when a rank joins a unit.
+
+The unit executor and follower loop are device-agnostic; a backend supplies
+(1) the environment a rank's process needs before torch/vLLM are imported,
+(2) a check that its software stack is present, with an actionable message,
+(3) hooks applied in-process before the vLLM worker is built.
+
+The vLLM worker class itself is never chosen here: ``WorkerWrapperBase``
+resolves ``parallel_config.worker_cls``, which vLLM's active platform sets
+(``CPUWorker`` here; the vllm-neuron plugin's worker on Trainium).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+class DeviceUnavailable(RuntimeError):
+    """The backend's packages or devices are missing on this machine."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """Where a rank sits in its unit."""
+
+    rank: int
+    world_size: int
+    leader_host: str
+    control_port: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
+
+
+class DeviceBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def process_env(self, placement: RankPlacement) -> dict[str, str]:
+        """Environment for this rank's process; applied before torch is imported."""
+
+    @abstractmethod
+    def check_available(self) -> None:
+        """Raise ``DeviceUnavailable`` naming what is missing and how to get it."""
+
+    def prepare_worker(self, placement: RankPlacement) -> None:  # noqa: B027 (optional hook)
+        """In-process hook run on every rank before the vLLM worker is created."""
+
+
+def get_backend(name: str) -> DeviceBackend:
+    if name == "cpu":
+        from neuron_serving.devices.cpu import CpuBackend
+
+        return CpuBackend()
+    if name == "neuron":
+        from neuron_serving.devices.neuron import NeuronBackend
+
+        return NeuronBackend()
+    raise ValueError(f"unknown device backend {name!r} (known: cpu, neuron)")

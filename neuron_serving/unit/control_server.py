@@ -1,0 +1,317 @@
+"""Leader side of a unit's control connections: join, authenticate, heartbeat, gather.
+
+One TCP listener on the control port. Each follower connects (before or after
+the leader starts: followers retry), proves it holds the unit token, reports
+rank and versions, and is admitted or rejected with the offending field named.
+When every rank has joined, the leader sends ``Start`` and the Gloo groups form.
+
+After start, each connection carries heartbeats both ways (a thread per side,
+independent of the threads running steps, which may be blocked in a
+collective), replies of gathered calls, and failure reports. A closed
+connection or a heartbeat older than the timeout is a failed rank: the leader
+calls ``on_failure(rank, reason)`` exactly once for the unit.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from neuron_serving.unit import auth
+from neuron_serving.unit.channel import MAX_FRAME_BYTES, Channel, ChannelClosed
+from neuron_serving.unit.config import UnitConfig
+from neuron_serving.unit.messages import (
+    PROTOCOL_VERSION,
+    Challenge,
+    Failure,
+    Heartbeat,
+    Hello,
+    Reject,
+    Reply,
+    Shutdown,
+    Start,
+    Welcome,
+)
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class UnitJoinError(RuntimeError):
+    """Not every follower joined within the join timeout."""
+
+
+@dataclass
+class FollowerLink:
+    rank: int
+    host: str
+    pid: int
+    channel: Channel
+    last_seen: float = field(default_factory=time.monotonic)
+    state: str = "joining"
+    steps: int = 0
+    replies: queue.Queue = field(default_factory=queue.Queue)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.host}, pid {self.pid})"
+
+
+class ControlServer:
+    def __init__(
+        self,
+        unit: UnitConfig,
+        world_size: int,
+        token: bytes,
+        versions: dict[str, str],
+        on_failure: Callable[[int, str], None],
+    ) -> None:
+        self.unit = unit
+        self.world_size = world_size
+        self.token = token
+        self.versions = versions
+        self.on_failure = on_failure
+        self.session_nonce = auth.new_nonce()
+        self.links: dict[int, FollowerLink] = {}
+        self.rejections: list[str] = []
+        self._lock = threading.Condition()
+        self._started = False
+        self._closing = False
+        self._failed = False
+        self._listener: socket.socket | None = None
+
+    # -- join ---------------------------------------------------------------
+    def listen(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.unit.control_host, self.unit.control_port))
+        except OSError as e:
+            sock.close()
+            raise OSError(
+                f"control port {self.unit.control_host}:{self.unit.control_port} unavailable: {e}"
+            ) from e
+        sock.listen(64)
+        sock.settimeout(0.5)
+        self._listener = sock
+        threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                conn, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            peer = f"{addr[0]}:{addr[1]}"
+            threading.Thread(
+                target=self._handshake, args=(Channel(conn, peer),), name="control-join", daemon=True
+            ).start()
+
+    def _handshake(self, ch: Channel) -> None:
+        nonce = auth.new_nonce()
+        try:
+            ch.send(Challenge(PROTOCOL_VERSION, self.unit.unit_id, nonce), timeout=HANDSHAKE_TIMEOUT_S)
+            hello = ch.recv(timeout=HANDSHAKE_TIMEOUT_S)
+            if not isinstance(hello, Hello):
+                raise ChannelClosed(f"expected hello, got {type(hello).__name__}")
+            problem = self._check_hello(hello, nonce)
+            if problem is not None:
+                field_name, reason = problem
+                who = f"rank {hello.rank} from {hello.host} (pid {hello.pid}, {ch.peer})"
+                self.rejections.append(f"{who}: {field_name}: {reason}")
+                logger.warning("rejected %s: %s: %s", who, field_name, reason)
+                ch.send(Reject(field_name, reason))
+                ch.close()
+                return
+            link = FollowerLink(hello.rank, hello.host, hello.pid, ch)
+            ch.max_frame = MAX_FRAME_BYTES  # authenticated from here on
+            ch.send(
+                Welcome(
+                    world_size=self.world_size,
+                    unit_id=self.unit.unit_id,
+                    session_nonce=self.session_nonce,
+                    heartbeat_interval_s=self.unit.heartbeat_interval_s,
+                    heartbeat_timeout_s=self.unit.heartbeat_timeout_s,
+                    broadcast_inline_bytes=self.unit.broadcast_inline_bytes,
+                    device=self.unit.device,
+                    mac=auth.mac(
+                        self.token, b"welcome", hello.nonce, self.session_nonce, str(hello.rank).encode()
+                    ),
+                )
+            )
+        except (ChannelClosed, TimeoutError, OSError, ValueError) as e:
+            logger.warning("join handshake with %s failed: %s", ch.peer, e)
+            ch.close()
+            return
+        with self._lock:
+            self.links[link.rank] = link
+            self._lock.notify_all()
+        logger.info("%s joined unit %s", link.describe(), self.unit.unit_id)
+        threading.Thread(target=self._read_loop, args=(link,), name=f"control-r{link.rank}", daemon=True).start()
+
+    def _check_hello(self, hello: Hello, nonce: bytes) -> tuple[str, str] | None:
+        if hello.protocol != PROTOCOL_VERSION:
+            return "protocol", f"follower speaks control protocol {hello.protocol}, leader {PROTOCOL_VERSION}"
+        # Authenticate before looking at anything else the peer claims.
+        if not auth.verify(self.token, hello.mac, b"hello", nonce, hello.nonce, str(hello.rank).encode()):
+            return "token", "authentication failed: the follower's unit token does not match the leader's"
+        if not 1 <= hello.rank < self.world_size:
+            return "rank", f"rank {hello.rank} is outside 1..{self.world_size - 1} (unit of {self.world_size} ranks)"
+        for name, mine in self.versions.items():
+            theirs = hello.versions.get(name, "absent")
+            if theirs != mine:
+                return f"versions.{name}", f"follower has {name} {theirs}, leader has {name} {mine}"
+        with self._lock:
+            if self._started:
+                return "unit", "the unit is already running; a replacement needs a new unit"
+            existing = self.links.get(hello.rank)
+            if existing is not None:
+                return "rank", (
+                    f"rank {hello.rank} already joined from {existing.host} (pid {existing.pid}); "
+                    f"duplicate from {hello.host} (pid {hello.pid})"
+                )
+        return None
+
+    def wait_for_followers(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        want = set(range(1, self.world_size))
+        with self._lock:
+            while not want <= set(self.links):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(want - set(self.links))
+                    msg = (
+                        f"unit {self.unit.unit_id}: ranks {missing} did not join within {timeout_s:g} s "
+                        f"(control port {self.unit.control_host}:{self.unit.control_port}; "
+                        f"joined: {sorted(self.links)})"
+                    )
+                    if self.rejections:
+                        msg += "; rejected joins: " + "; ".join(self.rejections[-5:])
+                    raise UnitJoinError(msg)
+                self._lock.wait(min(left, 0.5))
+
+    def start_unit(self, start: Start) -> None:
+        with self._lock:
+            self._started = True
+            links = list(self.links.values())
+        now = time.monotonic()
+        for link in links:
+            link.last_seen = now
+            link.channel.send(start)
+        threading.Thread(target=self._heartbeat_loop, name="control-heartbeat", daemon=True).start()
+        threading.Thread(target=self._monitor_loop, name="control-monitor", daemon=True).start()
+
+    # -- running unit -------------------------------------------------------
+    def _read_loop(self, link: FollowerLink) -> None:
+        while True:
+            try:
+                msg = link.channel.recv(timeout=1.0)
+            except TimeoutError:
+                continue
+            except (ChannelClosed, OSError, ValueError) as e:
+                self._lost(link, f"closed its control connection ({e}); process exited or was killed")
+                return
+            link.last_seen = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                link.state, link.steps = msg.state, msg.steps
+            elif isinstance(msg, Reply):
+                link.replies.put(msg)
+            elif isinstance(msg, Failure):
+                self._fail(link.rank, f"{link.describe()} failed: {msg.reason}")
+                return
+
+    def _lost(self, link: FollowerLink, reason: str) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            if not self._started:
+                # Before start a follower may come and go; it can rejoin.
+                if self.links.get(link.rank) is link:
+                    del self.links[link.rank]
+                logger.warning("%s left before the unit started: %s", link.describe(), reason)
+                return
+        self._fail(link.rank, f"{link.describe()} {reason}")
+
+    def _fail(self, rank: int, reason: str) -> None:
+        with self._lock:
+            if self._failed or self._closing:
+                return
+            self._failed = True
+        self.on_failure(rank, reason)
+
+    def _heartbeat_loop(self) -> None:
+        beat = Heartbeat(state="ready", steps=0)
+        while not self._closing:
+            for link in list(self.links.values()):
+                try:
+                    # A stopped peer stops reading; a short send timeout keeps one
+                    # stuck follower from delaying heartbeats to the others.
+                    link.channel.send(beat, timeout=self.unit.heartbeat_interval_s)
+                except ChannelClosed:
+                    pass  # the reader or the monitor reports it
+            time.sleep(self.unit.heartbeat_interval_s)
+
+    def _monitor_loop(self) -> None:
+        tick = self.unit.heartbeat_interval_s / 2
+        while not self._closing and not self._failed:
+            now = time.monotonic()
+            for link in list(self.links.values()):
+                age = now - link.last_seen
+                if age > self.unit.heartbeat_timeout_s:
+                    self._fail(
+                        link.rank,
+                        f"{link.describe()} sent no heartbeat for {age:.1f} s "
+                        "(hung, stopped, or cut off from the leader)",
+                    )
+                    return
+            time.sleep(tick)
+
+    def gather(self, seq: int, timeout_s: float, failed: Callable[[], str | None]) -> list[Reply]:
+        """Replies to broadcast ``seq`` from ranks 1..N-1, in rank order."""
+        deadline = time.monotonic() + timeout_s
+        out = []
+        for rank in range(1, self.world_size):
+            link = self.links[rank]
+            while True:
+                reason = failed()
+                if reason:
+                    raise RuntimeError(reason)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{link.describe()} did not answer call {seq} within {timeout_s:g} s")
+                try:
+                    reply = link.replies.get(timeout=min(left, 0.1))
+                except queue.Empty:
+                    continue
+                if reply.seq == seq:
+                    out.append(reply)
+                    break
+                # Replies to earlier calls that timed out are stale; drop them.
+        return out
+
+    def broadcast_failure(self, reason: str) -> None:
+        for link in list(self.links.values()):
+            try:
+                link.channel.send(Failure(reason), timeout=0.5)
+            except ChannelClosed:
+                pass
+
+    def close(self, clean: bool) -> None:
+        with self._lock:
+            self._closing = True
+        for link in list(self.links.values()):
+            if clean:
+                try:
+                    link.channel.send(Shutdown(), timeout=1.0)
+                except ChannelClosed:
+                    pass
+            link.channel.close()
+        if self._listener is not None:
+            self._listener.close()

@@ -1,0 +1,50 @@
+"""vLLM engine arguments for an inference unit (leader side).
+
+One place builds the ``EngineArgs``/``AsyncEngineArgs`` keyword arguments so
+that ``generate``, the Triton model and the benchmarks construct the same engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
+
+UNIT_EXECUTOR = "neuron_serving.unit.executor.UnitExecutor"
+
+
+def engine_kwargs(
+    model: str,
+    tp: int,
+    unit: UnitConfig,
+    *,
+    max_model_len: int | None = None,
+    kv_cache_bytes: int | None = 1 << 30,
+    enable_prefix_caching: bool = True,
+    seed: int = 0,
+    max_num_seqs: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Keyword arguments for vllm ``EngineArgs``/``AsyncEngineArgs``.
+
+    Every unit, even TP=1, runs through the unit executor so that one code path
+    is tested everywhere (the gpt-fast habit: a no-op path for world size 1).
+    """
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        tensor_parallel_size=tp,
+        distributed_executor_backend=UNIT_EXECUTOR,
+        additional_config={ADDITIONAL_CONFIG_KEY: unit.to_dict()},
+        enable_prefix_caching=enable_prefix_caching,
+        seed=seed,
+    )
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    kwargs.update(extra)
+    return kwargs

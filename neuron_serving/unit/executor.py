@@ -1,0 +1,312 @@
+"""The unit executor: vLLM's executor for a model replica that spans several machines.
+
+vLLM builds it (``distributed_executor_backend=UnitExecutor``) inside the
+EngineCore, on the leader. Rank 0's worker lives in this process (as in
+``UniProcExecutor``); ranks 1..N-1 are ``neuron-serving follower`` processes
+that joined over the control port (``control_server.py``). Every
+``collective_rpc`` is broadcast to the followers over a Gloo group
+(``broadcast.py``) and run by every rank's local worker; rank 0 answers
+``execute_model``/``sample_tokens`` alone, and calls where vLLM needs every
+rank's answer (memory profiling, KV cache specs, warm-up) gather the followers'
+replies over the control connections.
+
+Ordering invariant (lockstep): rank 0 broadcasts a call *before* running it
+locally, and every rank runs calls in broadcast order. The model's
+tensor-parallel collectives inside a step then pair up across ranks. Breaking
+this order deadlocks the unit.
+
+Failure: a unit fails as a whole. When a follower's connection closes, its
+heartbeats stop, or it reports an error, ``_on_rank_failure`` records a reason
+naming the rank, tells the other followers, flips health to FAILED, notifies
+vLLM's failure callback, and after ``abort_grace_s`` exits the process: rank 0
+may be blocked inside a collective with the dead rank (the CPU shared-memory
+all-reduce spins with no timeout), which nothing but exiting can interrupt.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from vllm.platforms import current_platform
+from vllm.v1.executor.abstract import Executor, FailureCallback
+from vllm.v1.outputs import AsyncModelRunnerOutput
+from vllm.v1.serial_utils import run_method
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+from neuron_serving.devices.base import RankPlacement, get_backend
+from neuron_serving.unit import auth
+from neuron_serving.unit.broadcast import (
+    KIND_CALL,
+    KIND_KEEPALIVE,
+    KIND_SHUTDOWN,
+    ControlBroadcast,
+    make_group,
+)
+from neuron_serving.unit.calls import encode_call, method_name
+from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
+from neuron_serving.unit.control_server import ControlServer
+from neuron_serving.unit.health import HealthServer
+from neuron_serving.unit.messages import Start
+from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.versions import runtime_versions
+
+logger = logging.getLogger("neuron_serving.unit.executor")
+
+EXIT_UNIT_FAILED = 3
+# Idle followers wait in a Gloo broadcast; a keepalive well inside the group
+# timeout stops an idle unit from timing itself out.
+KEEPALIVE_INTERVAL_S = 30.0
+GROUP_TIMEOUT_S = 300.0
+
+
+class UnitFailedError(RuntimeError):
+    """The inference unit lost a rank; the message names it."""
+
+
+class UnitExecutor(Executor):
+    uses_ray = False
+    supports_pp = False
+
+    def _init_executor(self) -> None:
+        extra = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        self.unit = UnitConfig.from_dict(dict(extra)) if extra else UnitConfig.from_env()
+        self.world_size = self.parallel_config.world_size
+        self.backend = get_backend(self.unit.device)
+        self.backend.check_available()
+        self.placement = RankPlacement(0, self.world_size, self.unit.control_host, self.unit.control_port)
+        self.status = NodeStatus(self.unit.unit_id, 0, self.world_size)
+        self.failure: str | None = None
+        self._failure_callback: FailureCallback | None = None
+        self._failure_lock = threading.Lock()
+        self._shutdown_started = False
+        self._stop = threading.Event()
+        self.server: ControlServer | None = None
+        self.broadcast: ControlBroadcast | None = None
+        self.driver_worker: WorkerWrapperBase | None = None
+        self.health: HealthServer | None = None
+        if self.unit.health_port:
+            self.health = HealthServer(self.status, self.unit.health_host, self.unit.health_port)
+            self.health.start()
+        try:
+            self._join_followers()
+            self._init_workers()
+        except BaseException:
+            self._teardown(clean=False)
+            raise
+
+    # -- startup ------------------------------------------------------------
+    def _join_followers(self) -> None:
+        if self.world_size == 1:
+            return
+        token = auth.resolve_token(self.unit.token_file)
+        self.server = ControlServer(
+            self.unit, self.world_size, token, runtime_versions(), self._on_rank_failure
+        )
+        self.server.listen()
+        logger.info(
+            "unit %s: waiting up to %g s for ranks 1..%d on %s:%d",
+            self.unit.unit_id,
+            self.unit.join_timeout_s,
+            self.world_size - 1,
+            self.unit.control_host,
+            self.unit.control_port,
+        )
+        self.server.wait_for_followers(self.unit.join_timeout_s)
+        self.server.start_unit(
+            Start(
+                store_host=self.unit.control_host,
+                store_port=self.unit.store_port,
+                dist_init_method=self._dist_init_method(),
+            )
+        )
+        group = make_group(
+            rank=0,
+            world_size=self.world_size,
+            store_host=self.unit.control_host,
+            store_port=self.unit.store_port,
+            local_host=self.unit.control_host,
+            timeout_s=GROUP_TIMEOUT_S,
+            is_master=True,
+        )
+        key = auth.broadcast_key(token, self.server.session_nonce)
+        self.broadcast = ControlBroadcast(group, 0, key, self.unit.broadcast_inline_bytes)
+        threading.Thread(target=self._keepalive_loop, name="unit-keepalive", daemon=True).start()
+
+    def _dist_init_method(self) -> str:
+        return f"tcp://{self.unit.control_host}:{self.unit.dist_port}"
+
+    def _init_workers(self) -> None:
+        self.status.set_state(NodeState.LOADING)
+        self.backend.prepare_worker(self.placement)
+        self.driver_worker = WorkerWrapperBase(rpc_rank=0)
+        all_kwargs = [
+            dict(
+                vllm_config=self.vllm_config,
+                # One shard per node: every rank is local rank 0 of its host.
+                local_rank=0,
+                rank=rank,
+                distributed_init_method=self._dist_init_method(),
+                is_driver_worker=rank == 0,
+            )
+            for rank in range(self.world_size)
+        ]
+        self._call("init_worker", (all_kwargs,), {}, gather=True)
+        self._call("init_device", (), {}, gather=True)
+        self._call("load_model", (), {}, gather=True)
+        current_platform.update_block_size_for_backend(self.vllm_config)
+
+    # -- calls --------------------------------------------------------------
+    def _call(self, method: Any, args: tuple, kwargs: dict, gather: bool, timeout: float | None = None) -> list[Any]:
+        if self.failure:
+            raise UnitFailedError(self.failure)
+        seq = 0
+        if self.broadcast is not None:
+            seq = self.broadcast.send(KIND_CALL, encode_call(method, args, kwargs, gather))
+        try:
+            result = run_method(self.driver_worker, method, args, kwargs)
+            if isinstance(result, AsyncModelRunnerOutput):
+                result = result.get_output()
+        except Exception as e:
+            # Followers ran (or are running) the same call; rank 0 cannot rejoin
+            # them in lockstep, so the unit fails as a whole.
+            if self.server is not None:
+                self._on_rank_failure(0, f"rank 0 failed in {method_name(method)}: {e!r}")
+            raise
+        if not gather or self.server is None:
+            return [result]
+        replies = self.server.gather(
+            seq, timeout or self.unit.rpc_timeout_s, lambda: self.failure
+        )
+        results = [result]
+        for rank, reply in enumerate(replies, start=1):
+            if not reply.ok:
+                raise UnitFailedError(f"rank {rank} failed in {method_name(method)}: {reply.error}")
+            results.append(pickle.loads(reply.payload))  # authenticated peer (control_server)
+        return results
+
+    def collective_rpc(  # type: ignore[override]
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        **_ignored: Any,
+    ) -> Any:
+        results = self._call(method, args, kwargs or {}, gather=unique_reply_rank is None, timeout=timeout)
+        value = results[0] if unique_reply_rank is not None else results
+        return _done(value) if non_block else value
+
+    def _leader_only(self, method: str, args: tuple, non_block: bool) -> Any:
+        out = self._call(method, args, {}, gather=False)[0]
+        return _done(out) if non_block else out
+
+    def execute_model(self, scheduler_output, non_block: bool = False):  # type: ignore[override]
+        out = self._leader_only("execute_model", (scheduler_output,), non_block)
+        self.status.step_done()
+        return out
+
+    def sample_tokens(self, grammar_output, non_block: bool = False):  # type: ignore[override]
+        return self._leader_only("sample_tokens", (grammar_output,), non_block)
+
+    def execute_dummy_batch(self) -> None:
+        self._leader_only("execute_dummy_batch", (), False)
+
+    def take_draft_token_ids(self):
+        return self._leader_only("take_draft_token_ids", (), False)
+
+    def compile_or_warm_up_model(self) -> None:
+        super().compile_or_warm_up_model()
+        self.status.set_state(NodeState.READY)
+        logger.info("unit %s: all %d ranks ready", self.unit.unit_id, self.world_size)
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        with self._failure_lock:
+            if self.failure:
+                callback()
+            else:
+                self._failure_callback = callback
+
+    def check_health(self) -> None:
+        if self.failure:
+            raise UnitFailedError(self.failure)
+
+    # -- failure ------------------------------------------------------------
+    def _on_rank_failure(self, rank: int, reason: str) -> None:
+        with self._failure_lock:
+            if self.failure or self._shutdown_started:
+                return
+            self.failure = f"inference unit {self.unit.unit_id} failed: {reason}"
+            callback = self._failure_callback
+        logger.error("%s", self.failure)
+        self.status.set_state(NodeState.FAILED, self.failure)
+        if self.server is not None:
+            self.server.broadcast_failure(self.failure)
+        if callback is not None:
+            callback()
+        threading.Thread(target=self._abort_after_grace, name="unit-abort", daemon=True).start()
+
+    def _abort_after_grace(self) -> None:
+        time.sleep(self.unit.abort_grace_s)
+        # Still alive: the engine thread is likely blocked in a collective with
+        # the failed rank. Exit so the supervisor recreates the whole unit.
+        sys.stderr.write(f"neuron-serving: {self.failure}; exiting with code {EXIT_UNIT_FAILED}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_UNIT_FAILED)
+
+    def _keepalive_loop(self) -> None:
+        while not self._stop.wait(KEEPALIVE_INTERVAL_S / 3):
+            bc = self.broadcast
+            if bc is None or self.failure:
+                return
+            if time.monotonic() - bc.last_send_monotonic > KEEPALIVE_INTERVAL_S:
+                try:
+                    bc.send(KIND_KEEPALIVE)
+                except Exception as e:  # the heartbeat monitor reports the rank
+                    logger.warning("control keepalive failed: %s", e)
+                    return
+
+    # -- shutdown -----------------------------------------------------------
+    def shutdown(self) -> None:
+        self._teardown(clean=True)
+
+    def _teardown(self, clean: bool) -> None:
+        with self._failure_lock:
+            if self._shutdown_started:
+                return
+            self._shutdown_started = True
+        clean = clean and not self.failure
+        self.status.set_state(NodeState.STOPPING)
+        self._stop.set()
+        if self.broadcast is not None and clean:
+            try:
+                self.broadcast.send(KIND_SHUTDOWN)
+            except Exception as e:
+                logger.warning("shutdown broadcast failed: %s", e)
+        if self.server is not None:
+            self.server.close(clean=clean)
+        if self.driver_worker is not None:
+            try:
+                self.driver_worker.shutdown()
+            except Exception as e:
+                logger.warning("rank 0 worker shutdown failed: %s", e)
+        if self.health is not None:
+            self.health.stop()
+
+    @property
+    def control_stats(self):
+        return None if self.broadcast is None else self.broadcast.stats
+
+
+def _done(value: Any) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut

@@ -1,0 +1,252 @@
+"""A follower rank: joins a leader by address and runs every broadcast call on its shard.
+
+Threads:
+- main: join, then ``recv broadcast -> run on local worker -> (reply)``, the
+  nano-vllm loop; "shutdown" is just another message.
+- control reader: leader heartbeats, ``Start``, ``Failure``, ``Shutdown``.
+- heartbeat sender: tells the leader this process is alive even while the main
+  thread is blocked in a collective.
+- leader monitor: if the leader's connection closes or its heartbeats stop, the
+  unit is broken and this process exits non-zero at once (``os._exit``: the
+  main thread may be stuck in Gloo or the shared-memory all-reduce, which
+  cannot be interrupted).
+
+Exit codes: 0 clean shutdown by the leader; 1 this rank failed or was rejected;
+2 the leader died, hung, or reported the unit failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from neuron_serving.unit import auth
+from neuron_serving.unit.channel import MAX_FRAME_BYTES, Channel, ChannelClosed
+from neuron_serving.unit.messages import (
+    PROTOCOL_VERSION,
+    Challenge,
+    Failure,
+    Heartbeat,
+    Hello,
+    Reject,
+    Reply,
+    Shutdown,
+    Start,
+    Welcome,
+)
+from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.versions import runtime_versions
+
+logger = logging.getLogger("neuron_serving.follower")
+
+EXIT_OK, EXIT_FAILED, EXIT_LEADER_LOST = 0, 1, 2
+
+
+class FollowerRejected(RuntimeError):
+    """The leader refused this follower; the message names the field."""
+
+
+@dataclass(slots=True)
+class FollowerConfig:
+    leader_host: str
+    leader_port: int
+    rank: int
+    token_file: str | None = None
+    join_timeout_s: float = 600.0
+    health_port: int = 0
+    health_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"a follower's rank must be >= 1 (rank 0 is the leader), got {self.rank}")
+        if not 0 < self.leader_port < 65536:
+            raise ValueError(f"leader port out of range: {self.leader_port}")
+        if self.join_timeout_s <= 0:
+            raise ValueError("join_timeout_s must be > 0")
+
+
+def _exit(code: int, message: str) -> None:
+    sys.stderr.write(f"neuron-serving follower: {message}\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Follower:
+    def __init__(self, cfg: FollowerConfig, status: NodeStatus | None = None) -> None:
+        self.cfg = cfg
+        self.token = auth.resolve_token(cfg.token_file)
+        self.status = status or NodeStatus("?", cfg.rank, 0)
+        self.channel: Channel | None = None
+        self.welcome: Welcome | None = None
+        self._starts: queue.Queue[Start] = queue.Queue()
+        self._last_seen = time.monotonic()
+        self._shutdown = threading.Event()
+
+    # -- join ---------------------------------------------------------------
+    def join(self) -> Welcome:
+        """Connect (retrying while the leader is not up yet) and authenticate."""
+        deadline = time.monotonic() + self.cfg.join_timeout_s
+        backoff = 0.1
+        addr = f"{self.cfg.leader_host}:{self.cfg.leader_port}"
+        last_error = "no attempt"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"rank {self.cfg.rank} could not join leader {addr} within "
+                    f"{self.cfg.join_timeout_s:g} s (last error: {last_error})"
+                )
+            try:
+                sock = socket.create_connection(
+                    (self.cfg.leader_host, self.cfg.leader_port), timeout=min(left, 5.0)
+                )
+            except OSError as e:
+                last_error = str(e)
+                time.sleep(min(backoff, max(left, 0)))
+                backoff = min(backoff * 2, 1.0)
+                continue
+            ch = Channel(sock, addr)
+            try:
+                welcome = self._handshake(ch)
+            except (ChannelClosed, TimeoutError) as e:
+                # The leader restarted or dropped us mid-handshake: try again.
+                ch.close()
+                last_error = str(e)
+                time.sleep(backoff)
+                continue
+            self.channel, self.welcome = ch, welcome
+            self.status.unit_id, self.status.world_size = welcome.unit_id, welcome.world_size
+            return welcome
+
+    def _handshake(self, ch: Channel) -> Welcome:
+        challenge = ch.recv(timeout=10.0)
+        if not isinstance(challenge, Challenge):
+            raise ChannelClosed(f"expected a challenge, got {type(challenge).__name__}")
+        if challenge.protocol != PROTOCOL_VERSION:
+            raise FollowerRejected(
+                f"protocol: leader speaks control protocol {challenge.protocol}, "
+                f"this follower {PROTOCOL_VERSION}"
+            )
+        nonce = auth.new_nonce()
+        rank = str(self.cfg.rank).encode()
+        ch.send(
+            Hello(
+                protocol=PROTOCOL_VERSION,
+                rank=self.cfg.rank,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                versions=runtime_versions(),
+                nonce=nonce,
+                mac=auth.mac(self.token, b"hello", challenge.nonce, nonce, rank),
+            )
+        )
+        ch.max_frame = MAX_FRAME_BYTES
+        answer = ch.recv(timeout=10.0)
+        if isinstance(answer, Reject):
+            raise FollowerRejected(f"leader rejected rank {self.cfg.rank}: {answer.field}: {answer.reason}")
+        if not isinstance(answer, Welcome):
+            raise ChannelClosed(f"expected welcome, got {type(answer).__name__}")
+        if not auth.verify(self.token, answer.mac, b"welcome", nonce, answer.session_nonce, rank):
+            raise auth.AuthError(
+                "token: the leader could not prove it holds the unit token; refusing to trust it"
+            )
+        return answer
+
+    # -- background threads ---------------------------------------------------
+    def start_background(self) -> None:
+        for target, name in (
+            (self._read_loop, "control-reader"),
+            (self._heartbeat_loop, "heartbeat"),
+            (self._monitor_loop, "leader-monitor"),
+        ):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def _read_loop(self) -> None:
+        assert self.channel is not None
+        while True:
+            try:
+                msg = self.channel.recv(timeout=1.0)
+            except TimeoutError:
+                continue
+            except (ChannelClosed, OSError, ValueError) as e:
+                if self._shutdown.is_set():
+                    return
+                _exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting")
+            self._last_seen = time.monotonic()
+            if isinstance(msg, Start):
+                self._starts.put(msg)
+            elif isinstance(msg, Failure):
+                _exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting")
+            elif isinstance(msg, Shutdown):
+                self._shutdown.set()
+
+    def _heartbeat_loop(self) -> None:
+        assert self.channel is not None and self.welcome is not None
+        while not self._shutdown.is_set():
+            try:
+                self.channel.send(
+                    Heartbeat(state=str(self.status.state), steps=self.status.steps),
+                    timeout=self.welcome.heartbeat_interval_s,
+                )
+            except ChannelClosed:
+                pass  # the reader reports a lost leader
+            time.sleep(self.welcome.heartbeat_interval_s)
+
+    def _monitor_loop(self) -> None:
+        assert self.welcome is not None
+        timeout = self.welcome.heartbeat_timeout_s
+        while True:
+            time.sleep(self.welcome.heartbeat_interval_s / 2)
+            if self._shutdown.is_set():
+                # The leader asked us to stop; give the main loop a moment to do it
+                # cleanly, then make sure we do not linger.
+                time.sleep(5.0)
+                _exit(EXIT_OK, f"rank {self.cfg.rank}: shut down by the leader")
+            age = time.monotonic() - self._last_seen
+            # Only leader-side heartbeats count; before Start the leader may be
+            # waiting for other ranks, but it heartbeats from Start on.
+            if self._started and age > timeout:
+                _exit(
+                    EXIT_LEADER_LOST,
+                    f"rank {self.cfg.rank}: no heartbeat from the leader for {age:.1f} s "
+                    "(leader hung or unreachable); exiting",
+                )
+
+    _started = False
+
+    def wait_start(self) -> Start:
+        try:
+            start = self._starts.get(timeout=self.cfg.join_timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"rank {self.cfg.rank}: joined, but the unit did not start within "
+                f"{self.cfg.join_timeout_s:g} s (other ranks missing?)"
+            ) from None
+        self._last_seen = time.monotonic()
+        self._started = True
+        return start
+
+    # -- failure reporting ----------------------------------------------------
+    def report_failure(self, reason: str) -> None:
+        if self.channel is None:
+            return
+        try:
+            self.channel.send(Failure(reason), timeout=2.0)
+        except ChannelClosed:
+            pass
+
+    def reply(self, seq: int, ok: bool, result=None, error: str = "") -> None:
+        assert self.channel is not None
+        payload = pickle.dumps(result, protocol=5) if ok else b""
+        self.channel.send(Reply(seq=seq, ok=ok, payload=payload, error=error), timeout=60.0)
+
+    def format_exc(self) -> str:
+        return traceback.format_exc(limit=6)

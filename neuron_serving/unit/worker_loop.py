@@ -1,0 +1,90 @@
+"""The follower's step loop: receive a broadcast call, run it on the local vLLM worker.
+
+Imported only after the follower has joined its leader: importing torch and
+vLLM takes seconds, and a follower should report rejections (wrong token,
+version mismatch) before paying for them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.v1.outputs import AsyncModelRunnerOutput
+from vllm.v1.serial_utils import run_method
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+from neuron_serving.devices.base import DeviceBackend, RankPlacement
+from neuron_serving.unit import auth
+from neuron_serving.unit.broadcast import (
+    KIND_CALL,
+    KIND_KEEPALIVE,
+    KIND_SHUTDOWN,
+    ControlBroadcast,
+    make_group,
+)
+from neuron_serving.unit.calls import decode_call, method_name
+from neuron_serving.unit.executor import GROUP_TIMEOUT_S
+from neuron_serving.unit.follower import EXIT_FAILED, EXIT_OK, Follower
+from neuron_serving.unit.state import NodeState
+
+logger = logging.getLogger("neuron_serving.follower")
+
+
+def serve(follower: Follower, backend: DeviceBackend) -> int:
+    cfg, welcome = follower.cfg, follower.welcome
+    assert follower.channel is not None and welcome is not None
+    start = follower.wait_start()
+    # The address this host reaches the leader from is the one peers can reach us on.
+    local_host = follower.channel.sock.getsockname()[0]
+    group = make_group(
+        rank=cfg.rank,
+        world_size=welcome.world_size,
+        store_host=start.store_host,
+        store_port=start.store_port,
+        local_host=local_host,
+        timeout_s=GROUP_TIMEOUT_S,
+        is_master=False,
+    )
+    key = auth.broadcast_key(follower.token, welcome.session_nonce)
+    bc = ControlBroadcast(group, cfg.rank, key, welcome.broadcast_inline_bytes)
+    placement = RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port)
+    backend.prepare_worker(placement)
+    worker = WorkerWrapperBase(rpc_rank=cfg.rank)
+    status = follower.status
+    logger.info("rank %d joined unit %s (%d ranks)", cfg.rank, welcome.unit_id, welcome.world_size)
+
+    while True:
+        kind, seq, payload = bc.recv()
+        if kind == KIND_KEEPALIVE:
+            continue
+        if kind == KIND_SHUTDOWN:
+            status.set_state(NodeState.STOPPING)
+            try:
+                worker.shutdown()
+            except Exception as e:  # exiting anyway; say why it was not clean
+                logger.warning("worker shutdown failed: %s", e)
+            return EXIT_OK
+        if kind != KIND_CALL:
+            raise RuntimeError(f"unknown control broadcast kind {kind}")
+        method, args, kwargs, gather = decode_call(payload)
+        name = method_name(method)
+        if name == "init_device":
+            status.set_state(NodeState.LOADING)
+        try:
+            result = run_method(worker, method, args, kwargs)
+            if isinstance(result, AsyncModelRunnerOutput):
+                result = result.get_output()
+        except Exception as e:
+            reason = f"rank {cfg.rank} failed in {name}: {e!r}"
+            logger.error("%s\n%s", reason, follower.format_exc())
+            status.set_state(NodeState.FAILED, reason)
+            if gather:
+                follower.reply(seq, ok=False, error=reason)
+            follower.report_failure(reason)
+            return EXIT_FAILED
+        if gather:
+            follower.reply(seq, ok=True, result=result)
+        if name == "execute_model":
+            status.step_done()
+        elif name == "compile_or_warm_up_model":
+            status.set_state(NodeState.READY)

@@ -1,0 +1,101 @@
+"""Admin API on its own port: list, add, remove, drain and undrain units.
+
+Every request needs ``Authorization: Bearer <token>``; anything else gets 401
+before the handler runs, so a rejected request changes nothing. With no token
+configured the API refuses everything (fail closed). The token is compared in
+constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from proxy.config import UnitSpec
+from proxy.errors import APIError, invalid
+from proxy.openai_api import BODY_LIMIT, read_json
+
+if TYPE_CHECKING:
+    from proxy.server import ProxyServer
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _unauthorized(message: str) -> web.Response:
+    err = APIError(
+        401, message, "authentication_error", None, "invalid_token", {"WWW-Authenticate": "Bearer"}
+    )
+    return err.response()
+
+
+def make_admin_app(proxy: ProxyServer, token: str | None) -> web.Application:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is None:
+            return _unauthorized("admin API disabled: no admin token configured")
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        ):
+            return _unauthorized("missing or invalid bearer token")
+        try:
+            return await handler(request)
+        except APIError as e:
+            return e.response()
+
+    registry = proxy.registry
+
+    def unit_or_404(request: web.Request):
+        unit_id = request.match_info["unit_id"]
+        unit = registry.get(unit_id)
+        if unit is None:
+            raise APIError(
+                404, f"unit {unit_id!r} not found", param="unit_id", code="unit_not_found"
+            )
+        return unit
+
+    async def list_units(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"units": [proxy.unit_summary(u) for u in registry.units.values()]}
+        )
+
+    async def add_unit(request: web.Request) -> web.Response:
+        body = await read_json(request)
+        try:
+            spec = UnitSpec.from_dict(body)
+        except (TypeError, ValueError) as e:
+            raise invalid(f"invalid unit: {e}") from None
+        if registry.get(spec.unit_id) is not None:
+            raise APIError(409, f"unit {spec.unit_id!r} already exists", code="unit_exists")
+        unit = registry.add(spec)
+        return web.json_response(proxy.unit_summary(unit), status=201)
+
+    async def remove_unit(request: web.Request) -> web.Response:
+        unit = unit_or_404(request)
+        registry.remove(unit.unit_id)
+        proxy.dispatcher.policy.on_unit_removed(unit.unit_id)
+        return web.json_response({"removed": unit.unit_id, "in_flight": unit.in_flight})
+
+    async def drain(request: web.Request) -> web.Response:
+        unit = registry.set_draining(unit_or_404(request).unit_id, True)
+        return web.json_response(proxy.unit_summary(unit))
+
+    async def undrain(request: web.Request) -> web.Response:
+        unit = registry.set_draining(unit_or_404(request).unit_id, False)
+        return web.json_response(proxy.unit_summary(unit))
+
+    app = web.Application(middlewares=[auth], client_max_size=proxy.config.max_body_bytes)
+    app[BODY_LIMIT] = proxy.config.max_body_bytes
+    app.add_routes(
+        [
+            web.get("/admin/units", list_units),
+            web.post("/admin/units", add_unit),
+            web.delete("/admin/units/{unit_id}", remove_unit),
+            web.post("/admin/units/{unit_id}/drain", drain),
+            web.post("/admin/units/{unit_id}/undrain", undrain),
+        ]
+    )
+    return app

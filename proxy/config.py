@@ -1,0 +1,284 @@
+"""Typed configuration of the health-probing proxy.
+
+Every section is a frozen dataclass checked in ``__post_init__`` so that a bad
+file fails at start-up with a message naming the field, never mid-traffic.
+``load_config`` reads YAML or JSON (JSON is a subset of YAML) and rejects
+unknown keys: a typo such as ``unhealthy_treshold`` must not silently fall back
+to a default. Defaults and the reasons for them are in ``proxy/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from neuron_serving import envs
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_addr(addr: str, what: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    _check(
+        bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536,
+        f"{what}: expected HOST:PORT, got {addr!r}",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheckConfig:
+    """Active probing (Envoy ``health_checks`` semantics)."""
+
+    interval_s: float = 1.0
+    timeout_s: float = 0.5
+    jitter_s: float = 0.2
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
+
+    def __post_init__(self) -> None:
+        _check(self.interval_s > 0, "health.interval_s must be > 0")
+        _check(0 < self.timeout_s <= self.interval_s, "health.timeout_s must be in (0, interval_s]")
+        _check(self.jitter_s >= 0, "health.jitter_s must be >= 0")
+        _check(self.unhealthy_threshold >= 1, "health.unhealthy_threshold must be >= 1")
+        _check(self.healthy_threshold >= 1, "health.healthy_threshold must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierConfig:
+    """Passive ejection (Envoy ``outlier_detection`` + the load balancer's panic threshold)."""
+
+    consecutive_errors: int = 5
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+    # Below this percentage of routable units the proxy routes to every non-draining
+    # unit instead (Envoy's healthy_panic_threshold); 0 disables panic mode.
+    panic_threshold_pct: float = 50.0
+
+    def __post_init__(self) -> None:
+        _check(self.consecutive_errors >= 1, "outlier.consecutive_errors must be >= 1")
+        _check(self.base_ejection_s > 0, "outlier.base_ejection_s must be > 0")
+        _check(
+            self.max_ejection_s >= self.base_ejection_s,
+            "outlier.max_ejection_s must be >= base_ejection_s",
+        )
+        _check(
+            0 <= self.panic_threshold_pct <= 100, "outlier.panic_threshold_pct must be in [0, 100]"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retries before the first token, and request migration after it."""
+
+    max_attempts: int = 3  # attempts before the first token, the first one included
+    backoff_base_s: float = 0.025
+    backoff_max_s: float = 0.5
+    max_migrations: int = 2  # mid-stream resumptions on another unit
+    # Envoy retry budget: retries in flight may not exceed this share of active
+    # requests (but at least min_retry_concurrency), so retries cannot amplify an outage.
+    budget_pct: float = 20.0
+    min_retry_concurrency: int = 3
+
+    def __post_init__(self) -> None:
+        _check(self.max_attempts >= 1, "retry.max_attempts must be >= 1")
+        _check(self.backoff_base_s >= 0, "retry.backoff_base_s must be >= 0")
+        _check(self.backoff_max_s >= self.backoff_base_s, "retry.backoff_max_s must be >= base")
+        _check(self.max_migrations >= 0, "retry.max_migrations must be >= 0")
+        _check(0 <= self.budget_pct <= 100, "retry.budget_pct must be in [0, 100]")
+        _check(self.min_retry_concurrency >= 0, "retry.min_retry_concurrency must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    """Deadlines; every upstream wait is bounded by one of these."""
+
+    request_s: float = 600.0  # whole request, all attempts and migrations included
+    first_token_s: float = 60.0  # one attempt: send -> first response (covers queueing in vLLM)
+    inter_token_s: float = 30.0  # one attempt: silence between responses = a stalled unit
+
+    def __post_init__(self) -> None:
+        for name in ("request_s", "first_token_s", "inter_token_s"):
+            v = getattr(self, name)
+            _check(v > 0 and math.isfinite(v), f"timeouts.{name} must be a positive number")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    max_concurrent: int = 256  # requests streaming upstream at once
+    queue_size: int = 512  # requests waiting for a slot; beyond it: 429
+    queue_timeout_s: float = 30.0  # a queued request older than this gets 429
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.max_concurrent >= 1, "admission.max_concurrent must be >= 1")
+        _check(self.queue_size >= 0, "admission.queue_size must be >= 0")
+        _check(self.queue_timeout_s > 0, "admission.queue_timeout_s must be > 0")
+        _check(self.retry_after_s >= 1, "admission.retry_after_s must be >= 1")
+
+
+POLICIES = ("prefix_cache_aware", "least_loaded", "round_robin", "session_affinity")
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    policy: str = "prefix_cache_aware"
+    block_chars: int = 64  # prefix-index block size, in prompt characters
+    max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index
+    balance_abs_threshold: int = 32  # SGLang's default
+    balance_rel_threshold: float = 1.5
+    session_header: str = "x-session-id"
+
+    def __post_init__(self) -> None:
+        _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
+        _check(self.block_chars >= 1, "routing.block_chars must be >= 1")
+        _check(self.max_blocks_per_unit >= 1, "routing.max_blocks_per_unit must be >= 1")
+        _check(self.balance_abs_threshold >= 0, "routing.balance_abs_threshold must be >= 0")
+        _check(self.balance_rel_threshold >= 1.0, "routing.balance_rel_threshold must be >= 1")
+        _check(bool(self.session_header), "routing.session_header must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A served model: what the client names, and where its tokenizer files live."""
+
+    name: str
+    model_dir: str | None = None  # holds tokenizer_config.json (chat_template)
+    max_model_len: int | None = None  # bounds max_tokens and (approximately) prompt length
+    default_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    default_chat_max_tokens: int = 1024  # chat has no OpenAI default; bounded by the context
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "models[].name must not be empty")
+        _check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"model {self.name}: max_model_len must be >= 1",
+        )
+        _check(self.default_max_tokens >= 1, f"model {self.name}: default_max_tokens must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class UnitSpec:
+    """One inference unit: a Triton+vLLM leader and its followers."""
+
+    unit_id: str
+    leader_grpc: str
+    leader_http: str = ""
+    followers: tuple[str, ...] = ()  # grpc.health.v1 addresses, service "" is the node
+    model: str = "llm"  # the OpenAI model name clients use
+    triton_model: str = "llm"  # the model name in the leader's Triton repository
+    # Deployment label shown in /status and metrics (for canaries); not a Triton version:
+    # the proxy always asks Triton for the latest loaded version.
+    model_version: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.unit_id, str) and bool(self.unit_id),
+            "unit_id must be a non-empty string",
+        )
+        for name in ("leader_grpc", "leader_http", "model", "triton_model", "model_version"):
+            _check(
+                isinstance(getattr(self, name), str),
+                f"unit {self.unit_id}: {name} must be a string",
+            )
+        _check(
+            isinstance(self.followers, list | tuple)
+            and all(isinstance(f, str) for f in self.followers),
+            f"unit {self.unit_id}: followers must be a list of HOST:PORT strings",
+        )
+        _check_addr(self.leader_grpc, f"unit {self.unit_id}: leader_grpc")
+        if self.leader_http:
+            _check_addr(self.leader_http, f"unit {self.unit_id}: leader_http")
+        object.__setattr__(self, "followers", tuple(self.followers))
+        for f in self.followers:
+            _check_addr(f, f"unit {self.unit_id}: follower")
+        _check(bool(self.model) and bool(self.triton_model), f"unit {self.unit_id}: empty model")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> UnitSpec:
+        return _build(cls, raw, "unit")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8081
+    admin_token_file: str | None = None
+    max_body_bytes: int = 1 << 20
+    health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    models: tuple[ModelSpec, ...] = ()
+    units: tuple[UnitSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("port", "admin_port"):
+            p = getattr(self, name)
+            _check(0 <= p < 65536, f"{name} must be in [0, 65535] (0 = any free port)")
+        _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        ids = [u.unit_id for u in self.units]
+        _check(len(ids) == len(set(ids)), "unit ids must be unique")
+        names = [m.name for m in self.models]
+        _check(len(names) == len(set(names)), "model names must be unique")
+
+    def admin_token(self) -> str | None:
+        """The env variable wins over the file; None means the admin API refuses everything."""
+        token = envs.NEURON_SERVING_PROXY_ADMIN_TOKEN
+        if not token and self.admin_token_file:
+            token = Path(self.admin_token_file).expanduser().read_text().strip()
+        return token or None
+
+    def model_spec(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(raw) - known
+    _check(not unknown, f"{where}: unknown keys {sorted(unknown)}")
+    return cls(**raw)
+
+
+_SECTIONS = {
+    "health": HealthCheckConfig,
+    "outlier": OutlierConfig,
+    "retry": RetryConfig,
+    "timeouts": TimeoutConfig,
+    "admission": AdmissionConfig,
+    "routing": RoutingConfig,
+}
+
+
+def config_from_dict(raw: dict[str, Any]) -> ProxyConfig:
+    if not isinstance(raw, dict):
+        raise ValueError("proxy config: expected a mapping at the top level")
+    raw = dict(raw)
+    for key, cls in _SECTIONS.items():
+        if key in raw:
+            raw[key] = _build(cls, raw[key] or {}, key)
+    raw["models"] = tuple(_build(ModelSpec, m, "models[]") for m in raw.get("models") or ())
+    raw["units"] = tuple(UnitSpec.from_dict(u) for u in raw.get("units") or ())
+    return _build(ProxyConfig, raw, "proxy config")
+
+
+def load_config(path: str | Path, **overrides: Any) -> ProxyConfig:
+    """Read YAML or JSON; ``overrides`` (e.g. port from the command line) win over the file."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return config_from_dict(raw)

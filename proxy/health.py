@@ -1,0 +1,168 @@
+"""Active health checking of every node of every unit (Envoy semantics).
+
+- leader: Triton ``ServerReady`` and ``ModelReady(<triton_model>)`` over gRPC; the
+  leader's readiness already means "the whole unit is up" (every follower joined,
+  model warmed), but followers are probed too so that a dead follower is seen
+  from the proxy side even if the leader has not noticed yet.
+- follower: ``grpc.health.v1.Health/Check`` with service "" (the node).
+
+A node becomes unhealthy after ``unhealthy_threshold`` consecutive failed probes
+and healthy again after ``healthy_threshold`` consecutive successes; a node that
+has never been healthy needs a single success (Envoy's start-up rule). Probes of
+one node never overlap: each node has one task that probes, then sleeps
+``interval + U(0, jitter)`` (jitter de-synchronises probes of many proxies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proxy.config import HealthCheckConfig
+from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
+from proxy.upstream import TritonClientPool, grpc_channel_options
+
+log = logging.getLogger(__name__)
+
+ProbeObserver = Callable[[UnitState, NodeState, bool, float], None]
+
+
+def apply_probe_result(
+    node: NodeState, ok: bool, latency_s: float, error: str, cfg: HealthCheckConfig
+) -> bool | None:
+    """Advance the node's state machine; return the new health if it flipped, else None."""
+    node.probes_total += 1
+    node.last_probe_at = time.time()
+    node.last_probe_latency_s = latency_s
+    if ok:
+        node.last_error = ""
+        node.consecutive_failures = 0
+        node.consecutive_successes += 1
+        needed = 1 if node.initial else cfg.healthy_threshold
+        if not node.healthy and node.consecutive_successes >= needed:
+            node.healthy = True
+            node.initial = False
+            return True
+        return None
+    node.probe_failures_total += 1
+    node.last_error = error
+    node.consecutive_successes = 0
+    node.consecutive_failures += 1
+    if node.healthy and node.consecutive_failures >= cfg.unhealthy_threshold:
+        node.healthy = False
+        return False
+    return None
+
+
+class HealthChecker:
+    """Owns one probe task per node; follows the registry as units come and go."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        cfg: HealthCheckConfig,
+        clients: TritonClientPool,
+        observer: ProbeObserver | None = None,
+    ) -> None:
+        self._registry = registry
+        self._cfg = cfg
+        self._clients = clients
+        self._observer = observer
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._rng = random.Random()
+        self._running = False
+
+    def start(self) -> None:
+        self._running = True
+        for unit in self._registry.units.values():
+            self._start_unit(unit)
+        self._registry.subscribe(self._on_registry_change)
+
+    async def stop(self) -> None:
+        self._running = False
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    def _on_registry_change(self, event: RegistryEvent, unit: UnitState) -> None:
+        if not self._running:
+            return
+        if event == "added":
+            self._start_unit(unit)
+        else:
+            for t in self._tasks.pop(unit.unit_id, []):
+                t.cancel()
+
+    def _start_unit(self, unit: UnitState) -> None:
+        self._tasks[unit.unit_id] = [
+            asyncio.create_task(self._probe_loop(unit, node), name=f"probe:{node.node_id}")
+            for node in unit.nodes
+        ]
+
+    async def _probe_loop(self, unit: UnitState, node: NodeState) -> None:
+        probe = self._leader_probe(unit) if node.role == "leader" else self._follower_probe(node)
+        while True:
+            start = time.monotonic()
+            try:
+                async with asyncio.timeout(self._cfg.timeout_s):
+                    ok, error = await probe()
+            except TimeoutError:
+                ok, error = False, f"probe timed out after {self._cfg.timeout_s}s"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # any failure to probe is a failed probe
+                ok, error = False, f"{type(e).__name__}: {e}"[:300]
+            latency = time.monotonic() - start
+            flipped = apply_probe_result(node, ok, latency, error, self._cfg)
+            if flipped is not None:
+                state = "healthy" if flipped else "unhealthy"
+                self._registry.record(unit.unit_id, f"node {state}", f"{node.node_id} {error}")
+                log.info("%s is %s %s", node.node_id, state, error)
+            if self._observer is not None:
+                self._observer(unit, node, ok, latency)
+            await asyncio.sleep(self._cfg.interval_s + self._rng.uniform(0, self._cfg.jitter_s))
+
+    def _leader_probe(self, unit: UnitState) -> Callable[[], Awaitable[tuple[bool, str]]]:
+        spec = unit.spec
+
+        async def probe() -> tuple[bool, str]:
+            client = self._clients.get(spec.leader_grpc)
+            timeout = self._cfg.timeout_s
+            if not await client.is_server_ready(client_timeout=timeout):
+                return False, "triton server not ready"
+            if not await client.is_model_ready(spec.triton_model, client_timeout=timeout):
+                return False, f"model {spec.triton_model} not ready"
+            return True, ""
+
+        return probe
+
+    def _follower_probe(self, node: NodeState) -> Callable[[], Awaitable[tuple[bool, str]]]:
+        async def probe() -> tuple[bool, str]:
+            channel = self._channels.get(node.addr)
+            if channel is None:
+                channel = grpc.aio.insecure_channel(node.addr, options=grpc_channel_options())
+                self._channels[node.addr] = channel
+            stub = health_pb2_grpc.HealthStub(channel)
+            resp = await stub.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self._cfg.timeout_s
+            )
+            if resp.status != health_pb2.HealthCheckResponse.SERVING:
+                return (
+                    False,
+                    f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)}",
+                )
+            return True, ""
+
+        return probe

@@ -1,0 +1,129 @@
+"""Prometheus metrics of the proxy, in their own ``CollectorRegistry`` (one per
+proxy instance, so several proxies in one test process do not collide).
+
+Names follow vLLM's where the meaning is the same (TTFT, inter-token latency,
+end-to-end latency), prefixed ``proxy_`` since they are measured here, at the
+client's side of the proxy. Per-unit health gauges are refreshed from the
+registry at scrape time rather than on every probe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proxy.registry import Registry
+
+# Seconds; LLM latencies span 10 ms (a token) to minutes (a long generation).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "proxy_requests",
+            "Client requests by endpoint and HTTP status",
+            ["endpoint", "code"],
+            registry=r,
+        )
+        self.upstream_attempts = Counter(
+            "proxy_upstream_attempts",
+            "Upstream attempts by unit and outcome (ok, unit_fault, request_error)",
+            ["unit", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "proxy_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "proxy_inter_token_latency_seconds",
+            "Time between streamed chunks",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "proxy_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.routing_decisions = Counter(
+            "proxy_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "proxy_retries", "Retries before the first token, by outcome", ["outcome"], registry=r
+        )
+        self.migrations = Counter(
+            "proxy_migrations", "Mid-stream request migrations by outcome", ["outcome"], registry=r
+        )
+        self.ejections = Counter(
+            "proxy_outlier_ejections", "Outlier ejections by unit", ["unit"], registry=r
+        )
+        self.probe_latency = Histogram(
+            "proxy_probe_latency_seconds",
+            "Health probe latency by node role",
+            ["role"],
+            buckets=_PROBE_BUCKETS,
+            registry=r,
+        )
+        self.probe_failures = Counter(
+            "proxy_probe_failures",
+            "Failed health probes by unit and node",
+            ["unit", "node"],
+            registry=r,
+        )
+        self.unit_routable = Gauge(
+            "proxy_unit_healthy",
+            "1 if every node of the unit is healthy",
+            ["unit", "model", "version"],
+            registry=r,
+        )
+        self.unit_draining = Gauge(
+            "proxy_unit_draining", "1 if the unit is draining", ["unit"], registry=r
+        )
+        self.unit_ejected = Gauge(
+            "proxy_unit_ejected", "1 if the unit is ejected", ["unit"], registry=r
+        )
+        self.node_healthy = Gauge(
+            "proxy_node_healthy",
+            "1 if the node passes its health checks",
+            ["unit", "node"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "proxy_unit_in_flight", "Requests in flight by unit", ["unit"], registry=r
+        )
+        self.queued = Gauge("proxy_admission_queued", "Requests waiting for admission", registry=r)
+        self.active = Gauge("proxy_admission_active", "Requests admitted and running", registry=r)
+
+    def refresh(self, registry: Registry, now: float, queued: int, active: int) -> None:
+        # Units come and go: rebuild the per-unit series so removed units disappear.
+        for g in (
+            self.unit_routable,
+            self.unit_draining,
+            self.unit_ejected,
+            self.node_healthy,
+            self.in_flight,
+        ):
+            g.clear()
+        for u in registry.units.values():
+            self.unit_routable.labels(u.unit_id, u.spec.model, u.spec.model_version).set(
+                u.nodes_healthy()
+            )
+            self.unit_draining.labels(u.unit_id).set(u.draining)
+            self.unit_ejected.labels(u.unit_id).set(u.is_ejected(now))
+            self.in_flight.labels(u.unit_id).set(u.in_flight)
+            for n in u.nodes:
+                self.node_healthy.labels(u.unit_id, n.node_id).set(n.healthy)
+        self.queued.set(queued)
+        self.active.set(active)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,71 @@
+"""Passive outlier detection and the panic threshold (Envoy semantics).
+
+A unit is ejected after ``consecutive_errors`` upstream failures in a row (a
+success resets the count). Ejection lasts ``base_ejection_s * times_ejected``,
+capped at ``max_ejection_s``: a unit that keeps failing stays out longer each
+time. ``times_ejected`` decays by one for every ``max_ejection_s`` a unit stays
+un-ejected, so a unit that recovered for good starts from the base again.
+
+Panic: if fewer than ``panic_threshold_pct`` percent of a model's non-draining
+units are routable (all nodes healthy and not ejected), the proxy routes to all
+of them instead. The proxy's view can be wrong (a partition between proxy and
+probes, a burst of client-caused errors); sending traffic to possibly-bad units
+beats refusing all of it, and retries still skip units that fail fast.
+Draining is an operator decision and is never overridden by panic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy.config import OutlierConfig
+from proxy.registry import UnitState
+
+
+@dataclass(frozen=True, slots=True)
+class Eligibility:
+    units: list[UnitState]
+    panic: bool
+
+
+class OutlierDetector:
+    def __init__(self, cfg: OutlierConfig) -> None:
+        self.cfg = cfg
+
+    def ejection_duration(self, times_ejected: int) -> float:
+        return min(self.cfg.base_ejection_s * times_ejected, self.cfg.max_ejection_s)
+
+    def record_success(self, unit: UnitState, now: float) -> None:
+        unit.consecutive_errors = 0
+        self._decay(unit, now)
+
+    def record_error(self, unit: UnitState, now: float) -> bool:
+        """Count one upstream failure; return True if this one ejected the unit."""
+        unit.errors_total += 1
+        if unit.is_ejected(now):
+            return False  # an in-flight request that started before the ejection
+        self._decay(unit, now)
+        unit.consecutive_errors += 1
+        if unit.consecutive_errors < self.cfg.consecutive_errors:
+            return False
+        unit.consecutive_errors = 0
+        unit.times_ejected += 1
+        unit.ejections_total += 1
+        unit.ejected_until = now + self.ejection_duration(unit.times_ejected)
+        unit.last_ejection_end = unit.ejected_until
+        return True
+
+    def _decay(self, unit: UnitState, now: float) -> None:
+        if unit.times_ejected and not unit.is_ejected(now):
+            periods = int((now - unit.last_ejection_end) // self.cfg.max_ejection_s)
+            if periods > 0:
+                unit.times_ejected = max(0, unit.times_ejected - periods)
+                unit.last_ejection_end += periods * self.cfg.max_ejection_s
+
+    def eligible(self, units: list[UnitState], now: float) -> Eligibility:
+        pool = [u for u in units if not u.draining]
+        routable = [u for u in pool if u.nodes_healthy() and not u.is_ejected(now)]
+        threshold = self.cfg.panic_threshold_pct
+        if pool and threshold > 0 and len(routable) * 100 < threshold * len(pool):
+            return Eligibility(pool, panic=True)
+        return Eligibility(routable, panic=False)

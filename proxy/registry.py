@@ -1,0 +1,141 @@
+"""Units and nodes as the proxy sees them.
+
+The registry is plain state shared by the health checker (which writes node
+health), the outlier detector (which writes ejections), the dispatcher (which
+writes in-flight counts) and the admin API (which adds, removes and drains
+units). Everything runs on one asyncio loop, so no locks: every mutation is a
+synchronous method call between two awaits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from proxy.config import UnitSpec
+
+NodeRole = Literal["leader", "follower"]
+RegistryEvent = Literal["added", "removed"]
+
+
+@dataclass(slots=True)
+class NodeState:
+    """One process of a unit. Starts unhealthy: nothing is routable before its first probe."""
+
+    node_id: str  # "<unit>/leader" or "<unit>/follower-<rank>"
+    role: NodeRole
+    addr: str
+    healthy: bool = False
+    # Envoy: a host that has never passed a check needs only one success to become
+    # healthy, so a freshly started unit takes traffic after one interval, not M.
+    initial: bool = True
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    last_probe_at: float | None = None  # time.time() of the last probe result
+    last_probe_latency_s: float | None = None
+    last_error: str = ""
+    probes_total: int = 0
+    probe_failures_total: int = 0
+
+
+@dataclass(slots=True)
+class UnitState:
+    spec: UnitSpec
+    nodes: list[NodeState]
+    draining: bool = False
+    in_flight: int = 0
+    # Outlier detection (written only by proxy.outlier).
+    consecutive_errors: int = 0
+    times_ejected: int = 0
+    ejected_until: float = 0.0  # time.monotonic(); 0 = never ejected
+    last_ejection_end: float = 0.0
+    ejections_total: int = 0
+    requests_total: int = 0
+    errors_total: int = 0
+
+    @property
+    def unit_id(self) -> str:
+        return self.spec.unit_id
+
+    @property
+    def leader(self) -> NodeState:
+        return self.nodes[0]
+
+    def nodes_healthy(self) -> bool:
+        return all(n.healthy for n in self.nodes)
+
+    def is_ejected(self, now: float) -> bool:
+        return now < self.ejected_until
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A recent happening worth showing an SRE (health flips, ejections, admin actions)."""
+
+    at: float  # time.time()
+    unit_id: str
+    kind: str
+    detail: str = ""
+
+
+def make_unit_state(spec: UnitSpec) -> UnitState:
+    nodes = [NodeState(f"{spec.unit_id}/leader", "leader", spec.leader_grpc)]
+    nodes += [
+        NodeState(f"{spec.unit_id}/follower-{rank}", "follower", addr)
+        for rank, addr in enumerate(spec.followers, start=1)
+    ]
+    return UnitState(spec=spec, nodes=nodes)
+
+
+Listener = Callable[[RegistryEvent, UnitState], None]
+
+
+@dataclass
+class Registry:
+    units: dict[str, UnitState] = field(default_factory=dict)
+    events: deque[Event] = field(default_factory=lambda: deque(maxlen=200))
+    _listeners: list[Listener] = field(default_factory=list)
+
+    def subscribe(self, listener: Listener) -> None:
+        """``listener`` is called synchronously after every add and remove."""
+        self._listeners.append(listener)
+
+    def record(self, unit_id: str, kind: str, detail: str = "") -> None:
+        self.events.append(Event(time.time(), unit_id, kind, detail))
+
+    def add(self, spec: UnitSpec) -> UnitState:
+        if spec.unit_id in self.units:
+            raise KeyError(f"unit {spec.unit_id!r} already exists")
+        unit = make_unit_state(spec)
+        self.units[spec.unit_id] = unit
+        self.record(spec.unit_id, "added", spec.leader_grpc)
+        for listener in self._listeners:
+            listener("added", unit)
+        return unit
+
+    def remove(self, unit_id: str) -> UnitState:
+        """In-flight requests on a removed unit finish; it only stops getting new ones."""
+        unit = self.units.pop(unit_id)  # KeyError if unknown
+        self.record(unit_id, "removed")
+        for listener in self._listeners:
+            listener("removed", unit)
+        return unit
+
+    def set_draining(self, unit_id: str, draining: bool) -> UnitState:
+        unit = self.units[unit_id]
+        if unit.draining != draining:
+            unit.draining = draining
+            self.record(unit_id, "drain" if draining else "undrain")
+        return unit
+
+    def get(self, unit_id: str) -> UnitState | None:
+        return self.units.get(unit_id)
+
+    def for_model(self, model: str) -> list[UnitState]:
+        return [u for u in self.units.values() if u.spec.model == model]
+
+    def models(self) -> list[str]:
+        return sorted({u.spec.model for u in self.units.values()})

@@ -1,0 +1,42 @@
+"""The interface every routing policy implements."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from proxy.registry import UnitState
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    model: str
+    prompt: str  # the text sent upstream (chat already rendered through its template)
+    session_id: str | None = None  # from the configured session header, if any
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    unit: UnitState
+    reason: str  # a small fixed vocabulary, used as a metrics label
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, req: RouteRequest, candidates: Sequence[UnitState]) -> RoutingDecision:
+        """Pick one of ``candidates`` (never empty). Must not await: routing is one step."""
+        ...
+
+    def on_unit_removed(self, unit_id: str) -> None:
+        """Forget per-unit state (prefix index, ...) of a unit that left the registry."""
+        ...
+
+
+def least_loaded(candidates: Sequence[UnitState], rng: random.Random) -> UnitState:
+    """Fewest in-flight requests; ties broken at random so that proxies and bursts
+    do not all herd onto the first unit in a list."""
+    low = min(u.in_flight for u in candidates)
+    return rng.choice([u for u in candidates if u.in_flight == low])

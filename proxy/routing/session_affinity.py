@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from proxy.registry import UnitState
+from proxy.routing.base import RouteRequest, RoutingDecision, RoutingPolicy
+
+
+def _score(session_id: str, unit_id: str) -> int:
+    digest = hashlib.blake2b(f"{session_id}\0{unit_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class SessionAffinityPolicy:
+    """Same session header -> same unit, so multi-turn chat reuses that unit's KV cache.
+
+    Rendezvous (highest-random-weight) hashing over the current candidates: no table
+    to keep, and when a unit leaves or is unhealthy only its own sessions move
+    (each to its second-best unit), everyone else stays put. Requests without the
+    header go to the fallback policy.
+    """
+
+    name = "session_affinity"
+
+    def __init__(self, header: str, fallback: RoutingPolicy) -> None:
+        self.header = header
+        self._fallback = fallback
+
+    def choose(self, req: RouteRequest, candidates: Sequence[UnitState]) -> RoutingDecision:
+        if not req.session_id:
+            return self._fallback.choose(req, candidates)
+        unit = max(candidates, key=lambda u: _score(req.session_id, u.unit_id))
+        return RoutingDecision(unit, "session")
+
+    def on_unit_removed(self, unit_id: str) -> None:
+        self._fallback.on_unit_removed(unit_id)

@@ -1,0 +1,74 @@
+"""``GET /status``: the proxy's whole view of the fleet as one JSON document
+(for SREs, ``neuron-serving status`` and the dashboard)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from proxy.registry import NodeState, Registry, UnitState
+
+
+def _node(n: NodeState) -> dict[str, Any]:
+    return {
+        "node_id": n.node_id,
+        "role": n.role,
+        "addr": n.addr,
+        "state": "healthy" if n.healthy else ("pending" if n.initial else "unhealthy"),
+        "consecutive_failures": n.consecutive_failures,
+        "consecutive_successes": n.consecutive_successes,
+        "last_probe_at": n.last_probe_at,
+        "last_probe_latency_ms": None
+        if n.last_probe_latency_s is None
+        else round(n.last_probe_latency_s * 1e3, 3),
+        "last_error": n.last_error,
+        "probes_total": n.probes_total,
+        "probe_failures_total": n.probe_failures_total,
+    }
+
+
+def _unit(u: UnitState, now: float) -> dict[str, Any]:
+    ejected = u.is_ejected(now)
+    if u.draining:
+        state = "draining"
+    elif ejected:
+        state = "ejected"
+    elif u.nodes_healthy():
+        state = "routable"
+    else:
+        state = "unhealthy"
+    return {
+        "unit_id": u.unit_id,
+        "state": state,
+        "model": u.spec.model,
+        "model_version": u.spec.model_version,
+        "leader_grpc": u.spec.leader_grpc,
+        "leader_http": u.spec.leader_http,
+        "draining": u.draining,
+        "healthy": u.nodes_healthy(),
+        "in_flight": u.in_flight,
+        "requests_total": u.requests_total,
+        "errors_total": u.errors_total,
+        "ejected": ejected,
+        "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
+        "ejections_total": u.ejections_total,
+        "consecutive_errors": u.consecutive_errors,
+        "nodes": [_node(n) for n in u.nodes],
+    }
+
+
+def build_status(
+    registry: Registry, *, policy: str, queued: int, active: int, panic_models: list[str]
+) -> dict[str, Any]:
+    now = time.monotonic()
+    return {
+        "time": time.time(),
+        "routing_policy": policy,
+        "admission": {"active": active, "queued": queued},
+        "panic_models": panic_models,
+        "units": [_unit(u, now) for u in sorted(registry.units.values(), key=lambda u: u.unit_id)],
+        "events": [
+            {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}
+            for e in list(registry.events)[-50:]
+        ],
+    }

@@ -1,0 +1,125 @@
+import asyncio
+
+from tests.proxy.conftest import read_sse, url
+from tests.proxy.fakes import reference_completion, wait_until
+
+
+async def test_completion_non_stream(fleet):
+    u = await fleet.unit("u0")
+    proxy = await fleet.proxy([u])
+    s = fleet.session()
+    body = {"model": "llm", "prompt": "hello shop", "max_tokens": 6, "ignore_eos": True}
+    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+        assert r.status == 200, await r.text()
+        data = await r.json()
+    text, reason = reference_completion("hello shop", 6, ignore_eos=True)
+    assert data["object"] == "text_completion"
+    assert data["choices"][0]["text"] == text
+    assert data["choices"][0]["finish_reason"] == reason
+    assert data["usage"]["completion_tokens"] == 6
+    assert data["usage"]["total_tokens"] == data["usage"]["prompt_tokens"] + 6
+
+
+async def test_chat_stream_sse_framing(fleet):
+    u = await fleet.unit("u0")
+    proxy = await fleet.proxy([u])
+    s = fleet.session()
+    body = {
+        "model": "llm",
+        "messages": [{"role": "user", "content": "shoes?"}],
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with s.post(url(proxy, "/v1/chat/completions"), json=body) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = await read_sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    prompt = "<s>[user] shoes?\n[assistant]"
+    assert u.behavior.prompts == [prompt]
+    assert text == reference_completion(prompt, 5, ignore_eos=True)[0]
+
+
+async def test_models_status_metrics(fleet):
+    u = await fleet.unit("u0", followers=2)
+    proxy = await fleet.proxy([u])
+    s = fleet.session()
+    async with s.get(url(proxy, "/v1/models")) as r:
+        assert [m["id"] for m in (await r.json())["data"]] == ["llm"]
+    async with s.get(url(proxy, "/status")) as r:
+        status = await r.json()
+    (unit,) = status["units"]
+    assert unit["state"] == "routable" and unit["model_version"] == "v1"
+    assert [n["role"] for n in unit["nodes"]] == ["leader", "follower", "follower"]
+    assert all(
+        n["state"] == "healthy" and n["last_probe_latency_ms"] is not None for n in unit["nodes"]
+    )
+    async with s.get(url(proxy, "/metrics")) as r:
+        text = await r.text()
+    assert 'proxy_unit_healthy{model="llm",unit="u0",version="v1"} 1.0' in text
+    assert "proxy_probe_latency_seconds_bucket" in text
+
+
+async def test_unknown_model_and_bad_input_are_openai_errors(fleet):
+    u = await fleet.unit("u0")
+    proxy = await fleet.proxy([u])
+    s = fleet.session()
+    cases = [
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": "llm", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "llm", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ({"model": "llm", "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": "llm", "prompt": "x", "bogus": 1}, 400, "bogus"),
+        ({"model": "llm", "prompt": "x", "temperature": True}, 400, "temperature"),
+    ]
+    for body, status, param in cases:
+        async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+            assert r.status == status, body
+            err = (await r.json())["error"]
+            assert err["param"] == param and err["message"] and "type" in err and "code" in err
+    for raw in (b"{not json", b"\xff\xfe{}", b"[1, 2]"):
+        async with s.post(url(proxy, "/v1/completions"), data=raw) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+    big = b'{"model": "llm", "prompt": "' + b"a" * (2 << 20) + b'"}'
+    async with s.post(url(proxy, "/v1/completions"), data=big) as r:
+        assert r.status == 413
+        assert (await r.json())["error"]["code"] == "request_too_large"
+    async with s.get(url(proxy, "/nope")) as r:
+        assert r.status == 404 and "error" in await r.json()
+
+
+async def test_client_disconnect_cancels_upstream(fleet):
+    u = await fleet.unit("u0")
+    u.behavior.token_delay_s = 0.05
+    proxy = await fleet.proxy([u])
+    s = fleet.session()
+    body = {"model": "llm", "prompt": "p", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+        assert r.status == 200
+        await r.content.readuntil(b"\n\n")  # one token arrived, then the client goes away
+    await wait_until(lambda: u.behavior.cancelled == 1 and u.behavior.active == 0)
+    await wait_until(
+        lambda: proxy.registry.get("u0").in_flight == 0 and proxy.admission.active == 0
+    )
+
+
+async def test_deadline_gives_504(fleet):
+    u = await fleet.unit("u0")
+    u.behavior.token_delay_s = 0.5
+    proxy = await fleet.proxy([u], timeouts={"request_s": 0.2})
+    s = fleet.session()
+    async with s.post(url(proxy, "/v1/completions"), json={"model": "llm", "prompt": "p"}) as r:
+        assert r.status == 504
+        assert (await r.json())["error"]["code"] == "deadline_exceeded"
+    await asyncio.sleep(0)

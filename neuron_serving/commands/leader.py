@@ -1,0 +1,86 @@
+"""`neuron-serving leader --model DIR --tp N --control-port P`: the unit's Triton front end."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("leader", help="serve an inference unit through tritonserver (rank 0)")
+    p.add_argument("--model", required=True, help="local Hugging Face model directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the unit")
+    p.add_argument("--control-port", type=int, required=True, help="port followers join")
+    p.add_argument("--control-host", default="127.0.0.1", help="address followers reach")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address of the HTTP, gRPC and metrics ports (default loopback)",
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument(
+        "--executor",
+        choices=("unit", "uni", "mp"),
+        default=None,
+        help="vLLM executor: the unit executor (default) or vLLM's own, for debugging",
+    )
+    p.add_argument(
+        "--canary-interval",
+        type=float,
+        default=None,
+        help="seconds of idleness before a canary generation",
+    )
+    p.add_argument("--run-dir", default=None, help="where to render the model repository")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument(
+        "--drain",
+        type=float,
+        default=2.0,
+        help="seconds between the unit failing and the leader exiting",
+    )
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuron_serving.triton.launcher import EXIT_START_FAILED, LeaderSettings, TritonLeader
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [leader] %(message)s")
+    overrides = {
+        key: value
+        for key, value in {
+            "max_model_len": args.max_model_len,
+            "kv_cache_bytes": args.kv_cache_bytes,
+            "max_num_seqs": args.max_num_seqs,
+            "executor": args.executor,
+            "canary_interval_s": args.canary_interval,
+        }.items()
+        if value is not None
+    }
+    try:
+        settings = LeaderSettings(
+            model=args.model,
+            tp=args.tp,
+            control_port=args.control_port,
+            control_host=args.control_host,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            host=args.host,
+            run_dir=args.run_dir,
+            ready_timeout_s=args.ready_timeout,
+            drain_s=args.drain,
+            log_verbose=args.log_verbose,
+            model_overrides=overrides,
+        )
+        leader = TritonLeader(settings)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"neuron-serving leader: {e}", file=sys.stderr)
+        return EXIT_START_FAILED
+    return leader.run()

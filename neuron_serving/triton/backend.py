@@ -1,0 +1,267 @@
+"""The Triton ``llm`` model: vLLM AsyncLLM behind Triton's decoupled Python backend.
+
+``triton_models/llm/1/model.py`` is a thin shim that creates ``LLMBackend`` and
+forwards ``initialize``/``execute``/``finalize``. Threads in the stub process:
+
+- Triton's thread calls ``execute()``: it reads and validates the inputs, answers
+  bad ones at once with INVALID_ARG, and schedules the rest on the engine loop. It
+  never waits for generation.
+- the engine thread (``EngineThread``) runs AsyncLLM, one task per request, and
+  the ``UnitHealthMonitor``;
+- the response thread (``ResponseThread``) sends responses and turns client
+  cancellation into task cancellation (= ``abort`` in vLLM).
+
+Invariant: every request accepted by ``execute()`` gets exactly one response
+flagged FINAL, whatever happens (finished, invalid, cancelled, engine dead);
+otherwise Triton keeps the request, and its client, waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from neuron_serving.triton.backend_config import BackendConfig
+from neuron_serving.triton.engine_thread import EngineThread
+from neuron_serving.triton.health import HealthSettings, UnitHealthMonitor
+from neuron_serving.triton.metrics import BackendMetrics, serve_registry
+from neuron_serving.triton.request import (
+    GenerateRequest,
+    RequestError,
+    check_prompt_length,
+    parse_request,
+)
+from neuron_serving.triton.responses import ResponseThread, Stream
+
+log = logging.getLogger(__name__)
+
+ENGINE_START_TIMEOUT_S = 1800.0  # model load + all followers joining
+
+
+class LLMBackend:
+    def __init__(self, pb_utils: Any) -> None:
+        self.pb = pb_utils
+        self.final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        self._in_flight = 0
+        self._idle_since: float | None = time.monotonic()
+        self._unload_started = False
+
+    # ---- Triton entry points -------------------------------------------------------
+
+    def initialize(self, args: dict[str, str]) -> None:
+        if not logging.getLogger().handlers:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        self.model_name = args["model_name"]
+        model_config = json.loads(args["model_config"])
+        if not self.pb.using_decoupled_model_transaction_policy(model_config):
+            raise ValueError("the llm model must use the decoupled transaction policy")
+        path = Path(args["model_repository"]) / args["model_version"] / "model.json"
+        self.config = BackendConfig.load(path)
+        if not self.config.model:
+            raise ValueError(f"{path}: 'model' is empty; the launcher renders it (--model DIR)")
+        log.info("llm model settings: %s", self.config.to_dict())
+        self.metrics = BackendMetrics(self.config.unit_id)
+        serve_registry(self.config.vllm_metrics_host, self.config.vllm_metrics_port)
+
+        self.engine_thread = EngineThread(self.config.engine_kwargs(), ENGINE_START_TIMEOUT_S)
+        self.engine_thread.start()
+        self.engine = self.engine_thread.engine
+        self.tokenizer = self.engine.get_tokenizer()
+        self.responses = ResponseThread(self.final)
+        self.responses.start()
+
+        canary_ids = self.tokenizer.encode("Is this in stock?")[:8] or [0]
+        self.health = UnitHealthMonitor(
+            self.engine,
+            HealthSettings(
+                self.config.health_interval_s,
+                self.config.canary_interval_s,
+                self.config.canary_timeout_s,
+            ),
+            idle_since=lambda: self._idle_since,
+            on_failure=self._on_unit_failure,
+            canary_prompt_token_ids=canary_ids,
+        )
+        # Warm-up before Triton marks the model ready: one canary through every rank,
+        # so "ready" means a generation has actually succeeded.
+        latency = self.engine_thread.call(self.health.canary(), self.config.canary_timeout_s)
+        self.metrics.canary_seconds.observe(latency)
+        self.engine_thread.submit(self.health.run())
+        self.metrics.ready.set(1)
+        log.info("llm model ready (warm-up canary %.3f s)", latency)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            if not self.health.healthy:
+                self.metrics.outcome("unavailable")
+                sender.send(self._error(self._unavailable_message(), "UNAVAILABLE"), self.final)
+                continue
+            try:
+                parsed = self._parse(request)
+            except RequestError as e:
+                self.metrics.outcome("invalid")
+                sender.send(self._error(str(e), "INVALID_ARG"), self.final)
+                continue
+            request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex[:12]}"
+            stream = Stream(sender)
+            self.responses.register(request_id, stream)
+            stream.future = self.engine_thread.submit(self._generate(request_id, parsed, stream))
+        return None
+
+    def finalize(self) -> None:
+        log.info("llm model finalize: stopping the engine")
+        self.engine_thread.stop()
+        self.responses.stop()
+
+    # ---- request handling ------------------------------------------------------------
+
+    def _parse(self, request: Any) -> GenerateRequest:
+        def tensor(name: str) -> Any:
+            t = self.pb.get_input_tensor_by_name(request, name)
+            return None if t is None else t.as_numpy().reshape(-1)
+
+        text = tensor("text_input")
+        if text is None or text.size != 1:
+            raise RequestError("text_input must hold exactly one string")
+        stream = tensor("stream")
+        exclude = tensor("exclude_input_in_output")
+        sampling = tensor("sampling_parameters")
+        sampling_raw = sampling[0] if sampling is not None and sampling.size else None
+        if sampling_raw is None:
+            params = request.parameters()  # generate endpoint's "parameters", as JSON
+            sampling_raw = params if params not in ("", "{}") else None
+        return parse_request(
+            text[0],
+            stream=bool(stream[0]) if stream is not None and stream.size else False,
+            exclude_input_in_output=bool(exclude[0])
+            if exclude is not None and exclude.size
+            else False,
+            sampling_parameters=sampling_raw,
+            max_model_len=self.config.max_model_len,
+        )
+
+    async def _generate(self, request_id: str, req: GenerateRequest, stream: Stream) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._in_flight += 1
+        self._idle_since = None
+        produced = False
+        try:
+            prompt_ids = self.tokenizer.encode(req.prompt)
+            check_prompt_length(len(prompt_ids), self.config.max_model_len)
+            kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
+            try:
+                params = SamplingParams(**req.sampling, output_kind=kind)
+            except (ValueError, TypeError) as e:
+                raise RequestError(f"invalid sampling parameters: {e}") from None
+            completion_tokens = 0
+            async for out in self.engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, request_id
+            ):
+                if stream.cancelled:
+                    raise asyncio.CancelledError
+                produced = True
+                seq = out.outputs[0]
+                completion_tokens = (completion_tokens if req.stream else 0) + len(seq.token_ids)
+                text = seq.text
+                if not req.stream and not req.exclude_input_in_output:
+                    text = req.prompt + text
+                finish = seq.finish_reason if out.finished else None
+                logprobs = _sampled_logprobs(seq) if "logprobs" in req.sampling else None
+                response = self._response(
+                    text, finish, len(prompt_ids), completion_tokens, logprobs
+                )
+                self.responses.put(request_id, response, self.final if out.finished else 0)
+            self.metrics.outcome("ok")
+        except asyncio.CancelledError:
+            # Client cancelled (or engine shutdown): AsyncLLM.generate has already
+            # aborted the request in vLLM on its way out.
+            self.metrics.outcome("cancelled")
+            self.responses.put(
+                request_id, self._error("request was cancelled", "CANCELLED"), self.final
+            )
+        except RequestError as e:
+            self.metrics.outcome("invalid")
+            self.responses.put(request_id, self._error(str(e), "INVALID_ARG"), self.final)
+        except ValueError as e:
+            # vLLM's own input validation; only possible before the first output.
+            outcome, code = ("invalid", "INVALID_ARG") if not produced else ("error", "INTERNAL")
+            self.metrics.outcome(outcome)
+            self.responses.put(request_id, self._error(str(e), code), self.final)
+        except Exception as e:  # noqa: BLE001 - the client must always get a FINAL response
+            dead = self.engine.errored or not self.health.healthy
+            log.exception("request %s failed", request_id)
+            self.metrics.outcome("unavailable" if dead else "error")
+            message = self._unavailable_message() if dead else f"generation failed: {e!r}"
+            self.responses.put(
+                request_id, self._error(message, "UNAVAILABLE" if dead else "INTERNAL"), self.final
+            )
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle_since = time.monotonic()
+
+    # ---- responses -------------------------------------------------------------------
+
+    def _response(
+        self,
+        text: str,
+        finish_reason: str | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        logprobs: list[float] | None,
+    ) -> Any:
+        T = self.pb.Tensor
+        tensors = [
+            T("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            T("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
+            T("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
+            T("completion_tokens", np.array([completion_tokens], dtype=np.int32)),
+        ]
+        if logprobs is not None:
+            tensors.append(
+                T("logprobs", np.array([json.dumps(logprobs).encode()], dtype=np.object_))
+            )
+        return self.pb.InferenceResponse(output_tensors=tensors)
+
+    def _error(self, message: str, code: str) -> Any:
+        error = self.pb.TritonError(message, getattr(self.pb.TritonError, code))
+        return self.pb.InferenceResponse(output_tensors=[], error=error)
+
+    def _unavailable_message(self) -> str:
+        return f"model {self.model_name} is unavailable: {self.health.reason or 'unit failed'}"
+
+    # ---- unit failure ----------------------------------------------------------------
+
+    def _on_unit_failure(self, reason: str) -> None:
+        """Runs on the engine loop: flip readiness, fail in-flight requests."""
+        self.metrics.ready.set(0)
+        # Unloading ourselves makes /v2/models/llm/ready false at once (the server
+        # runs with --model-control-mode=explicit, which the model-loading API needs).
+        # unload_model waits on Triton, so it must not run on the engine loop.
+        if not self._unload_started:
+            self._unload_started = True
+            threading.Thread(target=self._unload, name="llm-unload", daemon=True).start()
+
+    def _unload(self) -> None:
+        try:
+            self.pb.unload_model(self.model_name)
+        except Exception:  # noqa: BLE001 - the leader still exits on its readiness watch
+            log.exception("unloading %s after a unit failure failed", self.model_name)
+
+
+def _sampled_logprobs(seq: Any) -> list[float]:
+    """Log-probability of each sampled token (vLLM returns the top-k per position)."""
+    if not seq.logprobs:
+        return []
+    return [float(pos[tok].logprob) for tok, pos in zip(seq.token_ids, seq.logprobs, strict=False)]

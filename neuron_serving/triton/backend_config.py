@@ -1,0 +1,105 @@
+"""Typed settings of the Triton ``llm`` model, read from ``model.json``.
+
+``triton_models/llm/1/model.json`` holds the defaults; the leader launcher renders
+a copy into its run directory with the command line's overrides (model path, tp,
+control port, ...). vllm_backend treats model.json as raw ``AsyncEngineArgs``; we
+do not, because every unit must build its engine through
+``neuron_serving.unit.engine.engine_kwargs`` (one engine recipe for ``generate``,
+Triton and the benchmarks), so model.json names only what that recipe takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# vLLM's own executor for single-process development; "unit" is the project's
+# UnitExecutor. Switching is one model.json field (or `leader --executor`).
+EXECUTORS = ("unit", "uni", "mp")
+
+
+@dataclass(slots=True)
+class BackendConfig:
+    model: str = ""
+    tensor_parallel_size: int = 1
+    max_model_len: int = 1024
+    kv_cache_bytes: int = 512 << 20
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    seed: int = 0
+    executor: str = "unit"
+    # Control plane of the unit (see neuron_serving.unit.config.UnitConfig).
+    control_port: int = 29500
+    control_host: str = "127.0.0.1"
+    unit_id: str = "unit-0"
+    # Readiness: AsyncLLM.check_health() every health_interval_s; when no request
+    # has run for canary_interval_s, a one-token greedy generation goes through every
+    # rank and must finish within canary_timeout_s.
+    health_interval_s: float = 1.0
+    canary_interval_s: float = 5.0
+    canary_timeout_s: float = 30.0
+    # vLLM's Prometheus registry lives in the model (stub) process; it is served
+    # here so the launcher can merge it into the metrics port. 0 = off.
+    vllm_metrics_port: int = 0
+    vllm_metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.executor == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError("executor 'uni' runs one process: it needs tensor_parallel_size 1")
+        for name in ("health_interval_s", "canary_interval_s", "canary_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.vllm_metrics_port < 65536:
+            raise ValueError(f"vllm_metrics_port must be in 0..65535, got {self.vllm_metrics_port}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BackendConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown model.json keys: {unknown} (known: {sorted(names)})")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> BackendConfig:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """AsyncEngineArgs keyword arguments, always via the unit's one recipe."""
+        from neuron_serving.unit.config import UnitConfig
+        from neuron_serving.unit.engine import engine_kwargs
+
+        unit = UnitConfig.from_env(
+            control_port=self.control_port, control_host=self.control_host, unit_id=self.unit_id
+        )
+        overrides: dict[str, Any] = {}
+        if self.executor != "unit":
+            overrides["distributed_executor_backend"] = self.executor
+        return engine_kwargs(
+            self.model,
+            self.tensor_parallel_size,
+            unit,
+            max_model_len=self.max_model_len,
+            kv_cache_bytes=self.kv_cache_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            max_num_seqs=self.max_num_seqs,
+            **overrides,
+        )

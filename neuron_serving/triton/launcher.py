@@ -1,0 +1,253 @@
+"""`neuron-serving leader`: run tritonserver on the project's model repository.
+
+Lifecycle (exit codes are for the supervisor that recreates the unit):
+
+1. render the run directory (backend dir, model repository with model.json
+   overrides) and start tritonserver in its own process group, bound to loopback
+   unless told otherwise; the metrics merger takes the public metrics port;
+2. wait, bounded by ``ready_timeout_s``, until ``/v2/models/llm/ready`` is 200.
+   The model turns ready only after the engine is built, every follower has joined
+   (the unit executor's join) and one warm-up generation went through all ranks.
+   Timeout or an early tritonserver exit -> EXIT_START_FAILED;
+3. watch: tritonserver alive and the model ready. The model unloads itself when
+   the unit fails (see health.py); then the leader waits ``drain_s`` so in-flight
+   clients receive their UNAVAILABLE errors, stops the tree and exits
+   EXIT_UNIT_FAILED. A tritonserver that dies on its own -> EXIT_SERVER_DIED;
+4. SIGTERM/SIGINT -> graceful stop (Triton's own drain), exit 0.
+Every path ends in ``reaper.terminate_tree`` (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from neuron_serving.triton import reaper
+from neuron_serving.triton.metrics_merge import MetricsMerger
+from neuron_serving.triton.repository import (
+    MODEL_NAME,
+    TritonInstall,
+    assemble_backend_dir,
+    render_model_repository,
+    stub_env,
+)
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_UNIT_FAILED = 3
+EXIT_START_FAILED = 4
+EXIT_SERVER_DIED = 5
+
+_POLL_S = 0.25
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class LeaderSettings:
+    model: str
+    tp: int = 1
+    control_port: int = 29500
+    control_host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    # Bind address of the HTTP, gRPC and metrics endpoints. Loopback by default:
+    # exposing a leader (0.0.0.0 in a container) is an explicit decision.
+    host: str = "127.0.0.1"
+    run_dir: str | None = None
+    ready_timeout_s: float = 900.0
+    drain_s: float = 2.0
+    stop_timeout_s: float = 15.0
+    log_verbose: int = 0
+    # Extra model.json keys (max_model_len, kv_cache_bytes, executor, canary_*...).
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model!r} is not a directory")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        if len(set(ports)) != 3:
+            raise ValueError(f"http, grpc and metrics ports must differ, got {ports}")
+        if self.ready_timeout_s <= 0 or self.drain_s < 0 or self.stop_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+
+    @property
+    def connect_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+
+class TritonLeader:
+    def __init__(self, settings: LeaderSettings) -> None:
+        self.s = settings
+        self.proc: subprocess.Popen | None = None
+        self.merger: MetricsMerger | None = None
+        self.stop_requested = threading.Event()
+        self._tree: dict[int, psutil.Process] = {}
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    # ---- start -----------------------------------------------------------------------
+
+    def start(self, stdout: Any = None) -> None:
+        s = self.s
+        if s.run_dir:
+            run_dir = Path(s.run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self._tmp = tempfile.TemporaryDirectory(prefix="neuron-serving-leader-")
+            run_dir = Path(self._tmp.name)
+        install = TritonInstall.find()
+        triton_metrics_port = free_port()
+        vllm_metrics_port = free_port()
+        overrides = {
+            **s.model_overrides,
+            "model": str(Path(s.model).resolve()),
+            "tensor_parallel_size": s.tp,
+            "control_port": s.control_port,
+            "control_host": s.control_host,
+            "vllm_metrics_port": vllm_metrics_port,
+        }
+        repo = render_model_repository(run_dir, overrides)
+        backends = assemble_backend_dir(install, run_dir)
+        cmd = [
+            str(install.binary),
+            f"--model-repository={repo}",
+            f"--backend-directory={backends}",
+            # explicit: the model may unload itself on a unit failure (pb_utils.unload_model).
+            "--model-control-mode=explicit",
+            f"--load-model={MODEL_NAME}",
+            f"--http-address={s.host}",
+            f"--http-port={s.http_port}",
+            f"--grpc-address={s.host}",
+            f"--grpc-port={s.grpc_port}",
+            # Triton's own metrics stay internal; the merger publishes them.
+            "--metrics-address=127.0.0.1",
+            f"--metrics-port={triton_metrics_port}",
+            "--allow-gpu-metrics=false",
+            f"--exit-timeout-secs={int(s.stop_timeout_s)}",
+            f"--log-verbose={s.log_verbose}",
+        ]
+        env = stub_env(install, dict(os.environ))
+        log.info("starting %s", " ".join(cmd))
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            start_new_session=True,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout else None,
+        )
+        self.merger = MetricsMerger(
+            s.host,
+            s.metrics_port,
+            [
+                f"http://127.0.0.1:{triton_metrics_port}/metrics",
+                f"http://127.0.0.1:{vllm_metrics_port}/metrics",
+            ],
+        )
+        self.merger.start()
+
+    def model_ready(self) -> bool:
+        url = f"http://{self.s.connect_host}:{self.s.http_port}/v2/models/{MODEL_NAME}/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _remember_tree(self) -> None:
+        assert self.proc is not None
+        for p in reaper.descendants(self.proc.pid):
+            self._tree[p.pid] = p
+
+    def wait_ready(self) -> bool:
+        assert self.proc is not None
+        start = time.monotonic()
+        deadline = start + self.s.ready_timeout_s
+        while time.monotonic() < deadline and not self.stop_requested.is_set():
+            self._remember_tree()
+            if self.proc.poll() is not None:
+                log.error(
+                    "tritonserver exited with %s before the model was ready", self.proc.returncode
+                )
+                return False
+            if self.model_ready():
+                log.info("model %s ready after %.1f s", MODEL_NAME, time.monotonic() - start)
+                return True
+            time.sleep(_POLL_S)
+        if not self.stop_requested.is_set():
+            log.error("model %s not ready within %.0f s", MODEL_NAME, self.s.ready_timeout_s)
+        return False
+
+    # ---- run -------------------------------------------------------------------------
+
+    def monitor(self) -> int:
+        """Block until a stop request, a unit failure or tritonserver's death."""
+        assert self.proc is not None
+        last_tree = 0.0
+        while not self.stop_requested.wait(_POLL_S):
+            if time.monotonic() - last_tree > 2.0:
+                self._remember_tree()
+                last_tree = time.monotonic()
+            if self.proc.poll() is not None:
+                log.error("tritonserver exited unexpectedly with %s", self.proc.returncode)
+                return EXIT_SERVER_DIED
+            if not self.model_ready() and self.proc.poll() is None:
+                log.error(
+                    "model %s is no longer ready: the unit failed; draining %.1f s",
+                    MODEL_NAME,
+                    self.s.drain_s,
+                )
+                self.stop_requested.wait(self.s.drain_s)
+                return EXIT_UNIT_FAILED
+        return EXIT_OK
+
+    def stop(self) -> int | None:
+        rc = None
+        if self.proc is not None:
+            self._remember_tree()
+            rc = reaper.terminate_tree(self.proc, self.s.stop_timeout_s, list(self._tree.values()))
+        if self.merger is not None:
+            self.merger.stop()
+            self.merger = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+        return rc
+
+    def run(self) -> int:
+        """start -> wait_ready -> monitor -> stop, with SIGTERM/SIGINT as a stop request."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+        try:
+            self.start()
+            if not self.wait_ready():
+                return EXIT_OK if self.stop_requested.is_set() else EXIT_START_FAILED
+            print(
+                f"leader ready: http {self.s.connect_host}:{self.s.http_port} "
+                f"grpc {self.s.connect_host}:{self.s.grpc_port} "
+                f"metrics {self.s.connect_host}:{self.s.metrics_port}",
+                flush=True,
+            )
+            return self.monitor()
+        finally:
+            self.stop()

@@ -1,0 +1,112 @@
+"""The run directory of one leader: backend directory, model repository, environment.
+
+tritonserver finds the Python backend in ``--backend-directory``/python, which
+must hold ``libtriton_python.so``, ``triton_python_backend_utils.py`` and the stub
+built for *our* interpreter (``python_backend_stubs/3.11``; the wheel's default
+stub is for another Python). The nvidia-pytriton wheel ships those pieces in
+separate folders, so we assemble a backend directory from symlinks.
+
+The model repository is copied rather than used in place so that the rendered
+``model.json`` (the command line's overrides) never touches the source tree and
+two leaders on one machine do not share it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import site
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_REPOSITORY = REPO_ROOT / "triton_models"
+MODEL_NAME = "llm"
+
+
+@dataclass(slots=True)
+class TritonInstall:
+    """Where the nvidia-pytriton wheel put tritonserver and the Python backend."""
+
+    root: Path  # .../site-packages/pytriton/tritonserver
+    libs: Path  # .../site-packages/nvidia_pytriton.libs
+
+    @classmethod
+    def find(cls) -> TritonInstall:
+        import importlib.util
+
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                "tritonserver not found: install it with `pip install --no-deps nvidia-pytriton==0.7.0`"
+            )
+        pkg = Path(next(iter(spec.submodule_search_locations)))
+        install = cls(root=pkg / "tritonserver", libs=pkg.parent / "nvidia_pytriton.libs")
+        for path in (install.binary, install.python_backend, install.stub):
+            if not path.exists():
+                raise FileNotFoundError(f"incomplete tritonserver install: {path} is missing")
+        return install
+
+    @property
+    def binary(self) -> Path:
+        return self.root / "bin" / "tritonserver"
+
+    @property
+    def python_backend(self) -> Path:
+        return self.root / "backends" / "python"
+
+    @property
+    def stub(self) -> Path:
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        return self.root / "python_backend_stubs" / version / "triton_python_backend_stub"
+
+
+def assemble_backend_dir(install: TritonInstall, run_dir: Path) -> Path:
+    backends = run_dir / "backends"
+    python = backends / "python"
+    python.mkdir(parents=True, exist_ok=True)
+    links = {
+        "libtriton_python.so": install.python_backend / "libtriton_python.so",
+        "triton_python_backend_utils.py": install.python_backend / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": install.stub,
+    }
+    for name, target in links.items():
+        link = python / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return backends
+
+
+def render_model_repository(run_dir: Path, overrides: dict[str, Any]) -> Path:
+    """Copy triton_models/ into run_dir and merge ``overrides`` into llm's model.json."""
+    from neuron_serving.triton.backend_config import BackendConfig
+
+    repo = run_dir / "models"
+    if repo.exists():
+        shutil.rmtree(repo)
+    shutil.copytree(MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    model_json = repo / MODEL_NAME / "1" / "model.json"
+    settings = json.loads(model_json.read_text())
+    settings.update(overrides)
+    BackendConfig.from_dict(settings)  # fail here, with the key's name, not inside the stub
+    model_json.write_text(json.dumps(settings, indent=2) + "\n")
+    return repo
+
+
+def stub_env(install: TritonInstall, base: dict[str, str]) -> dict[str, str]:
+    """Environment for tritonserver and, through it, the backend stub.
+
+    The stub embeds libpython3.11 (LD_LIBRARY_PATH) and starts with an empty
+    sys.path beyond the stdlib (PYTHONPATH: this repository, then the venv).
+    """
+    env = dict(base)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    ld = [str(install.libs), libdir, env.get("LD_LIBRARY_PATH", "")]
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in ld if p)
+    paths = [str(REPO_ROOT), *site.getsitepackages(), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = ":".join(p for p in paths if p)
+    return env

@@ -1,0 +1,110 @@
+"""The response thread: sends Triton responses and notices cancelled requests.
+
+``response_sender.send()`` crosses from the stub process to tritonserver through
+shared memory and can block on a slow client; doing it on the engine's event loop
+would stall every other request's tokens. So the loop only enqueues, and this
+thread sends, in enqueue order (per-request order is what Triton requires: the
+FINAL flag must come last).
+
+Cancellation: Triton sets a request cancelled when a gRPC client cancels its
+stream or disconnects (and on server shutdown). The thread asks
+``is_cancelled()`` after each partial send and, while idle, polls every
+registered stream, then cancels the request's task on the engine loop; vLLM's
+``AsyncLLM.generate`` turns that CancelledError into ``abort(request_id)``, which
+frees the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+
+
+@dataclass(slots=True)
+class Stream:
+    """One in-flight request as the response thread sees it."""
+
+    sender: Any  # pb_utils.InferenceResponseSender
+    future: concurrent.futures.Future | None = None  # the request task on the engine loop
+    cancelled: bool = False
+
+
+class ResponseThread:
+    def __init__(self, final_flag: int) -> None:
+        self._final_flag = final_flag
+        self._queue: queue.Queue[tuple[str, Any, int] | None] = queue.Queue()
+        self._streams: dict[str, Stream] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="triton-responses", daemon=True)
+        self.cancelled_total = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def register(self, request_id: str, stream: Stream) -> None:
+        with self._lock:
+            self._streams[request_id] = stream
+
+    def put(self, request_id: str, response: Any, flags: int = 0) -> None:
+        """Thread-safe; a FINAL response unregisters the stream once sent."""
+        self._queue.put((request_id, response, flags))
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._poll_cancelled()
+                continue
+            if item is None:
+                return
+            request_id, response, flags = item
+            with self._lock:
+                stream = self._streams.get(request_id)
+            if stream is None:
+                continue  # already finished (e.g. a late partial after cancellation)
+            try:
+                stream.sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001 - one broken client must not stop the thread
+                log.exception("sending a response for %s failed", request_id)
+            if flags & self._final_flag:
+                with self._lock:
+                    self._streams.pop(request_id, None)
+            else:
+                self._check(request_id, stream)
+
+    def _poll_cancelled(self) -> None:
+        with self._lock:
+            streams = list(self._streams.items())
+        for request_id, stream in streams:
+            self._check(request_id, stream)
+
+    def _check(self, request_id: str, stream: Stream) -> None:
+        if stream.cancelled:
+            return
+        try:
+            cancelled = stream.sender.is_cancelled()
+        except Exception:  # noqa: BLE001
+            cancelled = False
+        if cancelled:
+            stream.cancelled = True
+            self.cancelled_total += 1
+            log.info("request %s cancelled by the client; aborting it in vLLM", request_id)
+            if stream.future is not None:
+                stream.future.cancel()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=10)

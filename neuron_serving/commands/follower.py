@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from neuron_serving.unit.auth import AuthError
     from neuron_serving.unit.state import NodeState, NodeStatus
 
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(rank)s] %(message)s".replace("%(rank)s", str(args.rank)))
     host, _, port = args.leader.rpartition(":")
     try:

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     # Before vLLM/torch are imported: OpenMP reads its binding once.
     os.environ.update(backend.process_env(RankPlacement(0, args.tp, unit.control_host, unit.control_port)))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # stdout carries results (--json); vLLM logs to stdout unless told otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
     from vllm import LLM, SamplingParams
 

@@ -39,10 +39,10 @@ class CpuBackend(DeviceBackend):
         if not spec or spec in ("nobind", "auto"):
             return {}
         entries = spec.split("|")
-        if len(entries) != placement.world_size:
+        if len(entries) < placement.world_size:
             raise ValueError(
                 f"VLLM_CPU_OMP_THREADS_BIND={spec!r} has {len(entries)} entries, "
-                f"unit has {placement.world_size} ranks"
+                f"but the unit has {placement.world_size} ranks (one '|'-separated entry per rank)"
             )
         cpus = parse_cpu_list(entries[placement.rank])
         return {

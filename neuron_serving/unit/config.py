@@ -46,7 +46,7 @@ class UnitConfig:
     health_port: int = 0
     health_host: str = "127.0.0.1"
     # Inline capacity of one control broadcast; larger messages take a second broadcast.
-    broadcast_inline_bytes: int = 16384
+    broadcast_inline_bytes: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 < self.control_port < 65534:

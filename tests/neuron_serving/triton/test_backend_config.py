@@ -1,0 +1,76 @@
+"""model.json settings and the run directory the launcher renders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.triton.backend_config import BackendConfig
+from neuron_serving.triton.repository import (
+    MODEL_REPOSITORY,
+    TritonInstall,
+    assemble_backend_dir,
+    render_model_repository,
+    stub_env,
+)
+from neuron_serving.unit.engine import UNIT_EXECUTOR
+
+
+def test_shipped_model_json_is_valid() -> None:
+    cfg = BackendConfig.load(MODEL_REPOSITORY / "llm" / "1" / "model.json")
+    assert cfg.executor == "unit" and cfg.enable_prefix_caching
+
+
+def test_rejects_unknown_keys_and_bad_values() -> None:
+    with pytest.raises(ValueError, match="unknown model.json keys: \\['tp'\\]"):
+        BackendConfig.from_dict({"tp": 2})
+    with pytest.raises(ValueError, match="executor must be one of"):
+        BackendConfig(executor="ray")
+    with pytest.raises(ValueError, match="needs tensor_parallel_size 1"):
+        BackendConfig(executor="uni", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="canary_timeout_s must be > 0"):
+        BackendConfig(canary_timeout_s=0)
+
+
+def test_engine_kwargs_go_through_the_unit_recipe() -> None:
+    cfg = BackendConfig(model="/m", tensor_parallel_size=2, control_port=29900, max_model_len=512)
+    kw = cfg.engine_kwargs()
+    assert kw["distributed_executor_backend"] == UNIT_EXECUTOR
+    assert kw["tensor_parallel_size"] == 2 and kw["max_model_len"] == 512
+    assert kw["additional_config"]["neuron_serving"]["control_port"] == 29900
+    assert kw["enable_prefix_caching"] is True
+    # The development switch is one field.
+    assert (
+        BackendConfig(model="/m", executor="uni").engine_kwargs()["distributed_executor_backend"]
+        == "uni"
+    )
+
+
+def test_render_model_repository_applies_overrides(tmp_path: Path) -> None:
+    repo = render_model_repository(tmp_path, {"model": "/models/x", "tensor_parallel_size": 2})
+    settings = json.loads((repo / "llm" / "1" / "model.json").read_text())
+    assert settings["model"] == "/models/x" and settings["tensor_parallel_size"] == 2
+    assert (repo / "llm" / "config.pbtxt").is_file() and (repo / "llm" / "1" / "model.py").is_file()
+    # The source tree is untouched.
+    src = json.loads((MODEL_REPOSITORY / "llm" / "1" / "model.json").read_text())
+    assert src["model"] == ""
+    with pytest.raises(ValueError, match="unknown model.json keys"):
+        render_model_repository(tmp_path, {"modle": "/x"})
+
+
+def test_backend_dir_and_env(tmp_path: Path) -> None:
+    install = TritonInstall.find()
+    python = assemble_backend_dir(install, tmp_path) / "python"
+    for name in (
+        "libtriton_python.so",
+        "triton_python_backend_utils.py",
+        "triton_python_backend_stub",
+    ):
+        assert (python / name).resolve().is_file(), name
+    assert "python_backend_stubs/3.11" in str((python / "triton_python_backend_stub").resolve())
+    env = stub_env(install, {"PATH": "/bin"})
+    assert str(install.libs) in env["LD_LIBRARY_PATH"]
+    assert env["PYTHONPATH"].split(":")[0] == str(MODEL_REPOSITORY.parent)
+    assert "site-packages" in env["PYTHONPATH"]

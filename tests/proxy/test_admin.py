@@ -1,0 +1,65 @@
+from tests.proxy.conftest import ADMIN_TOKEN, url
+from tests.proxy.fakes import wait_until
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+async def test_admin_requires_bearer_token_and_changes_nothing(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    proxy = await fleet.proxy([a])
+    s = fleet.session()
+    new_unit = {"unit_id": "u1", "leader_grpc": b.triton.addr}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": ADMIN_TOKEN}):
+        for method, path, body in (
+            ("POST", "/admin/units", new_unit),
+            ("DELETE", "/admin/units/u0", None),
+            ("POST", "/admin/units/u0/drain", None),
+            ("GET", "/admin/units", None),
+        ):
+            async with s.request(
+                method, url(proxy, path, admin=True), json=body, headers=headers
+            ) as r:
+                assert r.status == 401
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+                assert (await r.json())["error"]["type"] == "authentication_error"
+    assert list(proxy.registry.units) == ["u0"] and not proxy.registry.get("u0").draining
+
+
+async def test_admin_add_drain_undrain_remove(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    proxy = await fleet.proxy([a], outlier={"panic_threshold_pct": 0})
+    s = fleet.session()
+    admin = lambda p: url(proxy, p, admin=True)  # noqa: E731
+    body = {"unit_id": "u1", "leader_grpc": b.triton.addr, "followers": [b.followers[0].addr]}
+    async with s.post(admin("/admin/units"), json=body, headers=AUTH) as r:
+        assert r.status == 201
+    async with s.post(admin("/admin/units"), json=body, headers=AUTH) as r:
+        assert r.status == 409
+    async with s.post(
+        admin("/admin/units"), json={"unit_id": "x", "leader_grpc": "nope"}, headers=AUTH
+    ) as r:
+        assert r.status == 400 and "HOST:PORT" in (await r.json())["error"]["message"]
+    await wait_until(lambda: proxy.registry.get("u1").nodes_healthy())  # new unit is probed
+
+    async with s.post(admin("/admin/units/u0/drain"), json=None, headers=AUTH) as r:
+        assert r.status == 200 and (await r.json())["draining"] is True
+    for i in range(4):  # drained u0 gets nothing
+        async with s.post(
+            url(proxy, "/v1/completions"), json={"model": "llm", "prompt": f"q{i}"}
+        ) as r:
+            assert r.status == 200
+    assert a.behavior.started == 0 and b.behavior.started == 4
+    async with s.post(admin("/admin/units/u0/undrain"), headers=AUTH) as r:
+        assert r.status == 200 and (await r.json())["draining"] is False
+
+    async with s.delete(admin("/admin/units/u1"), headers=AUTH) as r:
+        assert r.status == 200
+    async with s.delete(admin("/admin/units/u1"), headers=AUTH) as r:
+        assert r.status == 404
+    async with s.get(admin("/admin/units"), headers=AUTH) as r:
+        assert [u["unit_id"] for u in (await r.json())["units"]] == ["u0"]
+    async with s.get(url(proxy, "/status")) as r:
+        kinds = [e["kind"] for e in (await r.json())["events"]]
+    assert (
+        kinds.count("added") == 2 and "drain" in kinds and "undrain" in kinds and "removed" in kinds
+    )

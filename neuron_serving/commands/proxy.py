@@ -1,0 +1,68 @@
+"""`neuron-serving proxy --config FILE`: the health-probing proxy in front of many units."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "proxy",
+        help="run the health-probing proxy (OpenAI API, /status, /metrics, admin API)",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--config", required=True, metavar="FILE", help="proxy config (YAML or JSON)")
+    p.add_argument(
+        "--port", type=int, default=None, help="client port (default: config, else 8080)"
+    )
+    p.add_argument(
+        "--admin-port", type=int, default=None, help="admin port (default: config, else 8081)"
+    )
+    p.add_argument(
+        "--host", default=None, help="client bind address (default: config, else 127.0.0.1)"
+    )
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    # Imported here: the CLI builds every command's parser, and the proxy pulls in
+    # grpc, tritonclient and aiohttp.
+    import asyncio
+    import logging
+    import signal
+
+    from proxy.config import load_config
+    from proxy.server import ProxyServer
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(
+            args.config, port=args.port, admin_port=args.admin_port, host=args.host
+        )
+    except (OSError, ValueError, TypeError) as e:
+        print(f"neuron-serving proxy: bad config {args.config}: {e}", file=sys.stderr)
+        return 2
+
+    async def serve() -> None:
+        server = ProxyServer(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.start()
+        print(
+            f"proxy on http://{config.host}:{server.port} (admin {config.admin_host}:{server.admin_port})",
+            flush=True,
+        )
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
+
+    asyncio.run(serve())
+    return 0

@@ -132,7 +132,7 @@ class RoutingConfig:
     policy: str = "prefix_cache_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index
-    balance_abs_threshold: int = 32  # SGLang's default
+    balance_abs_threshold: int = 32  # in-flight requests; see README for the why
     balance_rel_threshold: float = 1.5
     session_header: str = "x-session-id"
 

@@ -76,7 +76,6 @@ def make_admin_app(proxy: ProxyServer, token: str | None) -> web.Application:
     async def remove_unit(request: web.Request) -> web.Response:
         unit = unit_or_404(request)
         registry.remove(unit.unit_id)
-        proxy.dispatcher.policy.on_unit_removed(unit.unit_id)
         return web.json_response({"removed": unit.unit_id, "in_flight": unit.in_flight})
 
     async def drain(request: web.Request) -> web.Response:

@@ -104,6 +104,11 @@ class HealthChecker:
         else:
             for t in self._tasks.pop(unit.unit_id, []):
                 t.cancel()
+            in_use = {n.addr for u in self._registry.units.values() for n in u.nodes}
+            for addr in {n.addr for n in unit.nodes if n.role == "follower"} - in_use:
+                channel = self._channels.pop(addr, None)
+                if channel is not None:
+                    asyncio.get_running_loop().create_task(channel.close())
 
     def _start_unit(self, unit: UnitState) -> None:
         self._tasks[unit.unit_id] = [

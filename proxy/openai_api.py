@@ -121,7 +121,7 @@ class Completion:
         return {**self._envelope("text_completion", [choice]), "usage": usage}
 
 
-def _as_api_error(e: Exception) -> APIError:
+def as_api_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, Overloaded):
@@ -233,7 +233,7 @@ class OpenAIFrontEnd:
                         return await self._stream(request, parsed, gen, start)
                     return await self._collect(parsed, gen, start)
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
-            raise _as_api_error(e) from None
+            raise as_api_error(e) from None
 
     async def _collect(
         self, parsed: ParsedRequest, gen: AsyncIterator[GenerationDelta], start: float
@@ -296,7 +296,10 @@ class OpenAIFrontEnd:
                 now = t
         except (NoRoutableUnit, UpstreamError) as e:
             log.warning("stream %s failed after the first token: %s", out.id, e)
-            error = _as_api_error(e)
+            await resp.write(_sse(as_api_error(e).body()))
+        except Exception:  # a proxy bug must still end the stream cleanly, not hang it
+            log.exception("stream %s failed", out.id)
+            error = APIError(500, "internal proxy error", "server_error", None, "internal_error")
             await resp.write(_sse(error.body()))
         metrics.e2e.observe(loop.time() - start)
         await resp.write(b"data: [DONE]\n\n")

@@ -62,7 +62,7 @@ def _number(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) -
     return float(v)
 
 
-def _int(body: dict, key: str, lo: int, hi: int = 2**63 - 1) -> int | None:
+def int_param(body: dict, key: str, lo: int, hi: int = 2**63 - 1) -> int | None:
     v = body.get(key)
     if v is None:
         return None
@@ -84,6 +84,40 @@ def _unsupported(key: str, why: str) -> Exception:
     return invalid(f"'{key}' is not supported by this server: {why}", key, "unsupported_parameter")
 
 
+SAMPLING_FIELDS = {
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "top_k", "seed", "ignore_eos", "stop",
+}  # fmt: skip
+
+
+def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling keys of ``body`` that are set, checked, in vllm_backend's names."""
+    sampling: dict[str, Any] = {}
+    for key, value in (
+        ("temperature", _number(body, "temperature", 0.0, 2.0)),
+        ("top_p", _number(body, "top_p", 0.0, 1.0, lo_open=True)),
+        ("min_p", _number(body, "min_p", 0.0, 1.0)),
+        ("presence_penalty", _number(body, "presence_penalty", -2.0, 2.0)),
+        ("frequency_penalty", _number(body, "frequency_penalty", -2.0, 2.0)),
+        ("repetition_penalty", _number(body, "repetition_penalty", 0.0, 2.0, lo_open=True)),
+        ("top_k", int_param(body, "top_k", -1, 1 << 20)),
+        ("seed", int_param(body, "seed", -(2**63), 2**63 - 1)),
+        ("ignore_eos", _bool(body, "ignore_eos")),
+    ):
+        if value is not None:
+            sampling[key] = value
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise invalid("'stop' must be a non-empty string or a list of them", "stop")
+        if len(stops) > MAX_STOP:
+            raise invalid(f"'stop' may hold at most {MAX_STOP} sequences", "stop")
+        if stops:
+            sampling["stop"] = stops
+    return sampling
+
+
 def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
@@ -93,7 +127,7 @@ def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise invalid("'model' is required and must be a non-empty string", "model")
-    if body.get("n") is not None and (_int(body, "n", 1) != 1):
+    if body.get("n") is not None and (int_param(body, "n", 1) != 1):
         raise _unsupported("n", "only n=1")
     if body.get("logprobs") not in (None, False):
         raise _unsupported("logprobs", "log probabilities are not returned")
@@ -113,29 +147,7 @@ def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
             raise invalid("'stream_options' must be {\"include_usage\": bool}", "stream_options")
         include_usage = _bool(opts, "include_usage") or False
 
-    sampling: dict[str, Any] = {}
-    for key, value in (
-        ("temperature", _number(body, "temperature", 0.0, 2.0)),
-        ("top_p", _number(body, "top_p", 0.0, 1.0, lo_open=True)),
-        ("min_p", _number(body, "min_p", 0.0, 1.0)),
-        ("presence_penalty", _number(body, "presence_penalty", -2.0, 2.0)),
-        ("frequency_penalty", _number(body, "frequency_penalty", -2.0, 2.0)),
-        ("repetition_penalty", _number(body, "repetition_penalty", 0.0, 2.0, lo_open=True)),
-        ("top_k", _int(body, "top_k", -1, 1 << 20)),
-        ("seed", _int(body, "seed", -(2**63), 2**63 - 1)),
-        ("ignore_eos", _bool(body, "ignore_eos")),
-    ):
-        if value is not None:
-            sampling[key] = value
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise invalid("'stop' must be a non-empty string or a list of them", "stop")
-        if len(stops) > MAX_STOP:
-            raise invalid(f"'stop' may hold at most {MAX_STOP} sequences", "stop")
-        if stops:
-            sampling["stop"] = stops
+    sampling = parse_sampling(body)
     return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
 
 
@@ -150,13 +162,13 @@ def parse_completion(body: Any) -> ParsedRequest:
         raise invalid("'prompt' is required and must be a non-empty string", "prompt")
     if body.get("echo") not in (None, False):
         raise _unsupported("echo", "the prompt is not echoed")
-    if body.get("best_of") is not None and _int(body, "best_of", 1) != 1:
+    if body.get("best_of") is not None and int_param(body, "best_of", 1) != 1:
         raise _unsupported("best_of", "only best_of=1")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "no insertion mode")
     return ParsedRequest(
         kind="completion",
-        max_tokens=_int(body, "max_tokens", 1),
+        max_tokens=int_param(body, "max_tokens", 1),
         prompt=prompt,
         **common,
     )
@@ -214,7 +226,7 @@ def parse_chat(body: Any) -> ParsedRequest:
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise _unsupported("response_format", 'only {"type": "text"}')
-    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = int_param(body, "max_completion_tokens", 1)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1)
+        max_tokens = int_param(body, "max_tokens", 1)
     return ParsedRequest(kind="chat", max_tokens=max_tokens, messages=flat, **common)

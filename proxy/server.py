@@ -24,10 +24,11 @@ from proxy.health import HealthChecker
 from proxy.metrics import ProxyMetrics
 from proxy.openai_api import BODY_LIMIT, OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
-from proxy.registry import NodeState, Registry, UnitState
+from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
 from proxy.routing import make_policy
 from proxy.status import build_status
 from proxy.tokenizer import ModelTokenizer
+from proxy.triton_api import TritonFrontEnd
 from proxy.upstream import TritonClientPool, TritonUpstream
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class ProxyServer:
             self.metrics,
         )
         self.health = HealthChecker(self.registry, config.health, self.clients, self._on_probe)
+        self.registry.subscribe(self._on_registry_change)
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._runners: list[web.AppRunner] = []
         self.port = config.port
@@ -101,6 +103,10 @@ class ProxyServer:
             "healthy": unit.nodes_healthy(),
             "in_flight": unit.in_flight,
         }
+
+    def _on_registry_change(self, event: RegistryEvent, unit: UnitState) -> None:
+        if event == "removed":
+            self.dispatcher.policy.on_unit_removed(unit.unit_id)
 
     def _on_probe(self, unit: UnitState, node: NodeState, ok: bool, latency_s: float) -> None:
         self.metrics.probe_latency.labels(node.role).observe(latency_s)
@@ -151,6 +157,7 @@ class ProxyServer:
         )
         app[BODY_LIMIT] = self.config.max_body_bytes
         app.add_routes(OpenAIFrontEnd(self).routes())
+        app.add_routes(TritonFrontEnd(self).routes())
         app.add_routes(
             [
                 web.get("/status", self.status),

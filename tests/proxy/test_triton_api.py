@@ -1,0 +1,48 @@
+"""Triton's generate / generate_stream through the proxy."""
+
+import json
+
+from tests.proxy.conftest import url
+from tests.proxy.fakes import reference_completion
+
+
+async def test_generate_and_generate_stream(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    a.behavior.kill_after_tokens = 2  # the stream below is migrated to u1
+    proxy = await fleet.proxy([a, b], routing={"policy": "round_robin"})
+    s = fleet.session()
+    body = {"text_input": "blue", "parameters": {"max_tokens": 6, "ignore_eos": True}}
+    async with s.post(url(proxy, "/v2/models/llm/generate_stream"), json=body) as r:
+        assert r.status == 200
+        events = [json.loads(b[len("data: ") :]) for b in (await r.text()).split("\n\n") if b]
+    expected, _ = reference_completion("blue", 6, ignore_eos=True)
+    assert (
+        "".join(e["text_output"] for e in events) == "blue" + expected
+    )  # input included by default
+    assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == 6
+    assert all(e["model_name"] == "llm" for e in events)
+
+    body = {"text_input": "size", "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps({"max_tokens": 4, "ignore_eos": True})}  # fmt: skip
+    async with s.post(url(proxy, "/v2/models/llm/generate"), json=body) as r:
+        assert r.status == 200
+        out = await r.json()
+    assert out["text_output"] == reference_completion("size", 4, ignore_eos=True)[0]
+
+
+async def test_generate_errors_are_triton_shaped(fleet):
+    a = await fleet.unit("u0")
+    proxy = await fleet.proxy([a])
+    s = fleet.session()
+    for path, body, status in (
+        ("/v2/models/nope/generate", {"text_input": "x"}, 404),
+        ("/v2/models/llm/generate", {"text_input": ""}, 400),
+        ("/v2/models/llm/generate", {"text_input": "x", "parameters": {"max_tokens": 0}}, 400),
+        ("/v2/models/llm/generate", {"text_input": "x", "parameters": {"beam_width": 2}}, 400),
+        ("/v2/models/llm/generate", {"text_input": "x", "sampling_parameters": "{bad"}, 400),
+        ("/v2/models/llm/generate_stream", {"text_input": "x", "bogus": 1}, 400),
+    ):
+        async with s.post(url(proxy, path), json=body) as r:
+            assert r.status == status, body
+            err = await r.json()
+            assert isinstance(err["error"], str) and err["error"]

@@ -1,0 +1,132 @@
+"""Process helpers for tests that run real neuron-serving processes.
+
+Every process is started in its own session so teardown can kill its whole
+tree; every wait is bounded; ``leftover`` checks the process table for anything
+a test started, because exit codes alone do not prove nothing is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_TOKEN = "test-unit-token-0123456789abcdef"
+
+
+def free_port_block(n: int = 4) -> int:
+    """A base port with ``n`` consecutive free ports (control, store, dist, spare)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port block")
+
+
+def unit_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND="0|1",
+        NEURON_SERVING_UNIT_TOKEN=TEST_TOKEN,
+        VLLM_LOGGING_STREAM="ext://sys.stderr",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+class Proc:
+    def __init__(self, name: str, args: list[str], log_dir: Path, env: dict[str, str]):
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        self.out = log_dir / f"{name}.out"
+        self._log_f = open(self.log, "wb")  # noqa: SIM115 (closed in stop)
+        self._out_f = open(self.out, "wb")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "neuron_serving.cli", *args],
+            stdout=self._out_f,
+            stderr=self._log_f,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        self.pid = self.popen.pid
+
+    def wait(self, timeout: float) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def stderr(self) -> str:
+        self._log_f.flush()
+        return self.log.read_text(errors="replace")
+
+    def stdout(self) -> str:
+        self._out_f.flush()
+        return self.out.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def stop(self) -> None:
+        """Kill the whole session (the process and anything it spawned)."""
+        try:
+            os.killpg(self.pid, signal.SIGCONT)
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log_f.close()
+        self._out_f.close()
+
+
+def leftover(procs: list[Proc], settle_s: float = 5.0) -> list[str]:
+    """Live processes from the sessions of ``procs`` (zombies excluded), after
+    giving exiting processes up to ``settle_s`` to disappear."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        alive = _session_members({p.pid for p in procs})
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _session_members(sids: set[int]) -> list[str]:
+    alive = []
+    for proc in psutil.process_iter(["pid", "status", "cmdline"]):
+        try:
+            if os.getsid(proc.info["pid"]) in sids and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(f"{proc.info['pid']}: {' '.join(proc.info['cmdline'] or [])[:120]}")
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
+    return alive
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")

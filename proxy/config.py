@@ -132,6 +132,9 @@ class RoutingConfig:
     policy: str = "prefix_cache_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index
+    # A cached prefix counts only if it covers at least this fraction of the prompt's blocks
+    # (SGLang's cache_threshold): a shared BOS + role header must not pull everything to one unit.
+    cache_threshold: float = 0.5
     balance_abs_threshold: int = 32  # in-flight requests; see README for the why
     balance_rel_threshold: float = 1.5
     session_header: str = "x-session-id"
@@ -140,6 +143,7 @@ class RoutingConfig:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
         _check(self.block_chars >= 1, "routing.block_chars must be >= 1")
         _check(self.max_blocks_per_unit >= 1, "routing.max_blocks_per_unit must be >= 1")
+        _check(0 <= self.cache_threshold <= 1, "routing.cache_threshold must be in [0, 1]")
         _check(self.balance_abs_threshold >= 0, "routing.balance_abs_threshold must be >= 0")
         _check(self.balance_rel_threshold >= 1.0, "routing.balance_rel_threshold must be >= 1")
         _check(bool(self.session_header), "routing.session_header must not be empty")

@@ -6,9 +6,10 @@
    unit. Both thresholds must trip so that small absolute gaps at low load (1 vs 3)
    and large ratios on a busy fleet (200 vs 230) do not defeat caching.
 2. Otherwise go to the unit holding the longest cached prefix of this prompt
-   (ties: least loaded, then random).
-3. No unit has any of it: least-loaded (ties: the unit with the smallest index,
-   i.e. the most free cache, then random), which spreads new prefixes.
+   (ties: least loaded, then random), if that prefix covers at least
+   ``cache_threshold`` of the prompt's blocks.
+3. Else (no unit has enough of it): least-loaded (ties: the unit with the smallest
+   index, i.e. the most free cache, then random), which spreads new prefixes.
 
 The chosen unit's index then gets this prompt's blocks, whatever the reason.
 """
@@ -44,7 +45,7 @@ class PrefixCacheAwarePolicy:
         else:
             matches = {u.unit_id: self.index.match_blocks(u.unit_id, chain) for u in candidates}
             best = max(matches.values())
-            if best > 0:
+            if best > 0 and best >= self.cfg.cache_threshold * len(chain):
                 holders = [u for u in candidates if matches[u.unit_id] == best]
                 decision = RoutingDecision(self._least_loaded(holders), "prefix_hit")
             else:

@@ -87,3 +87,41 @@ def test_session_affinity_is_sticky_and_moves_only_lost_sessions():
     after = {s: policy.choose(req("x", s), without_b).unit.unit_id for s in before}
     assert all(after[s] == before[s] for s in before if before[s] != "b")
     assert policy.choose(req("no session"), us).reason == "least_loaded"
+
+
+async def test_proxy_keeps_a_shared_prefix_on_one_unit(fleet):
+    from tests.proxy.conftest import url
+
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    proxy = await fleet.proxy([a, b], routing={"block_chars": 16})
+    s = fleet.session()
+
+    async def chat(system: str, user: str) -> None:
+        body = {"model": "llm", "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": user}]}  # fmt: skip
+        async with s.post(url(proxy, "/v1/chat/completions"), json=body) as r:
+            assert r.status == 200
+
+    for i in range(6):
+        await chat(SYSTEM, f"question {i}")
+    counts = sorted([len(a.behavior.prompts), len(b.behavior.prompts)])
+    assert counts == [0, 6]
+    # A different prefix goes to the unit with the emptier index, then stays there.
+    for i in range(3):
+        await chat("You answer questions about delivery times. " * 5, f"order {i}")
+    assert sorted([len(a.behavior.prompts), len(b.behavior.prompts)]) == [3, 6]
+    async with s.get(url(proxy, "/metrics")) as r:
+        text = await r.text()
+    assert (
+        'proxy_routing_decisions_total{policy="prefix_cache_aware",reason="prefix_hit"} 7.0' in text
+    )
+
+
+def test_cache_aware_ignores_a_prefix_below_cache_threshold():
+    policy = make_policy(RoutingConfig(block_chars=8, cache_threshold=0.5), seed=3)
+    a, b = units("a", "b")
+    owner = policy.choose(req("<s>[sys] " + "x" * 80), [a, b]).unit
+    d = policy.choose(req("<s>[sys] " + "y" * 80), [a, b])  # one shared block of eleven
+    assert d.reason == "prefix_miss" and d.unit is not owner  # the emptier index wins the tie
+    d = policy.choose(req("<s>[sys] " + "x" * 40 + "z" * 40), [a, b])  # six of eleven
+    assert d.reason == "prefix_hit" and d.unit is owner

@@ -105,12 +105,27 @@ class Fleet:
     async def close(self) -> None:
         for s in self.sessions:
             await s.close()
-        for p in self.proxies:
-            await p.stop()
-        for u in self.units:
-            await u.triton.stop()
-            for f in u.followers:
-                await f.stop()
+
+        # Whatever a test did, every counter must drain back to zero: no leaked slots.
+        def drained(p: ProxyServer) -> bool:
+            d = p.dispatcher
+            units_idle = all(u.in_flight == 0 for u in p.registry.units.values())
+            return (
+                units_idle
+                and d.active_jobs == d.retries_in_flight == 0
+                and p.admission.active == p.admission.queued == 0
+            )
+
+        try:
+            for p in self.proxies:
+                await wait_until(lambda p=p: drained(p), timeout=5)
+        finally:
+            for p in self.proxies:
+                await p.stop()
+            for u in self.units:
+                await u.triton.stop()
+                for f in u.followers:
+                    await f.stop()
 
 
 @pytest.fixture

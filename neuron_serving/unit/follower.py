@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from neuron_serving.unit import auth
@@ -80,7 +81,15 @@ def _exit(code: int, message: str) -> None:
 
 
 class Follower:
-    def __init__(self, cfg: FollowerConfig, status: NodeStatus | None = None) -> None:
+    def __init__(
+        self,
+        cfg: FollowerConfig,
+        status: NodeStatus | None = None,
+        exit_fn: Callable[[int, str], None] = _exit,
+    ) -> None:
+        # exit_fn: how background threads end the process when the unit breaks
+        # (os._exit in production; tests running followers in-process record it).
+        self._exit = exit_fn
         self.cfg = cfg
         self.token = auth.resolve_token(cfg.token_file)
         self.status = status or NodeStatus("?", cfg.rank, 0)
@@ -179,12 +188,14 @@ class Follower:
             except (ChannelClosed, OSError, ValueError) as e:
                 if self._shutdown.is_set():
                     return
-                _exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting")
+                self._exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting")
+                return
             self._last_seen = time.monotonic()
             if isinstance(msg, Start):
                 self._starts.put(msg)
             elif isinstance(msg, Failure):
-                _exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting")
+                self._exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting")
+                return
             elif isinstance(msg, Shutdown):
                 self._shutdown.set()
 
@@ -209,16 +220,18 @@ class Follower:
                 # The leader asked us to stop; give the main loop a moment to do it
                 # cleanly, then make sure we do not linger.
                 time.sleep(5.0)
-                _exit(EXIT_OK, f"rank {self.cfg.rank}: shut down by the leader")
+                self._exit(EXIT_OK, f"rank {self.cfg.rank}: shut down by the leader")
+                return
             age = time.monotonic() - self._last_seen
             # Only leader-side heartbeats count; before Start the leader may be
             # waiting for other ranks, but it heartbeats from Start on.
             if self._started and age > timeout:
-                _exit(
+                self._exit(
                     EXIT_LEADER_LOST,
                     f"rank {self.cfg.rank}: no heartbeat from the leader for {age:.1f} s "
                     "(leader hung or unreachable); exiting",
                 )
+                return
 
     _started = False
 

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+
+from neuron_serving.devices.base import DeviceUnavailable, RankPlacement, get_backend
+from neuron_serving.devices.cpu import CpuBackend, parse_cpu_list
+from neuron_serving.devices.neuron import NeuronBackend
+
+
+def test_cpu_binding_per_rank(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2,3")
+    env = CpuBackend().process_env(RankPlacement(1, 2, "10.0.0.1", 29500))
+    assert env == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{2,3}", "OMP_PROC_BIND": "true",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    with pytest.raises(ValueError, match="one '\\|'-separated entry per rank"):
+        CpuBackend().process_env(RankPlacement(1, 2, "h", 1))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert CpuBackend().process_env(RankPlacement(0, 2, "h", 1)) == {}
+    assert parse_cpu_list("0-2,5") == [0, 1, 2, 5]
+
+
+def test_cpu_shm_patch_targets_exist():
+    # prepare_worker patches this private vLLM name; fail loudly if an upgrade moves it.
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    assert callable(cpu_communicator._CPUSHMDistributed.make_group_name)
+
+
+def test_neuron_env_per_rank():
+    b = NeuronBackend(cores_per_node=32)
+    env = b.process_env(RankPlacement(2, 4, "10.0.0.5", 29500))
+    assert env["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.5:29503"
+    assert env["NEURON_RANK_ID"] == "2"
+    assert env["NEURON_LOCAL_TP"] == "32"
+    assert env["FI_PROVIDER"] == "efa"
+    assert env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["FI_EFA_FORK_SAFE"] == "1"
+    assert b.nxdi_config(RankPlacement(2, 4, "h", 1)) == {
+        "tp_degree": 128, "world_size": 128, "local_ranks_size": 32, "start_rank_id": 64}
+
+
+def test_neuron_missing_packages_is_a_clear_error():
+    with pytest.raises(DeviceUnavailable, match="pip.repos.neuron.amazonaws.com"):
+        NeuronBackend().check_available()
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="known: cpu, neuron"):
+        get_backend("tpu")

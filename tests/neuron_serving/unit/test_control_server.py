@@ -1,0 +1,189 @@
+"""Join handshake between a real ControlServer and real Followers on loopback."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from neuron_serving.unit.config import UnitConfig
+from neuron_serving.unit.control_server import ControlServer, UnitJoinError
+from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
+from neuron_serving.unit.messages import Start
+from neuron_serving.versions import runtime_versions
+from tests.procs import TEST_TOKEN, free_port_block
+
+
+@pytest.fixture(autouse=True)
+def token_env(monkeypatch):
+    monkeypatch.setenv("NEURON_SERVING_UNIT_TOKEN", TEST_TOKEN)
+
+
+class Leader:
+    def __init__(self, world_size=2, versions=None, **unit_kw):
+        self.port = free_port_block()
+        self.failures: list[tuple[int, str]] = []
+        self.follower_exits: list[tuple[int, str]] = []
+        unit = UnitConfig(control_port=self.port, join_timeout_s=5, **unit_kw)
+        self.server = ControlServer(
+            unit, world_size, TEST_TOKEN.encode(), versions or runtime_versions(),
+            lambda rank, reason: self.failures.append((rank, reason)),
+        )
+        self.server.listen()
+
+    def follower(self, rank=1, timeout=5.0) -> Follower:
+        return Follower(
+            FollowerConfig("127.0.0.1", self.port, rank, join_timeout_s=timeout),
+            exit_fn=lambda code, msg: self.follower_exits.append((code, msg)),
+        )
+
+
+@pytest.fixture
+def leader():
+    made: list[Leader] = []
+
+    def make(**kw):
+        lead = Leader(**kw)
+        made.append(lead)
+        return lead
+
+    yield make
+    for lead in made:
+        lead.server.close(clean=False)
+
+
+def test_join_and_start(leader):
+    lead = leader(world_size=3)
+    f1, f2 = lead.follower(1), lead.follower(2)
+    w1, w2 = f1.join(), f2.join()
+    assert w1.world_size == w2.world_size == 3
+    assert w1.session_nonce == w2.session_nonce
+    lead.server.wait_for_followers(5)
+    f1.start_background()
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    assert f1.wait_start().store_port == lead.port + 1
+    assert sorted(lead.server.links) == [1, 2]
+
+
+def test_follower_may_start_before_leader():
+    port = free_port_block()
+    follower = Follower(FollowerConfig("127.0.0.1", port, 1, join_timeout_s=10))
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("w", follower.join()))
+    t.start()
+    time.sleep(1.0)  # the follower is retrying a refused connection meanwhile
+    server = ControlServer(
+        UnitConfig(control_port=port), 2, TEST_TOKEN.encode(), runtime_versions(), lambda *a: None
+    )
+    server.listen()
+    try:
+        t.join(timeout=10)
+        assert result["w"].world_size == 2
+        server.wait_for_followers(5)
+    finally:
+        server.close(clean=False)
+
+
+def test_wrong_token_rejected_without_leaking(leader, monkeypatch):
+    lead = leader()
+    monkeypatch.setenv("NEURON_SERVING_UNIT_TOKEN", "some-other-token-1234567890")
+    with pytest.raises(FollowerRejected, match="token: authentication failed"):
+        lead.follower().join()
+    assert lead.server.links == {}
+    with pytest.raises(UnitJoinError) as e:
+        lead.server.wait_for_followers(0.5)
+    assert "ranks [1] did not join" in str(e.value)
+    assert "authentication failed" in str(e.value)
+
+
+def test_version_mismatch_names_field_and_both_values(leader):
+    theirs = runtime_versions()
+    lead = leader(versions={**theirs, "vllm": "0.31.9"})
+    with pytest.raises(FollowerRejected) as e:
+        lead.follower().join()
+    msg = str(e.value)
+    assert "versions.vllm" in msg and "0.31.9" in msg and theirs["vllm"] in msg
+
+
+def test_duplicate_rank_rejected(leader):
+    lead = leader(world_size=3)
+    first = lead.follower(1)
+    first.join()
+    with pytest.raises(FollowerRejected, match="rank: rank 1 already joined"):
+        lead.follower(1).join()
+
+
+def test_rank_out_of_range_rejected(leader):
+    lead = leader(world_size=2)
+    with pytest.raises(FollowerRejected, match="rank 5 is outside 1..1"):
+        lead.follower(5).join()
+
+
+def test_join_timeout_lists_missing_ranks(leader):
+    lead = leader(world_size=4)
+    present = lead.follower(2)
+    present.join()
+    t0 = time.monotonic()
+    with pytest.raises(UnitJoinError, match=r"ranks \[1, 3\] did not join within 1 s"):
+        lead.server.wait_for_followers(1.0)
+    assert time.monotonic() - t0 < 5
+    assert present.channel is not None
+
+
+def test_follower_gives_up_when_no_leader():
+    port = free_port_block()
+    f = Follower(FollowerConfig("127.0.0.1", port, 1, join_timeout_s=1.0))
+    with pytest.raises(TimeoutError, match="could not join leader"):
+        f.join()
+
+
+def test_unauthenticated_oversized_frame_is_dropped(leader):
+    lead = leader()
+    with socket.create_connection(("127.0.0.1", lead.port), timeout=5) as s:
+        s.recv(4096)  # challenge
+        s.sendall(struct.pack("!I", 50 << 20) + b"x" * 1024)
+        s.settimeout(5)
+        assert s.recv(1024) == b""  # the leader closed the connection
+    assert lead.server.links == {}
+
+
+def test_garbage_hello_is_dropped_and_server_keeps_serving(leader):
+    lead = leader()
+    with socket.create_connection(("127.0.0.1", lead.port), timeout=5) as s:
+        s.recv(4096)
+        s.sendall(struct.pack("!I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+        s.settimeout(5)
+        assert s.recv(1024) == b""
+    real = lead.follower()
+    real.join()  # a real follower still gets in
+    lead.server.wait_for_followers(5)
+    assert real.welcome is not None
+
+
+def test_follower_disconnect_after_start_is_reported(leader):
+    lead = leader()
+    f = lead.follower()
+    f.join()
+    lead.server.wait_for_followers(5)
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    f.channel.close()
+    deadline = time.monotonic() + 5
+    while not lead.failures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lead.failures and lead.failures[0][0] == 1
+    assert "rank 1" in lead.failures[0][1] and "closed its control connection" in lead.failures[0][1]
+
+
+def test_silent_follower_is_declared_hung(leader):
+    lead = leader(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    f = lead.follower()
+    f.join()  # joined, but no heartbeat thread: looks like a stopped process
+    lead.server.wait_for_followers(5)
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    deadline = time.monotonic() + 5
+    while not lead.failures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lead.failures and "no heartbeat" in lead.failures[0][1]

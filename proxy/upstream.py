@@ -34,9 +34,14 @@ from proxy.config import TimeoutConfig, UnitSpec
 _MAX_MESSAGE = 2**31 - 1
 
 # In-stream error messages that mean "this unit cannot serve now" (retry elsewhere),
-# as opposed to "this request is bad" (tell the client). Triton reports both as a
-# plain string; these are the phrases Triton and our leader use for the former.
-_UNIT_FAULT_PHRASES = ("not ready", "unavailable", "shutting down", "unknown model", "not found")
+# as opposed to "this request is bad" (tell the client). A stream error carries only
+# Triton's message, not its code, so the phrases Triton and our leader
+# (neuron_serving/triton/backend.py) use for the former are matched here: "model llm
+# is unavailable: ...", "request was cancelled" (engine shutdown), "generation failed".
+_UNIT_FAULT_PHRASES = (
+    "not ready", "unavailable", "shutting down", "unknown model", "not found",
+    "cancelled", "generation failed", "internal",
+)  # fmt: skip
 
 
 def grpc_channel_options() -> list[tuple[str, Any]]:
@@ -215,7 +220,14 @@ class TritonUpstream:
                 if error is not None:
                     raise classify_stream_error(str(error.message() or error))
                 budget = self.timeouts.inter_token_s
-                delta = parse_response(result)
+                try:
+                    delta = parse_response(result)
+                except Exception as e:  # a leader that breaks the tensor contract is broken
+                    raise UpstreamError(
+                        f"malformed upstream response: {type(e).__name__}: {e}",
+                        unit_fault=True,
+                        retriable=True,
+                    ) from None
                 yield delta
                 if delta.finish_reason is not None:
                     return

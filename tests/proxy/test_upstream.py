@@ -103,3 +103,20 @@ async def test_server_killed_mid_stream_is_retriable(triton, upstream):
             async for d in gen:
                 got.append(d)
     assert len(got) == 3 and e.value.retriable and e.value.unit_fault
+
+
+@pytest.mark.parametrize(
+    "message, unit_fault",
+    [
+        ("model llm is unavailable: follower rank 1 stopped heartbeating", True),
+        ("request was cancelled", True),
+        ("generation failed: RuntimeError('boom')", True),
+        ("prompt is 5000 tokens; max_model_len is 4096", False),
+        ("invalid sampling parameters: top_p must be in (0, 1]", False),
+    ],
+)
+async def test_leader_error_messages_are_classified(triton, upstream, message, unit_fault):
+    triton.behavior.stream_error = message
+    with pytest.raises(UpstreamError) as e:
+        await collect(upstream, triton.addr, "x", {"max_tokens": 2})
+    assert e.value.unit_fault is unit_fault and e.value.retriable is unit_fault

@@ -200,7 +200,7 @@ class OpenAIFrontEnd:
             n = await asyncio.to_thread(tok.count_tokens, prompt)
         else:
             n = tok.count_tokens(prompt)
-        if n is not None and n + (parsed.max_tokens or 0) > limit:
+        if n is not None and n + (parsed.max_tokens or 1) > limit:  # room for one token at least
             raise invalid(
                 f"This model's maximum context length is {limit} tokens; the prompt has {n} "
                 f"and max_tokens is {parsed.max_tokens}",

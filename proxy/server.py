@@ -173,6 +173,10 @@ class ProxyServer:
         token = self.config.admin_token()
         if token is None:
             log.warning("no admin token configured: the admin API refuses every request")
+        for model in self.config.models:
+            self.tokenizer(
+                model.name
+            )  # a broken tokenizer_config.json fails start-up, not requests
         self.health.start()
         for app, host, port, attr in (
             (self.make_app(), self.config.host, self.config.port, "port"),

@@ -1,5 +1,7 @@
 import asyncio
 
+import aiohttp
+
 from tests.proxy.conftest import read_sse, url
 from tests.proxy.fakes import reference_completion, wait_until
 
@@ -123,3 +125,17 @@ async def test_deadline_gives_504(fleet):
         assert r.status == 504
         assert (await r.json())["error"]["code"] == "deadline_exceeded"
     await asyncio.sleep(0)
+
+
+async def test_client_disconnect_cancels_a_non_stream_request(fleet):
+    u = await fleet.unit("u0")
+    u.behavior.token_delay_s = 0.05
+    proxy = await fleet.proxy([u])
+    body = {"model": "llm", "prompt": "p", "max_tokens": 1000, "ignore_eos": True}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as s:
+        try:
+            async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+                await r.read()
+        except TimeoutError:
+            pass  # the client gave up and closed its connection
+    await wait_until(lambda: u.behavior.cancelled == 1 and u.behavior.active == 0)

@@ -143,3 +143,30 @@ async def test_bad_request_reported_by_unit_is_400_and_not_retried(fleet):
         assert "max_model_len" in (await r.json())["error"]["message"]
     assert a.behavior.started + b.behavior.started == 1
     assert all(u.consecutive_errors == 0 for u in proxy.registry.units.values())
+
+
+async def test_concurrent_streams_all_survive_a_unit_dying(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    a.behavior.token_delay_s = b.behavior.token_delay_s = 0.01
+    a.behavior.kill_after_tokens = 5  # u0 dies while about half of the streams run on it
+    proxy = await fleet.proxy([a, b], **RR)
+    s = fleet.session()
+
+    async def one(i: int) -> tuple[str, str]:
+        prompt = f"customer {i} wants"
+        body = {
+            "model": "llm",
+            "prompt": prompt,
+            "max_tokens": 10,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+            assert r.status == 200
+            return prompt, completion_text(await read_sse(r))
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(16))), 20)
+    for prompt, text in results:
+        assert text == reference_completion(prompt, 10, ignore_eos=True)[0]
+    migrated = [p for p in b.behavior.prompts if not p.endswith("wants")]  # prompt + text so far
+    assert migrated and all(p.split(" wants")[0].startswith("customer") for p in migrated)

@@ -119,7 +119,10 @@ def check(status: int, body: bytes) -> None:
 
 
 SETTINGS = settings(
-    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    database=None,  # no .hypothesis/ in the repo; a failure prints its reproducing @seed
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 
 

@@ -9,6 +9,7 @@ the dispatcher's generator and so cancels the upstream gRPC call at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -77,6 +78,7 @@ class ProxyServer:
         self.registry.subscribe(self._on_registry_change)
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._runners: list[web.AppRunner] = []
+        self._background: set[asyncio.Task[None]] = set()
         self.port = config.port
         self.admin_port = config.admin_port
         for spec in config.units:
@@ -107,6 +109,20 @@ class ProxyServer:
     def _on_registry_change(self, event: RegistryEvent, unit: UnitState) -> None:
         if event == "removed":
             self.dispatcher.policy.on_unit_removed(unit.unit_id)
+            task = asyncio.get_running_loop().create_task(self._close_client_when_idle(unit))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _close_client_when_idle(self, unit: UnitState) -> None:
+        """A removed unit's requests finish on its channel; then the channel is closed,
+        unless another unit (re-added under a new id) uses the same leader."""
+        addr = unit.spec.leader_grpc
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeouts.request_s
+        while unit.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.2)
+        if all(u.spec.leader_grpc != addr for u in self.registry.units.values()):
+            await self.clients.discard(addr)
 
     def _on_probe(self, unit: UnitState, node: NodeState, ok: bool, latency_s: float) -> None:
         self.metrics.probe_latency.labels(node.role).observe(latency_s)
@@ -205,5 +221,8 @@ class ProxyServer:
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.health.stop()
         await self.clients.close()

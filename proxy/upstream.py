@@ -98,6 +98,14 @@ class TritonClientPool:
             self._clients[addr] = client
         return client
 
+    def addrs(self) -> list[str]:
+        return sorted(self._clients)
+
+    async def discard(self, addr: str) -> None:
+        client = self._clients.pop(addr, None)
+        if client is not None:
+            await client.close()
+
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:

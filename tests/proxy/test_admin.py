@@ -52,8 +52,10 @@ async def test_admin_add_drain_undrain_remove(fleet):
     async with s.post(admin("/admin/units/u0/undrain"), headers=AUTH) as r:
         assert r.status == 200 and (await r.json())["draining"] is False
 
+    assert b.triton.addr in proxy.clients.addrs()
     async with s.delete(admin("/admin/units/u1"), headers=AUTH) as r:
         assert r.status == 200
+    await wait_until(lambda: b.triton.addr not in proxy.clients.addrs())  # channel closed
     async with s.delete(admin("/admin/units/u1"), headers=AUTH) as r:
         assert r.status == 404
     async with s.get(admin("/admin/units"), headers=AUTH) as r:

@@ -95,3 +95,17 @@ def test_cli_rejects_bad_config(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "routing.policy" in out.stderr
+
+
+def test_readme_example_config_is_valid():
+    import pathlib
+
+    import yaml
+
+    readme = (pathlib.Path(__file__).parents[2] / "proxy" / "README.md").read_text()
+    block = readme.split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = config_from_dict(yaml.safe_load(block))
+    defaults = ProxyConfig()
+    # The README documents the defaults: every section it shows equals the code's.
+    for section in ("health", "outlier", "retry", "timeouts", "admission", "routing"):
+        assert getattr(cfg, section) == getattr(defaults, section), section

@@ -110,12 +110,17 @@ class Dispatcher:
         tried: set[str] = set()
         failures_before_first = 0
         while True:
+            if tokens_done >= job.max_tokens:
+                # The unit died after the last token but before saying so: nothing to resume.
+                yield GenerationDelta("", "length", prompt_tokens, tokens_done)
+                return
             unit = self.pick(job, tried)
             job.units.append(unit.unit_id)
             job.attempts += 1
             is_retry = job.attempts > 1
             sampling = dict(job.sampling, max_tokens=job.max_tokens - tokens_done)
             seg_tokens = seg_reported = 0
+            backoff = 0  # > 0: wait before the next attempt (outside this unit's in-flight)
             unit.in_flight += 1
             unit.requests_total += 1
             self.retries_in_flight += is_retry
@@ -169,10 +174,12 @@ class Dispatcher:
                         self.metrics.retries.labels("budget_exhausted").inc()
                         raise
                     self.metrics.retries.labels("retried").inc()
-                    await self._backoff(failures_before_first, job.deadline)
+                    backoff = failures_before_first
             finally:
                 unit.in_flight -= 1
                 self.retries_in_flight -= is_retry
+            if backoff:
+                await self._backoff(backoff, job.deadline)
 
     def _record_failure(self, unit: UnitState, e: UpstreamError) -> None:
         outcome = "unit_fault" if e.unit_fault else "request_error"

@@ -50,6 +50,7 @@ class Behavior:
     fail_next: int = 0  # the next N requests fail with gRPC UNAVAILABLE before any token
     stream_error: str = ""  # in-stream error for every request (e.g. a bad-request message)
     kill_after_tokens: int | None = None  # the whole server dies after this many tokens
+    finish_separately: bool = False  # the finish reason comes in its own, empty, last response
     prompts: list[str] = field(default_factory=list)
     started: int = 0
     cancelled: int = 0
@@ -123,8 +124,16 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                         yield _response("llm", req.id, "", "stop", len(prompt), i)
                         break
                     out += " " + word
-                    finish = "length" if i == max_tokens - 1 else ""
-                    yield _response("llm", req.id, " " + word, finish, len(prompt), i + 1)
+                    last = i == max_tokens - 1 and not b.finish_separately
+                    yield _response(
+                        "llm", req.id, " " + word, "length" if last else "", len(prompt), i + 1
+                    )
+                else:
+                    if b.finish_separately:
+                        if b.kill_after_tokens is not None and max_tokens >= b.kill_after_tokens:
+                            asyncio.get_running_loop().create_task(self.owner.kill())
+                            await asyncio.sleep(3600)
+                        yield _response("llm", req.id, "", "length", len(prompt), max_tokens)
             except asyncio.CancelledError:
                 b.cancelled += 1
                 raise

@@ -170,3 +170,19 @@ async def test_concurrent_streams_all_survive_a_unit_dying(fleet):
         assert text == reference_completion(prompt, 10, ignore_eos=True)[0]
     migrated = [p for p in b.behavior.prompts if not p.endswith("wants")]  # prompt + text so far
     assert migrated and all(p.split(" wants")[0].startswith("customer") for p in migrated)
+
+
+async def test_unit_dying_between_last_token_and_finish_ends_with_length(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    a.behavior.finish_separately = True
+    a.behavior.kill_after_tokens = 5  # all 5 tokens sent, then death before the finish
+    proxy = await fleet.proxy([a, b], **RR)
+    s = fleet.session()
+    body = {"model": "llm", "prompt": "q", "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+        events = await read_sse(r)
+    assert completion_text(events) == reference_completion("q", 5, ignore_eos=True)[0]
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 5
+    assert b.behavior.started == 0  # nothing left to resume: no request to u1

@@ -61,6 +61,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Runs in the forked child before exec: SIGTERM it when the leader dies."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @dataclass(slots=True)
 class LeaderSettings:
     model: str
@@ -148,11 +156,18 @@ class TritonLeader:
             f"--log-verbose={s.log_verbose}",
         ]
         env = stub_env(install, dict(os.environ))
+        # Rank 0's worker runs in EngineCore, a grandchild of tritonserver: its OpenMP
+        # binding must already be in the environment tritonserver passes down.
+        env.update(self._rank0_env())
         log.info("starting %s", " ".join(cmd))
+        # Own process group (for killpg) but the leader's session, so a supervisor
+        # that cleans up by session still finds the tree; parent-death signal so a
+        # SIGKILLed leader does not leave a serving tritonserver behind.
         self.proc = subprocess.Popen(
             cmd,
             env=env,
-            start_new_session=True,
+            process_group=0,
+            preexec_fn=_die_with_parent,
             stdout=stdout,
             stderr=subprocess.STDOUT if stdout else None,
         )
@@ -165,6 +180,14 @@ class TritonLeader:
             ],
         )
         self.merger.start()
+
+    def _rank0_env(self) -> dict[str, str]:
+        from neuron_serving import envs
+        from neuron_serving.devices.base import RankPlacement, get_backend
+
+        backend = get_backend(envs.NEURON_SERVING_DEVICE)
+        placement = RankPlacement(0, self.s.tp, self.s.control_host, self.s.control_port)
+        return backend.process_env(placement)
 
     def model_ready(self) -> bool:
         url = f"http://{self.s.connect_host}:{self.s.http_port}/v2/models/{MODEL_NAME}/ready"

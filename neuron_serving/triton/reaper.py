@@ -7,7 +7,7 @@ the whole group at once would kill EngineCore under requests Triton is still
 draining). A Triton whose stub crashed has been seen to ignore SIGTERM for more
 than 15 s, and a stub or EngineCore outlives a SIGKILLed parent, so after
 ``timeout_s`` everything left gets SIGKILL: the process group (tritonserver is
-started with start_new_session=True) and every descendant in the snapshots taken
+started in its own process group) and every descendant in the snapshots taken
 *before* signalling (re-parented orphans are no longer findable through the tree).
 """
 

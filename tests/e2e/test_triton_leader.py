@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,108 +19,41 @@ import numpy as np
 import psutil
 import pytest
 
-from neuron_serving.triton import reaper
-from neuron_serving.triton.launcher import EXIT_UNIT_FAILED, free_port
+from neuron_serving.triton.launcher import EXIT_UNIT_FAILED
+from tests.e2e.triton_leader_helpers import (
+    LeaderEndpoints,
+    get,
+    metric,
+    start_leader,
+    wait_ready,
+)
+from tests.procs import leftover
 
 pytestmark = pytest.mark.e2e
 
 # "unit" = the project's UnitExecutor (TP=1: no followers); "uni" = vLLM's own.
 EXECUTOR = "unit"
 MAX_MODEL_LEN = 512
-READY_TIMEOUT_S = 300.0
 PROMPT = "Do you have running shoes in size 10?"
 
 
-@dataclass
-class Leader:
-    proc: subprocess.Popen
-    http: str
-    grpc: str
-    metrics: str
-    log: Path
-    model: Path
-    tree: dict[int, psutil.Process]
-
-    def remember_tree(self) -> None:
-        for p in reaper.descendants(self.proc.pid):
-            self.tree[p.pid] = p
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""
-
-
 @pytest.fixture(scope="module")
-def leader(demo_model: Path, tmp_path_factory) -> Leader:
+def leader(demo_model: Path, tmp_path_factory) -> LeaderEndpoints:
     tmp = tmp_path_factory.mktemp("leader")
-    http, grpc, metrics, control = (free_port() for _ in range(4))
-    log = tmp / "leader.log"
-    cmd = [
-        sys.executable, "-m", "neuron_serving.cli", "leader",
-        "--model", str(demo_model), "--tp", "1", "--control-port", str(control),
-        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", str(256 << 20),
-        "--executor", EXECUTOR, "--run-dir", str(tmp / "run"), "--drain", "1",
-    ]  # fmt: skip
-    print("leader:", " ".join(cmd), "log:", log)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    ldr = Leader(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}", log,
-                 demo_model, {})  # fmt: skip
+    extra = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", str(256 << 20),
+             "--executor", EXECUTOR, "--drain", "1"]  # fmt: skip
+    ldr = start_leader(demo_model, tmp, tp=1, extra=extra)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            ldr.remember_tree()
-            if proc.poll() is not None:
-                pytest.fail(f"leader exited with {proc.returncode}:\n{ldr.log_tail()}")
-            if _get(f"http://{ldr.http}/v2/models/llm/ready")[0] == 200:
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"leader not ready in {READY_TIMEOUT_S} s:\n{ldr.log_tail()}")
-            time.sleep(0.5)
-        ldr.remember_tree()
+        wait_ready(ldr)
         yield ldr
-    finally:
-        ldr.remember_tree()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                rc = proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                rc = proc.wait(timeout=10)
+        if ldr.proc.popen.poll() is None:
+            ldr.proc.signal(signal.SIGTERM)
+            rc = ldr.proc.wait(timeout=90)
             assert rc == 0, f"leader exited {rc} on SIGTERM:\n{ldr.log_tail()}"
-        _assert_no_orphans(ldr)
-
-
-def _assert_no_orphans(ldr: Leader) -> None:
-    deadline = time.monotonic() + 30
-    alive: list[psutil.Process] = []
-    while time.monotonic() < deadline:
-        alive = [p for p in ldr.tree.values() if _alive(p)]
-        if not alive:
-            return
-        time.sleep(0.2)
-    names = [(p.pid, p.name()) for p in alive]
-    for p in alive:
-        p.kill()
-    pytest.fail(f"processes left behind: {names}")
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+        # tritonserver, the backend stub and EngineCore all stay in the leader's session.
+        assert leftover([ldr.proc]) == []
+    finally:
+        ldr.proc.stop()
 
 
 # ---- gRPC helpers -------------------------------------------------------------------
@@ -203,7 +131,7 @@ async def generate(
 
 
 @pytest.fixture
-async def client(leader: Leader):
+async def client(leader: LeaderEndpoints):
     import tritonclient.grpc.aio as grpcclient
 
     c = grpcclient.InferenceServerClient(leader.grpc)
@@ -211,20 +139,14 @@ async def client(leader: Leader):
     await c.close()
 
 
-def _metric(leader: Leader, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in _get(f"http://{leader.metrics}/metrics")[1].splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def _metric(leader: LeaderEndpoints, name: str, **labels: str) -> float:
+    return metric(leader.metrics, name, **labels)
 
 
 # ---- tests ----------------------------------------------------------------------------
 
 
-def test_health_endpoints(leader: Leader) -> None:
+def test_health_endpoints(leader: LeaderEndpoints) -> None:
     import tritonclient.http as httpclient
 
     c = httpclient.InferenceServerClient(leader.http)
@@ -234,7 +156,9 @@ def test_health_endpoints(leader: Leader) -> None:
     assert config["max_batch_size"] == 0
 
 
-async def test_stream_concatenates_to_non_stream(leader: Leader, client) -> None:
+async def test_stream_concatenates_to_non_stream(
+    leader: LeaderEndpoints, client, demo_model: Path
+) -> None:
     from transformers import AutoTokenizer
 
     params = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
@@ -243,7 +167,7 @@ async def test_stream_concatenates_to_non_stream(leader: Leader, client) -> None
     assert full.error is None and streamed.error is None, (full.error, streamed.error)
     assert len(full.texts) == 1 and len(streamed.texts) > 1
     assert streamed.text == full.text
-    n_prompt = len(AutoTokenizer.from_pretrained(leader.model).encode(PROMPT))
+    n_prompt = len(AutoTokenizer.from_pretrained(demo_model).encode(PROMPT))
     assert full.prompt_tokens == streamed.prompt_tokens == n_prompt
     assert full.completion_tokens == streamed.completion_tokens == 24
     assert full.finish_reason == streamed.finish_reason == "length"
@@ -252,7 +176,7 @@ async def test_stream_concatenates_to_non_stream(leader: Leader, client) -> None
     assert with_input.text == PROMPT + full.text
 
 
-async def test_http_generate_endpoints(leader: Leader) -> None:
+async def test_http_generate_endpoints(leader: LeaderEndpoints) -> None:
     import aiohttp
 
     body = {"text_input": PROMPT, "exclude_input_in_output": True,
@@ -274,7 +198,7 @@ async def test_http_generate_endpoints(leader: Leader) -> None:
     assert events[-1]["completion_tokens"] == 8
 
 
-async def test_concurrent_streams_and_cancellation(leader: Leader, client) -> None:
+async def test_concurrent_streams_and_cancellation(leader: LeaderEndpoints, client) -> None:
     generated_before = _metric(leader, "vllm:generation_tokens_total")
     cancelled_before = _metric(leader, "neuron_serving_triton_requests_total", outcome="cancelled")
     params = {"temperature": 0, "max_tokens": 32, "ignore_eos": True}
@@ -335,7 +259,7 @@ BAD_INPUTS = [
     ("prompt", "params", "fragment"), [b[1:] for b in BAD_INPUTS], ids=[b[0] for b in BAD_INPUTS]
 )
 async def test_bad_input_gets_clear_error_and_server_keeps_serving(
-    leader: Leader, client, prompt, params, fragment
+    leader: LeaderEndpoints, client, prompt, params, fragment
 ) -> None:
     for stream in (False, True):
         bad = await generate(client, prompt, stream=stream, params=params)
@@ -344,8 +268,8 @@ async def test_bad_input_gets_clear_error_and_server_keeps_serving(
     assert good.error is None and good.completion_tokens == 2
 
 
-def test_metrics_port_has_triton_and_vllm_metrics(leader: Leader) -> None:
-    status, text = _get(f"http://{leader.metrics}/metrics")
+def test_metrics_port_has_triton_and_vllm_metrics(leader: LeaderEndpoints) -> None:
+    status, text = get(f"http://{leader.metrics}/metrics")
     assert status == 200
     for name in (
         "nv_inference_request_success",
@@ -360,20 +284,18 @@ def test_metrics_port_has_triton_and_vllm_metrics(leader: Leader) -> None:
         assert name in text, name
 
 
-def test_engine_death_turns_readiness_off_and_leader_exits(leader: Leader) -> None:
+def test_engine_death_turns_readiness_off_and_leader_exits(leader: LeaderEndpoints) -> None:
     """Keep last: destroys the module's leader."""
-    leader.remember_tree()
     engine = [
-        p for p in leader.tree.values() if _alive(p) and "EngineCore" in " ".join(p.cmdline())
-    ]
-    assert engine, [p.cmdline() for p in leader.tree.values()]
+        p for p in psutil.Process(leader.proc.pid).children(recursive=True)
+        if "EngineCore" in " ".join(p.cmdline())
+    ]  # fmt: skip
+    assert engine, leader.log_tail()
     engine[0].kill()
     deadline = time.monotonic() + 60
-    while (
-        time.monotonic() < deadline and _get(f"http://{leader.http}/v2/models/llm/ready")[0] == 200
-    ):
+    while time.monotonic() < deadline and leader.model_ready():
         time.sleep(0.2)
-    assert _get(f"http://{leader.http}/v2/models/llm/ready")[0] != 200
+    assert not leader.model_ready()
     rc = leader.proc.wait(timeout=90)
     assert rc == EXIT_UNIT_FAILED, leader.log_tail()
-    _assert_no_orphans(leader)
+    assert leftover([leader.proc]) == []

@@ -1,0 +1,78 @@
+"""Starting `neuron-serving leader` for e2e tests, and reading its HTTP endpoints."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.triton.launcher import free_port
+from tests.procs import Proc, free_port_block, unit_env
+
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class LeaderEndpoints:
+    proc: Proc
+    http: str
+    grpc: str
+    metrics: str
+    control_port: int
+
+    def log_tail(self, n: int = 60) -> str:
+        text = self.proc.stderr() + self.proc.stdout()
+        return "\n".join(text.splitlines()[-n:])
+
+    def model_ready(self) -> bool:
+        return get(f"http://{self.http}/v2/models/llm/ready")[0] == 200
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def metric(metrics_addr: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in get(f"http://{metrics_addr}/metrics")[1].splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def start_leader(model: Path, tmp: Path, *, tp: int, extra: list[str] = ()) -> LeaderEndpoints:
+    control = free_port_block(4)
+    http, grpc, metrics = (free_port() for _ in range(3))
+    args = [
+        "leader", "--model", str(model), "--tp", str(tp), "--control-port", str(control),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--run-dir", str(tmp / "run"), *extra,
+    ]  # fmt: skip
+    proc = Proc("leader", args, tmp, unit_env())
+    print("leader:", " ".join(args), "logs in", tmp)
+    return LeaderEndpoints(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}",
+                           f"127.0.0.1:{metrics}", control)  # fmt: skip
+
+
+def wait_ready(leader: LeaderEndpoints, *others: Proc) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not leader.model_ready():
+        for p in (leader.proc, *others):
+            if p.popen.poll() is not None:
+                pytest.fail(f"{p.name} exited with {p.popen.returncode}:\n{leader.log_tail()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"leader not ready in {READY_TIMEOUT_S} s:\n{leader.log_tail()}")
+        time.sleep(0.5)

@@ -46,11 +46,11 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "Interval of heartbeats between leader and followers on the control connection.",
     ),
     "NEURON_SERVING_HEARTBEAT_TIMEOUT_S": (
-        _float("NEURON_SERVING_HEARTBEAT_TIMEOUT_S", 2.5),
+        _float("NEURON_SERVING_HEARTBEAT_TIMEOUT_S", 2.0),
         "Silence after which a peer is declared hung (must stay well under 5 s).",
     ),
     "NEURON_SERVING_ABORT_GRACE_S": (
-        _float("NEURON_SERVING_ABORT_GRACE_S", 1.0),
+        _float("NEURON_SERVING_ABORT_GRACE_S", 0.5),
         "After a rank fails, how long the engine may take to unwind before the process aborts.",
     ),
     "NEURON_SERVING_RPC_TIMEOUT_S": (

@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     backend = get_backend(device)
     status = NodeStatus("?", args.rank, args.world_size or 0)
     health = None
+    follower = None
     if cfg.health_port:
         from neuron_serving.unit.health import HealthServer
 
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("neuron_serving.follower").exception("follower failed")
         print(f"neuron-serving follower: rank {args.rank} failed: {e}", file=sys.stderr)
         rc = EXIT_FAILED
+    if follower is not None:
+        follower.run_exit_hooks()
     sys.stdout.flush()
     sys.stderr.flush()
     if health is not None:

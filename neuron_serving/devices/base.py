@@ -28,6 +28,10 @@ class RankPlacement:
     world_size: int
     leader_host: str
     control_port: int
+    # Identifies one incarnation of the unit (from the leader's session nonce):
+    # per-session resources (shared memory) must not collide with, or be
+    # confused with, those of a crashed predecessor on the same ports.
+    session: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -47,6 +51,10 @@ class DeviceBackend(ABC):
 
     def prepare_worker(self, placement: RankPlacement) -> None:  # noqa: B027 (optional hook)
         """In-process hook run on every rank before the vLLM worker is created."""
+
+    def release(self, placement: RankPlacement) -> None:  # noqa: B027 (optional hook)
+        """Free per-session resources; called by every rank on its way out, including
+        after a peer was SIGKILLed and could not free its own."""
 
 
 def get_backend(name: str) -> DeviceBackend:

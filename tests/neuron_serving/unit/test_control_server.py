@@ -178,7 +178,7 @@ def test_follower_disconnect_after_start_is_reported(leader):
 
 
 def test_silent_follower_is_declared_hung(leader):
-    lead = leader(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    lead = leader(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=0.6)
     f = lead.follower()
     f.join()  # joined, but no heartbeat thread: looks like a stopped process
     lead.server.wait_for_followers(5)

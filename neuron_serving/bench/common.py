@@ -78,8 +78,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def write_result(name: str, result: dict[str, Any]) -> Path:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": name, "commit": git_commit(), "machine": machine(),
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    result = {
+        "benchmark": name,
+        "commit": git_commit(),
+        "machine": machine(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **result,
+    }
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     return path

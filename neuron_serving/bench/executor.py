@@ -21,13 +21,36 @@ from pathlib import Path
 from neuron_serving.bench.common import spread, write_result
 
 TARGET_RATIO = 0.9
-BASELINE = {"ratio": 0.17, "unit_tok_s": 612, "mp_tok_s": 3549, "note": "naive pickle-every-call version, at filing"}
+BASELINE = {
+    "ratio": 0.17,
+    "unit_tok_s": 612,
+    "mp_tok_s": 3549,
+    "note": "naive pickle-every-call version, at filing",
+}
 
 
 def _trial(mode: str, model: Path, prompts: int, max_tokens: int, port: int) -> dict:
-    cmd = [sys.executable, "-m", "neuron_serving.bench.executor_trial", "--mode", mode, "--model", str(model),
-           "--prompts", str(prompts), "--max-tokens", str(max_tokens), "--control-port", str(port)]
-    env = {**os.environ, "NEURON_SERVING_UNIT_TOKEN": os.environ.get("NEURON_SERVING_UNIT_TOKEN", "bench-token-0123456789abcdef")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "neuron_serving.bench.executor_trial",
+        "--mode",
+        mode,
+        "--model",
+        str(model),
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        str(max_tokens),
+        "--control-port",
+        str(port),
+    ]
+    env = {
+        **os.environ,
+        "NEURON_SERVING_UNIT_TOKEN": os.environ.get(
+            "NEURON_SERVING_UNIT_TOKEN", "bench-token-0123456789abcdef"
+        ),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -47,16 +70,26 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             port = 29700 + 10 * i
             unit.append(_trial("unit", model_dir, prompts, max_tokens, port))
             mp.append(_trial("mp", model_dir, prompts, max_tokens, port + 5))
-            print(f"trial {i + 1}/{repeats}: unit {unit[-1]['tok_s']:.0f} tok/s, "
-                  f"mp {mp[-1]['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
+            print(
+                f"trial {i + 1}/{repeats}: unit {unit[-1]['tok_s']:.0f} tok/s, "
+                f"mp {mp[-1]['tok_s']:.0f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     u = spread([t["tok_s"] for t in unit])
     m = spread([t["tok_s"] for t in mp])
     pair = spread([a["tok_s"] / b["tok_s"] for a, b in zip(unit, mp, strict=True)])
     result = {
-        "workload": {"prompts": prompts, "max_tokens": max_tokens, "ignore_eos": True, "tp": 2,
-                     "model": "demo" if model is None else model, "repeats": repeats,
-                     "engine_core": "in-process for both (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
-                     "cpu_bind": "0|1"},
+        "workload": {
+            "prompts": prompts,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "tp": 2,
+            "model": "demo" if model is None else model,
+            "repeats": repeats,
+            "engine_core": "in-process for both (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+            "cpu_bind": "0|1",
+        },
         "ratio": u["median"] / m["median"],
         "ratio_per_pair": pair,
         "unit_tok_s": u["median"],
@@ -73,12 +106,15 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "trials": {"unit": unit, "mp": mp},
     }
     path = write_result("executor" + ("-quick" if quick else ""), result)
-    print(f"executor: unit {result['unit_tok_s']:.0f} tok/s vs MultiprocExecutor "
-          f"{result['mp_tok_s']:.0f} tok/s -> ratio {result['ratio']:.2f} "
-          f"(target >= {TARGET_RATIO}; per-pair {pair['min']:.2f}..{pair['max']:.2f}); control plane "
-          f"p50 {result['control_p50_us']:.0f} us, p99 {result['control_p99_us']:.0f} us, "
-          f"{result['payload_bytes_per_msg']:.0f} B payload / {result['wire_bytes_per_msg']:.0f} B wire "
-          f"per broadcast; written to {path}", file=sys.stderr)
+    print(
+        f"executor: unit {result['unit_tok_s']:.0f} tok/s vs MultiprocExecutor "
+        f"{result['mp_tok_s']:.0f} tok/s -> ratio {result['ratio']:.2f} "
+        f"(target >= {TARGET_RATIO}; per-pair {pair['min']:.2f}..{pair['max']:.2f}); control plane "
+        f"p50 {result['control_p50_us']:.0f} us, p99 {result['control_p99_us']:.0f} us, "
+        f"{result['payload_bytes_per_msg']:.0f} B payload / {result['wire_bytes_per_msg']:.0f} B wire "
+        f"per broadcast; written to {path}",
+        file=sys.stderr,
+    )
     if emit_json:
         summary = {k: v for k, v in result.items() if k != "trials"}
         print(json.dumps(summary), flush=True)

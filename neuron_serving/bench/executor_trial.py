@@ -40,29 +40,54 @@ def main() -> int:
         from neuron_serving.unit.engine import engine_kwargs
 
         unit = UnitConfig.from_env(control_port=args.control_port)
-        os.environ.update(CpuBackend().process_env(RankPlacement(0, args.tp, "127.0.0.1", args.control_port)))
-        kwargs = engine_kwargs(args.model, args.tp, unit, max_model_len=1024, kv_cache_bytes=1 << 30, dtype=args.dtype)
+        os.environ.update(
+            CpuBackend().process_env(RankPlacement(0, args.tp, "127.0.0.1", args.control_port))
+        )
+        kwargs = engine_kwargs(
+            args.model, args.tp, unit, max_model_len=1024, kv_cache_bytes=1 << 30, dtype=args.dtype
+        )
         followers = [
             subprocess.Popen(
-                [sys.executable, "-m", "neuron_serving.cli", "follower", "--leader",
-                 f"127.0.0.1:{args.control_port}", "--rank", str(r)],
+                [
+                    sys.executable,
+                    "-m",
+                    "neuron_serving.cli",
+                    "follower",
+                    "--leader",
+                    f"127.0.0.1:{args.control_port}",
+                    "--rank",
+                    str(r),
+                ],
                 env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.bind},
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             for r in range(1, args.tp)
         ]
         follower = followers
     else:
-        kwargs = dict(model=args.model, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
-                      max_model_len=1024, kv_cache_memory_bytes=1 << 30, enable_prefix_caching=True, seed=0,
-                      dtype=args.dtype)
+        kwargs = dict(
+            model=args.model,
+            tensor_parallel_size=args.tp,
+            distributed_executor_backend="mp",
+            max_model_len=1024,
+            kv_cache_memory_bytes=1 << 30,
+            enable_prefix_caching=True,
+            seed=0,
+            dtype=args.dtype,
+        )
 
     from vllm import LLM, SamplingParams
 
     llm = LLM(**kwargs)
-    prompts = [f"Customer {i}: do you have size {i % 13} running shoes in blue?" for i in range(args.prompts)]
+    prompts = [
+        f"Customer {i}: do you have size {i % 13} running shoes in blue?"
+        for i in range(args.prompts)
+    ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
+    llm.generate(
+        prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False
+    )  # warm-up
     executor = None
     if args.mode == "unit":
         executor = llm.llm_engine.engine_core.engine_core.model_executor

@@ -12,7 +12,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark; results go to bench/results/")
     p.add_argument("name", choices=(*BENCHMARKS, "all"))
     p.add_argument("--quick", action="store_true", help="reduced load, a few minutes")
-    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object of figures")
+    p.add_argument(
+        "--json", action="store_true", help="last stdout line: one JSON object of figures"
+    )
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--repeats", type=int, default=None)
     p.set_defaults(func=run)

@@ -13,11 +13,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--leader", required=True, metavar="HOST:PORT", help="leader's control address")
     p.add_argument("--rank", required=True, type=int, help="this rank (1..N-1)")
     p.add_argument("--token-file", help="unit shared-secret file (see neuron_serving.unit.auth)")
-    p.add_argument("--health-port", type=int, default=0, help="gRPC health port (HTTP /healthz on +1)")
+    p.add_argument(
+        "--health-port", type=int, default=0, help="gRPC health port (HTTP /healthz on +1)"
+    )
     p.add_argument("--health-host", default=None, help="health bind address (default 127.0.0.1)")
-    p.add_argument("--join-timeout", type=float, default=None, help="seconds to wait for the leader")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="unit size, to pick this rank's CPU binding before the leader is reached")
+    p.add_argument(
+        "--join-timeout", type=float, default=None, help="seconds to wait for the leader"
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="unit size, to pick this rank's CPU binding before the leader is reached",
+    )
     p.add_argument("--device", default=None, help="device backend: cpu (default) or neuron")
     p.set_defaults(func=run)
 
@@ -25,12 +33,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from neuron_serving import envs
     from neuron_serving.devices.base import RankPlacement, get_backend
-    from neuron_serving.unit.follower import EXIT_FAILED, Follower, FollowerConfig, FollowerRejected
     from neuron_serving.unit.auth import AuthError
+    from neuron_serving.unit.follower import EXIT_FAILED, Follower, FollowerConfig, FollowerRejected
     from neuron_serving.unit.state import NodeState, NodeStatus
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [rank %(rank)s] %(message)s".replace("%(rank)s", str(args.rank)))
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s [rank %(rank)s] %(message)s".replace(
+            "%(rank)s", str(args.rank)
+        ),
+    )
     host, _, port = args.leader.rpartition(":")
     try:
         cfg = FollowerConfig(
@@ -49,20 +62,27 @@ def run(args: argparse.Namespace) -> int:
     backend = get_backend(device)
     status = NodeStatus("?", args.rank, args.world_size or 0)
     health = None
-    follower = None
+    try:
+        follower = Follower(cfg, status)
+    except AuthError as e:
+        print(f"neuron-serving follower: {e}", file=sys.stderr)
+        return EXIT_FAILED
     if cfg.health_port:
         from neuron_serving.unit.health import HealthServer
+        from neuron_serving.unit.metrics import NodeCollector
 
-        health = HealthServer(status, cfg.health_host, cfg.health_port)
+        collector = NodeCollector(status, stats=lambda: getattr(follower.broadcast, "stats", None))
+        health = HealthServer(status, cfg.health_host, cfg.health_port, collector=collector)
         health.start()
     try:
         backend.check_available()
-        follower = Follower(cfg, status)
         welcome = follower.join()
         # Thread binding must be in the environment before torch is imported
         # (OpenMP reads it once); the unit size is known now.
         os.environ.update(
-            backend.process_env(RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port))
+            backend.process_env(
+                RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port)
+            )
         )
         follower.start_background()
         from neuron_serving.unit.worker_loop import serve
@@ -77,8 +97,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("neuron_serving.follower").exception("follower failed")
         print(f"neuron-serving follower: rank {args.rank} failed: {e}", file=sys.stderr)
         rc = EXIT_FAILED
-    if follower is not None:
-        follower.run_exit_hooks()
+    follower.run_exit_hooks()
     sys.stdout.flush()
     sys.stderr.flush()
     if health is not None:

@@ -23,10 +23,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--logprobs", type=int, default=None, help="also return top-k logprobs per token")
+    p.add_argument(
+        "--logprobs", type=int, default=None, help="also return top-k logprobs per token"
+    )
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
-    p.add_argument("--dtype", default="auto", help="model dtype (vLLM on CPU turns float32 into bfloat16 under auto)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="model dtype (vLLM on CPU turns float32 into bfloat16 under auto)",
+    )
     p.add_argument("--enforce-eager", action="store_true", help="skip torch.compile warm-up")
     p.add_argument("--token-file", default=None)
     p.add_argument("--join-timeout", type=float, default=None)
@@ -54,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     backend = get_backend(unit.device)
     # Before vLLM/torch are imported: OpenMP reads its binding once.
-    os.environ.update(backend.process_env(RankPlacement(0, args.tp, unit.control_host, unit.control_port)))
+    os.environ.update(
+        backend.process_env(RankPlacement(0, args.tp, unit.control_host, unit.control_port))
+    )
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     # stdout carries results (--json); vLLM logs to stdout unless told otherwise.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

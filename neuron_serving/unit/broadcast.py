@@ -159,7 +159,9 @@ class ControlBroadcast:
         raw = self._buf.numpy().tobytes()
         magic, version, kind, seq, length, tag = HEADER.unpack_from(raw)
         if magic != MAGIC or version != WIRE_VERSION:
-            raise BroadcastError(f"bad control broadcast header (magic={magic!r}, version={version})")
+            raise BroadcastError(
+                f"bad control broadcast header (magic={magic!r}, version={version})"
+            )
         first = self.inline - HEADER.size
         payload = raw[HEADER.size : HEADER.size + min(length, first)]
         if length > first:
@@ -169,7 +171,9 @@ class ControlBroadcast:
         if not auth.verify(self.key, tag, struct.pack("!HQQ", kind, seq, length), payload):
             raise BroadcastError(f"control broadcast seq {seq} failed authentication")
         if seq != self._seq + 1:
-            raise BroadcastError(f"control broadcast out of order: got seq {seq}, want {self._seq + 1}")
+            raise BroadcastError(
+                f"control broadcast out of order: got seq {seq}, want {self._seq + 1}"
+            )
         self._seq = seq
         self.stats.record(length, self.inline + max(0, length - first), 0.0)
         return kind, seq, payload

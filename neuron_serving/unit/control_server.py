@@ -113,13 +113,18 @@ class ControlServer:
                 return
             peer = f"{addr[0]}:{addr[1]}"
             threading.Thread(
-                target=self._handshake, args=(Channel(conn, peer),), name="control-join", daemon=True
+                target=self._handshake,
+                args=(Channel(conn, peer),),
+                name="control-join",
+                daemon=True,
             ).start()
 
     def _handshake(self, ch: Channel) -> None:
         nonce = auth.new_nonce()
         try:
-            ch.send(Challenge(PROTOCOL_VERSION, self.unit.unit_id, nonce), timeout=HANDSHAKE_TIMEOUT_S)
+            ch.send(
+                Challenge(PROTOCOL_VERSION, self.unit.unit_id, nonce), timeout=HANDSHAKE_TIMEOUT_S
+            )
             hello = ch.recv(timeout=HANDSHAKE_TIMEOUT_S)
             if not isinstance(hello, Hello):
                 raise ChannelClosed(f"expected hello, got {type(hello).__name__}")
@@ -145,7 +150,11 @@ class ControlServer:
                     broadcast_inline_bytes=self.unit.broadcast_inline_bytes,
                     device=self.unit.device,
                     mac=auth.mac(
-                        self.token, b"welcome", hello.nonce, self.session_nonce, str(hello.rank).encode()
+                        self.token,
+                        b"welcome",
+                        hello.nonce,
+                        self.session_nonce,
+                        str(hello.rank).encode(),
                     ),
                 )
             )
@@ -157,16 +166,29 @@ class ControlServer:
             self.links[link.rank] = link
             self._lock.notify_all()
         logger.info("%s joined unit %s", link.describe(), self.unit.unit_id)
-        threading.Thread(target=self._read_loop, args=(link,), name=f"control-r{link.rank}", daemon=True).start()
+        threading.Thread(
+            target=self._read_loop, args=(link,), name=f"control-r{link.rank}", daemon=True
+        ).start()
 
     def _check_hello(self, hello: Hello, nonce: bytes) -> tuple[str, str] | None:
         if hello.protocol != PROTOCOL_VERSION:
-            return "protocol", f"follower speaks control protocol {hello.protocol}, leader {PROTOCOL_VERSION}"
+            return (
+                "protocol",
+                f"follower speaks control protocol {hello.protocol}, leader {PROTOCOL_VERSION}",
+            )
         # Authenticate before looking at anything else the peer claims.
-        if not auth.verify(self.token, hello.mac, b"hello", nonce, hello.nonce, str(hello.rank).encode()):
-            return "token", "authentication failed: the follower's unit token does not match the leader's"
+        if not auth.verify(
+            self.token, hello.mac, b"hello", nonce, hello.nonce, str(hello.rank).encode()
+        ):
+            return (
+                "token",
+                "authentication failed: the follower's unit token does not match the leader's",
+            )
         if not 1 <= hello.rank < self.world_size:
-            return "rank", f"rank {hello.rank} is outside 1..{self.world_size - 1} (unit of {self.world_size} ranks)"
+            return (
+                "rank",
+                f"rank {hello.rank} is outside 1..{self.world_size - 1} (unit of {self.world_size} ranks)",
+            )
         for name, mine in self.versions.items():
             theirs = hello.versions.get(name, "absent")
             if theirs != mine:
@@ -219,7 +241,9 @@ class ControlServer:
             except TimeoutError:
                 continue
             except (ChannelClosed, OSError, ValueError) as e:
-                self._lost(link, f"closed its control connection ({e}); process exited or was killed")
+                self._lost(
+                    link, f"closed its control connection ({e}); process exited or was killed"
+                )
                 return
             link.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
@@ -294,7 +318,9 @@ class ControlServer:
                     raise RuntimeError(reason)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{link.describe()} did not answer call {seq} within {timeout_s:g} s")
+                    raise TimeoutError(
+                        f"{link.describe()} did not answer call {seq} within {timeout_s:g} s"
+                    )
                 try:
                     reply = link.replies.get(timeout=min(left, 0.1))
                 except queue.Empty:

@@ -55,6 +55,7 @@ from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 from neuron_serving.unit.control_server import ControlServer
 from neuron_serving.unit.health import HealthServer
 from neuron_serving.unit.messages import Start
+from neuron_serving.unit.metrics import NodeCollector
 from neuron_serving.unit.state import NodeState, NodeStatus
 from neuron_serving.versions import runtime_versions
 
@@ -81,7 +82,9 @@ class UnitExecutor(Executor):
         self.world_size = self.parallel_config.world_size
         self.backend = get_backend(self.unit.device)
         self.backend.check_available()
-        self.placement = RankPlacement(0, self.world_size, self.unit.control_host, self.unit.control_port)
+        self.placement = RankPlacement(
+            0, self.world_size, self.unit.control_host, self.unit.control_port
+        )
         self.status = NodeStatus(self.unit.unit_id, 0, self.world_size)
         self.failure: str | None = None
         self._failure_callback: FailureCallback | None = None
@@ -93,7 +96,12 @@ class UnitExecutor(Executor):
         self.driver_worker: WorkerWrapperBase | None = None
         self.health: HealthServer | None = None
         if self.unit.health_port:
-            self.health = HealthServer(self.status, self.unit.health_host, self.unit.health_port)
+            collector = NodeCollector(
+                self.status, stats=lambda: self.control_stats, heartbeat_ages=self._heartbeat_ages
+            )
+            self.health = HealthServer(
+                self.status, self.unit.health_host, self.unit.health_port, collector=collector
+            )
             self.health.start()
         try:
             self._join_followers()
@@ -142,7 +150,9 @@ class UnitExecutor(Executor):
             is_master=True,
         )
         key = auth.broadcast_key(token, self.server.session_nonce)
-        self.placement = dataclasses.replace(self.placement, session=self.server.session_nonce.hex()[:16])
+        self.placement = dataclasses.replace(
+            self.placement, session=self.server.session_nonce.hex()[:16]
+        )
         self.broadcast = ControlBroadcast(group, 0, key, self.unit.broadcast_inline_bytes)
         threading.Thread(target=self._keepalive_loop, name="unit-keepalive", daemon=True).start()
 
@@ -170,7 +180,9 @@ class UnitExecutor(Executor):
         current_platform.update_block_size_for_backend(self.vllm_config)
 
     # -- calls --------------------------------------------------------------
-    def _call(self, method: Any, args: tuple, kwargs: dict, gather: bool, timeout: float | None = None) -> list[Any]:
+    def _call(
+        self, method: Any, args: tuple, kwargs: dict, gather: bool, timeout: float | None = None
+    ) -> list[Any]:
         if self.failure:
             raise UnitFailedError(self.failure)
         seq = 0
@@ -188,9 +200,7 @@ class UnitExecutor(Executor):
             raise
         if not gather or self.server is None:
             return [result]
-        replies = self.server.gather(
-            seq, timeout or self.unit.rpc_timeout_s, lambda: self.failure
-        )
+        replies = self.server.gather(seq, timeout or self.unit.rpc_timeout_s, lambda: self.failure)
         results = [result]
         for rank, reply in enumerate(replies, start=1):
             if not reply.ok:
@@ -208,7 +218,9 @@ class UnitExecutor(Executor):
         unique_reply_rank: int | None = None,
         **_ignored: Any,
     ) -> Any:
-        results = self._call(method, args, kwargs or {}, gather=unique_reply_rank is None, timeout=timeout)
+        results = self._call(
+            method, args, kwargs or {}, gather=unique_reply_rank is None, timeout=timeout
+        )
         value = results[0] if unique_reply_rank is not None else results
         return _done(value) if non_block else value
 
@@ -311,6 +323,12 @@ class UnitExecutor(Executor):
         self.backend.release(self.placement)
         if self.health is not None:
             self.health.stop()
+
+    def _heartbeat_ages(self) -> dict[int, float]:
+        if self.server is None:
+            return {}
+        now = time.monotonic()
+        return {rank: now - link.last_seen for rank, link in list(self.server.links.items())}
 
     @property
     def control_stats(self):

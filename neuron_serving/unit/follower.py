@@ -67,7 +67,9 @@ class FollowerConfig:
 
     def __post_init__(self) -> None:
         if self.rank < 1:
-            raise ValueError(f"a follower's rank must be >= 1 (rank 0 is the leader), got {self.rank}")
+            raise ValueError(
+                f"a follower's rank must be >= 1 (rank 0 is the leader), got {self.rank}"
+            )
         if not 0 < self.leader_port < 65536:
             raise ValueError(f"leader port out of range: {self.leader_port}")
         if self.join_timeout_s <= 0:
@@ -96,6 +98,7 @@ class Follower:
         self.token = auth.resolve_token(cfg.token_file)
         self.status = status or NodeStatus("?", cfg.rank, 0)
         self.channel: Channel | None = None
+        self.broadcast = None  # set by worker_loop once the Gloo group exists
         self.welcome: Welcome | None = None
         self._starts: queue.Queue[Start] = queue.Queue()
         self._last_seen = time.monotonic()
@@ -174,7 +177,9 @@ class Follower:
         ch.max_frame = MAX_FRAME_BYTES
         answer = ch.recv(timeout=10.0)
         if isinstance(answer, Reject):
-            raise FollowerRejected(f"leader rejected rank {self.cfg.rank}: {answer.field}: {answer.reason}")
+            raise FollowerRejected(
+                f"leader rejected rank {self.cfg.rank}: {answer.field}: {answer.reason}"
+            )
         if not isinstance(answer, Welcome):
             raise ChannelClosed(f"expected welcome, got {type(answer).__name__}")
         if not auth.verify(self.token, answer.mac, b"welcome", nonce, answer.session_nonce, rank):
@@ -202,7 +207,9 @@ class Follower:
             except (ChannelClosed, OSError, ValueError) as e:
                 if self._shutdown.is_set():
                     return
-                self._exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting")
+                self._exit(
+                    EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting"
+                )
                 return
             self._last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
@@ -210,7 +217,9 @@ class Follower:
             elif isinstance(msg, Start):
                 self._starts.put(msg)
             elif isinstance(msg, Failure):
-                self._exit(EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting")
+                self._exit(
+                    EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting"
+                )
                 return
             elif isinstance(msg, Shutdown):
                 self._shutdown.set()
@@ -232,7 +241,9 @@ class Follower:
         while True:
             strict = self._leader_state == "ready" and self.status.state == NodeState.READY
             timeout = (
-                self.welcome.heartbeat_timeout_s if strict else self.welcome.startup_heartbeat_timeout_s
+                self.welcome.heartbeat_timeout_s
+                if strict
+                else self.welcome.startup_heartbeat_timeout_s
             )
             time.sleep(self.welcome.heartbeat_interval_s / 2)
             if self._shutdown.is_set():

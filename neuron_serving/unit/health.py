@@ -1,4 +1,5 @@
-"""Node health server: grpc.health.v1 on ``port`` and HTTP ``/healthz`` JSON on ``port + 1``.
+"""Node health server: grpc.health.v1 on ``port``; HTTP ``/healthz`` (JSON) and
+``/metrics`` (Prometheus, control plane) on ``port + 1``.
 
 The gRPC Health Checking Protocol is what the proxy and ECS probe; the HTTP
 view is for people and curl. Service "" (the node) is SERVING only in state
@@ -14,15 +15,25 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from neuron_serving.unit.metrics import NodeCollector, render
 from neuron_serving.unit.state import NodeState, NodeStatus
 
 SERVICE_NAME = "neuron_serving.Node"
 
 
 class HealthServer:
-    def __init__(self, status: NodeStatus, host: str, port: int, poll_interval_s: float = 0.2):
+    def __init__(
+        self,
+        status: NodeStatus,
+        host: str,
+        port: int,
+        poll_interval_s: float = 0.2,
+        collector: NodeCollector | None = None,
+    ):
         self.status = status
+        self.collector = collector or NodeCollector(status)
         self.host = host
         self.port = port
         self._poll = poll_interval_s
@@ -34,7 +45,7 @@ class HealthServer:
         if bound == 0:
             raise OSError(f"health server cannot bind gRPC {host}:{port}")
         self.port = bound
-        self._http = ThreadingHTTPServer((host, bound + 1), _handler(status))
+        self._http = ThreadingHTTPServer((host, bound + 1), _handler(status, self.collector))
         self._http.daemon_threads = True
 
     def start(self) -> None:
@@ -65,11 +76,20 @@ class HealthServer:
         self._http.server_close()
 
 
-def _handler(status: NodeStatus) -> type[BaseHTTPRequestHandler]:
+def _handler(status: NodeStatus, collector: NodeCollector) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
-            if self.path.split("?")[0] != "/healthz":
-                self.send_error(404, "only /healthz is served here")
+            path = self.path.split("?")[0]
+            if path == "/metrics":
+                body = render(collector)
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            if path != "/healthz":
+                self.send_error(404, "served here: /healthz, /metrics")
                 return
             snap = status.snapshot()
             body = json.dumps(snap).encode()

@@ -89,7 +89,9 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Leader -> follower: clean shutdown; exit 0."""
 
 
-ControlMessage = Challenge | Hello | Welcome | Reject | Start | Heartbeat | Reply | Failure | Shutdown
+ControlMessage = (
+    Challenge | Hello | Welcome | Reject | Start | Heartbeat | Reply | Failure | Shutdown
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -47,8 +47,13 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
     )
     key = auth.broadcast_key(follower.token, welcome.session_nonce)
     bc = ControlBroadcast(group, cfg.rank, key, welcome.broadcast_inline_bytes)
+    follower.broadcast = bc  # the health server's /metrics reads its stats
     placement = RankPlacement(
-        cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port, session=welcome.session_nonce.hex()[:16]
+        cfg.rank,
+        welcome.world_size,
+        cfg.leader_host,
+        cfg.leader_port,
+        session=welcome.session_nonce.hex()[:16],
     )
     follower.on_exit.append(lambda: backend.release(placement))
     backend.prepare_worker(placement)

@@ -33,8 +33,21 @@ PROMPTS = [
 
 
 def _generate_args(model, port, tp, prompts, max_tokens, *extra):
-    args = ["generate", "--model", str(model), "--tp", str(tp), "--control-port", str(port),
-            "--max-tokens", str(max_tokens), "--json", "--dtype", "float32", "--enforce-eager"]
+    args = [
+        "generate",
+        "--model",
+        str(model),
+        "--tp",
+        str(tp),
+        "--control-port",
+        str(port),
+        "--max-tokens",
+        str(max_tokens),
+        "--json",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+    ]
     for p in prompts:
         args += ["--prompt", p]
     return args + list(extra)
@@ -82,13 +95,17 @@ def test_tp2_matches_tp1_and_hf_reference(procs, demo_model):
     # The follower starts first: followers may start before their leader.
     follower = procs("follower", ["follower", "--leader", f"127.0.0.1:{port}", "--rank", "1"])
     time.sleep(1.0)
-    leader = procs("leader-tp2", _generate_args(demo_model, port, 2, PROMPTS, 24, "--logprobs", "1"))
+    leader = procs(
+        "leader-tp2", _generate_args(demo_model, port, 2, PROMPTS, 24, "--logprobs", "1")
+    )
     assert leader.wait(timeout=240) == 0, leader.stderr()[-3000:]
     assert follower.wait(timeout=30) == 0, follower.stderr()[-3000:]
     tp2 = _records(leader)
 
     port1 = free_port_block()
-    single = procs("leader-tp1", _generate_args(demo_model, port1, 1, PROMPTS, 24, "--logprobs", "1"))
+    single = procs(
+        "leader-tp1", _generate_args(demo_model, port1, 1, PROMPTS, 24, "--logprobs", "1")
+    )
     assert single.wait(timeout=240) == 0, single.stderr()[-3000:]
     tp1 = _records(single)
 
@@ -115,7 +132,9 @@ def test_tp2_matches_tp1_and_hf_reference(procs, demo_model):
         n = len(prompt_ids)
         ref = [logp[n - 1 + i, t].item() for i, t in enumerate(rec["token_ids"])]
         # Greedy under HF too: the argmax of every step is the token vLLM chose.
-        assert [int(logp[n - 1 + i].argmax()) for i in range(len(rec["token_ids"]))] == rec["token_ids"]
+        assert [int(logp[n - 1 + i].argmax()) for i in range(len(rec["token_ids"]))] == rec[
+            "token_ids"
+        ]
         for got, want in zip(rec["logprobs"], ref, strict=True):
             worst = max(worst, abs(got - want))
     assert worst < 1e-3, f"max |logprob - HF float32| = {worst}"
@@ -124,16 +143,37 @@ def test_tp2_matches_tp1_and_hf_reference(procs, demo_model):
 def _start_long_unit(procs, demo_model, port):
     follower = procs(
         "follower",
-        ["follower", "--leader", f"127.0.0.1:{port}", "--rank", "1", "--health-port", str(port + 10)],
+        [
+            "follower",
+            "--leader",
+            f"127.0.0.1:{port}",
+            "--rank",
+            "1",
+            "--health-port",
+            str(port + 10),
+        ],
     )
     leader = procs(
         "leader",
-        _generate_args(demo_model, port, 2, PROMPTS[:4], 1000, "--ignore-eos", "--max-model-len", "1100",
-                       "--health-port", str(port + 20)),
+        _generate_args(
+            demo_model,
+            port,
+            2,
+            PROMPTS[:4],
+            1000,
+            "--ignore-eos",
+            "--max-model-len",
+            "1100",
+            "--health-port",
+            str(port + 20),
+        ),
     )
     # Mid-generation: the follower has executed decode steps.
-    wait_for(lambda: (_healthz(port + 10) or {}).get("steps", 0) >= 20, timeout=240,
-             what="follower to run 20 steps")
+    wait_for(
+        lambda: (_healthz(port + 10) or {}).get("steps", 0) >= 20,
+        timeout=240,
+        what="follower to run 20 steps",
+    )
     assert leader.popen.poll() is None
     return leader, follower
 
@@ -190,9 +230,13 @@ def test_wrong_token_is_rejected_and_join_times_out(procs, demo_model):
         ["follower", "--leader", f"127.0.0.1:{port}", "--rank", "1"],
         NEURON_SERVING_UNIT_TOKEN="not-the-unit-token-at-all",
     )
-    leader = procs("leader", _generate_args(demo_model, port, 2, PROMPTS[:1], 4, "--join-timeout", "8"))
+    leader = procs(
+        "leader", _generate_args(demo_model, port, 2, PROMPTS[:1], 4, "--join-timeout", "8")
+    )
     assert follower.wait(timeout=60) == 1
-    assert "token" in follower.stderr() and "rejected" in follower.stderr(), follower.stderr()[-2000:]
+    assert "token" in follower.stderr() and "rejected" in follower.stderr(), follower.stderr()[
+        -2000:
+    ]
     assert leader.wait(timeout=60) != 0
     err = leader.stderr()
     assert "ranks [1] did not join within 8 s" in err, err[-2000:]

@@ -10,8 +10,12 @@ from neuron_serving.devices.neuron import NeuronBackend
 def test_cpu_binding_per_rank(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2,3")
     env = CpuBackend().process_env(RankPlacement(1, 2, "10.0.0.1", 29500))
-    assert env == {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{2,3}", "OMP_PROC_BIND": "true",
-                   "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert env == {
+        "OMP_NUM_THREADS": "2",
+        "OMP_PLACES": "{2,3}",
+        "OMP_PROC_BIND": "true",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     with pytest.raises(ValueError, match="one '\\|'-separated entry per rank"):
         CpuBackend().process_env(RankPlacement(1, 2, "h", 1))
@@ -36,7 +40,11 @@ def test_neuron_env_per_rank():
     assert env["FI_PROVIDER"] == "efa"
     assert env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["FI_EFA_FORK_SAFE"] == "1"
     assert b.nxdi_config(RankPlacement(2, 4, "h", 1)) == {
-        "tp_degree": 128, "world_size": 128, "local_ranks_size": 32, "start_rank_id": 64}
+        "tp_degree": 128,
+        "world_size": 128,
+        "local_ranks_size": 32,
+        "start_rank_id": 64,
+    }
 
 
 def test_neuron_missing_packages_is_a_clear_error():

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import stat
 
+import msgspec
 import pytest
 
 from neuron_serving.unit import auth
@@ -44,5 +45,5 @@ def test_messages_roundtrip_and_reject_unknown():
     hello = Hello(1, 2, "h", 3, {"vllm": "x"}, b"n", b"m")
     assert decode(encode(hello)) == hello
     assert decode(encode(Reply(seq=4, ok=True, payload=b"p"))).payload == b"p"
-    with pytest.raises(Exception):
+    with pytest.raises(msgspec.ValidationError):
         decode(b"\x81\xa4type\xa4evil")

@@ -15,14 +15,24 @@ def _pair(key0=b"k" * 32, key1=b"k" * 32, inline=1024):
     groups = {}
 
     def mk(rank):
-        groups[rank] = make_group(rank=rank, world_size=2, store_host="127.0.0.1", store_port=port,
-                                  local_host="127.0.0.1", timeout_s=20, is_master=rank == 0)
+        groups[rank] = make_group(
+            rank=rank,
+            world_size=2,
+            store_host="127.0.0.1",
+            store_port=port,
+            local_host="127.0.0.1",
+            timeout_s=20,
+            is_master=rank == 0,
+        )
 
     t = threading.Thread(target=mk, args=(1,))
     t.start()
     mk(0)
     t.join(timeout=30)
-    return (ControlBroadcast(groups[0], 0, key0, inline), ControlBroadcast(groups[1], 1, key1, inline))
+    return (
+        ControlBroadcast(groups[0], 0, key0, inline),
+        ControlBroadcast(groups[1], 1, key1, inline),
+    )
 
 
 def _exchange(sender, receiver, payloads):

@@ -29,7 +29,10 @@ class Leader:
         self.follower_exits: list[tuple[int, str]] = []
         unit = UnitConfig(control_port=self.port, join_timeout_s=5, **unit_kw)
         self.server = ControlServer(
-            unit, world_size, TEST_TOKEN.encode(), versions or runtime_versions(),
+            unit,
+            world_size,
+            TEST_TOKEN.encode(),
+            versions or runtime_versions(),
             lambda rank, reason: self.failures.append((rank, reason)),
         )
         self.server.listen()
@@ -174,11 +177,15 @@ def test_follower_disconnect_after_start_is_reported(leader):
     while not lead.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lead.failures and lead.failures[0][0] == 1
-    assert "rank 1" in lead.failures[0][1] and "closed its control connection" in lead.failures[0][1]
+    assert (
+        "rank 1" in lead.failures[0][1] and "closed its control connection" in lead.failures[0][1]
+    )
 
 
 def test_silent_follower_is_declared_hung(leader):
-    lead = leader(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=0.6)
+    lead = leader(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=0.6
+    )
     f = lead.follower()
     f.join()  # joined, but no heartbeat thread: looks like a stopped process
     lead.server.wait_for_followers(5)

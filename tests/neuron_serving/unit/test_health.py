@@ -58,3 +58,28 @@ def test_health_follows_node_state():
         assert _http(server.port)[1]["failure"] == "rank 1 lost the leader"
     finally:
         server.stop()
+
+
+def test_metrics_endpoint_reports_control_plane():
+    from neuron_serving.unit.broadcast import BroadcastStats
+    from neuron_serving.unit.metrics import NodeCollector
+
+    status = NodeStatus("unit-m", 0, 2)
+    stats = BroadcastStats()
+    stats.record(1000, 4096, 80e-6)
+    stats.record(9000, 9096, 3e-3)
+    collector = NodeCollector(status, stats=lambda: stats, heartbeat_ages=lambda: {1: 0.4})
+    server = HealthServer(status, "127.0.0.1", free_port_block(), collector=collector)
+    server.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port + 1}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        assert 'neuron_serving_control_broadcasts_total{rank="0",unit_id="unit-m"} 2.0' in text
+        assert "neuron_serving_control_broadcast_payload_bytes_total" in text and "10000.0" in text
+        assert (
+            'neuron_serving_control_broadcast_seconds_bucket{le="0.0001",rank="0",unit_id="unit-m"} 1.0'
+            in text
+        )
+        assert 'neuron_serving_follower_heartbeat_age_seconds{follower_rank="1"' in text
+    finally:
+        server.stop()

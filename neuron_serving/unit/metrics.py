@@ -1,0 +1,138 @@
+"""Control-plane metrics of one node, in Prometheus format (served at /metrics
+on the node's health HTTP port; the Triton launcher merges the leader's into
+the public metrics port).
+
+Everything is read at scrape time from the objects that already keep it
+(``NodeStatus``, ``BroadcastStats``, the leader's follower links), so the step
+hot path pays nothing beyond ``BroadcastStats.record``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+from neuron_serving.unit.state import NodeState, NodeStatus
+
+# Broadcast latency buckets (seconds): loopback sends take tens of microseconds,
+# a cross-host broadcast of a prefill step a few milliseconds.
+LATENCY_BUCKETS = (
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    50e-3,
+    0.25,
+    1.0,
+)
+
+
+class NodeCollector(Collector):
+    def __init__(
+        self,
+        status: NodeStatus,
+        stats: Callable[[], object | None] = lambda: None,
+        heartbeat_ages: Callable[[], dict[int, float]] = dict,
+    ) -> None:
+        self.status = status
+        self.stats = stats
+        self.heartbeat_ages = heartbeat_ages
+        self._hist_seen = 0
+        self._buckets = [0] * len(LATENCY_BUCKETS)
+        self._sum = 0.0
+
+    def collect(self) -> Iterable:
+        labels = ["unit_id", "rank"]
+        lv = [self.status.unit_id, str(self.status.rank)]
+        state = GaugeMetricFamily(
+            "neuron_serving_node_state", "1 for the node's current state", labels=[*labels, "state"]
+        )
+        for s in NodeState:
+            state.add_metric([*lv, str(s)], 1.0 if self.status.state is s else 0.0)
+        yield state
+        steps = CounterMetricFamily("neuron_serving_steps", "Model steps executed", labels=labels)
+        steps.add_metric(lv, self.status.steps)
+        yield steps
+        age = GaugeMetricFamily(
+            "neuron_serving_last_step_age_seconds", "Seconds since the last step", labels=labels
+        )
+        if self.status.last_step_monotonic is not None:
+            age.add_metric(lv, time.monotonic() - self.status.last_step_monotonic)
+        yield age
+
+        st = self.stats()
+        if st is not None:
+            msgs = CounterMetricFamily(
+                "neuron_serving_control_broadcasts",
+                "Control broadcasts (executor calls)",
+                labels=labels,
+            )
+            msgs.add_metric(lv, st.messages)
+            yield msgs
+            payload = CounterMetricFamily(
+                "neuron_serving_control_broadcast_payload_bytes",
+                "Serialized call bytes broadcast",
+                labels=labels,
+            )
+            payload.add_metric(lv, st.payload_bytes)
+            yield payload
+            wire = CounterMetricFamily(
+                "neuron_serving_control_broadcast_wire_bytes",
+                "Bytes put on the Gloo broadcast (fixed first frame + overflow)",
+                labels=labels,
+            )
+            wire.add_metric(lv, st.wire_bytes)
+            yield wire
+            yield self._latency(st, labels, lv)
+
+        beats = GaugeMetricFamily(
+            "neuron_serving_follower_heartbeat_age_seconds",
+            "Seconds since the leader last heard from each follower",
+            labels=[*labels, "follower_rank"],
+        )
+        for rank, seconds in sorted(self.heartbeat_ages().items()):
+            beats.add_metric([*lv, str(rank)], seconds)
+        yield beats
+
+    def _latency(self, st, labels, lv) -> HistogramMetricFamily:
+        # Fold new samples into cumulative buckets incrementally (the sample list
+        # is append-only and bounded).
+        new = st.latencies_s[self._hist_seen :]
+        self._hist_seen += len(new)
+        for v in new:
+            self._sum += v
+            for i, bound in enumerate(LATENCY_BUCKETS):
+                if v <= bound:
+                    self._buckets[i] += 1
+                    break
+        cumulative, running = [], 0
+        for bound, count in zip(LATENCY_BUCKETS, self._buckets, strict=True):
+            running += count
+            cumulative.append((repr(bound), running))
+        cumulative.append(("+Inf", self._hist_seen))
+        h = HistogramMetricFamily(
+            "neuron_serving_control_broadcast_seconds",
+            "Leader-side latency of one control broadcast (all frames)",
+            labels=labels,
+        )
+        h.add_metric(lv, cumulative, sum_value=self._sum)
+        return h
+
+
+def render(collector: NodeCollector) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)

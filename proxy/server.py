@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.admin import make_admin_app
 from proxy.admission import AdmissionController
 from proxy.config import ProxyConfig
+from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
 from proxy.health import HealthChecker
@@ -174,6 +175,7 @@ class ProxyServer:
         app[BODY_LIMIT] = self.config.max_body_bytes
         app.add_routes(OpenAIFrontEnd(self).routes())
         app.add_routes(TritonFrontEnd(self).routes())
+        app.add_routes(dashboard_routes())
         app.add_routes(
             [
                 web.get("/status", self.status),

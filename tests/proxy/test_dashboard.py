@@ -1,0 +1,136 @@
+"""``GET /dashboard``: served as HTML, and live in a real headless Chromium.
+
+The browser test drives the system's chromium (Debian package ``chromium``,
+installed by ``make install`` when missing) through the ``playwright`` package,
+which never downloads a browser of its own. Without either it skips, saying
+which is missing. It changes the registry under the open page (a follower stops
+serving, a unit is drained) and checks the page redraws without a reload, then
+saves a screenshot in the test's tmp dir.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.proxy.conftest import url
+
+# Flags for chromium as root in a container: no sandbox (root), no GPU, and none of
+# the background traffic (updates, sync, QUIC) a CI machine cannot reach anyway.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]  # fmt: skip
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("no chromium binary on PATH (Debian: apt-get install chromium)")
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError:
+        pytest.skip("the playwright package is not installed (pip install playwright)")
+    return path
+
+
+async def test_dashboard_is_html(fleet) -> None:
+    u1 = await fleet.unit("u1")
+    proxy = await fleet.proxy([u1])
+    async with fleet.session().get(url(proxy, "/dashboard")) as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/html"
+        assert resp.headers["Cache-Control"] == "no-store"
+        assert "connect-src 'self'" in resp.headers["Content-Security-Policy"]
+        body = await resp.text()
+    assert 'fetch("status"' in body and 'id="grid"' in body
+
+
+async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None:
+    chromium = _chromium()
+    from playwright.async_api import async_playwright
+
+    u1 = await fleet.unit("u1", followers=1)
+    u2 = await fleet.unit("u2", followers=2)
+    # Probes slower than the fleet default (50 ms): chromium starting on 2 shared cores
+    # must not time out a probe and flap a node before the test changes anything.
+    health = {"interval_s": 0.2, "timeout_s": 0.2, "unhealthy_threshold": 2}
+    proxy = await fleet.proxy(
+        [u1, u2], health=health, routing={"policy": "round_robin"},
+        outlier={"consecutive_errors": 1},
+    )  # fmt: skip
+    session = fleet.session()
+
+    async def complete(max_tokens: int) -> None:
+        body = {"model": "llm", "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True}
+        async with session.post(url(proxy, "/v1/completions"), json=body) as r:
+            assert r.status == 200, await r.text()
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_ARGS, timeout=60_000
+        )
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 800})
+            page.set_default_timeout(15_000)
+            await page.goto(url(proxy, "/dashboard?interval=200"))
+            # A marker that a reload would wipe: the checks below must see it survive.
+            await page.evaluate("window.__sameDocument = true")
+
+            # The grid: one row per unit, one cell per node, all healthy.
+            for unit in ("u1", "u2"):
+                await page.wait_for_selector(f'tr[data-unit="{unit}"][data-state="routable"]')
+            assert await page.locator("#grid-body tr").count() == 2
+            assert await page.locator('td.node[data-state="healthy"]').count() == 5  # 2 + 3
+            row = page.locator('tr[data-unit="u1"]')
+            assert await row.locator(".version").text_content() == "v1"
+            assert await row.locator(".in-flight").text_content() == "0"
+
+            # Load: a slow request shows as in flight on its unit and in admission.
+            for u in (u1, u2):
+                u.behavior.token_delay_s = 0.2
+            slow = asyncio.create_task(complete(max_tokens=10))  # about 2 s
+            await page.wait_for_selector('td.in-flight:text-is("1")')
+            await page.wait_for_selector('#active:text-is("1")')
+            await asyncio.wait_for(slow, timeout=10)
+            for u in (u1, u2):
+                u.behavior.token_delay_s = 0.0
+
+            # Ejection through real traffic: u1 fails once (consecutive_errors=1), and
+            # round robin sends one of two requests there first (then retries on u2).
+            u1.behavior.fail_next = 1
+            await complete(max_tokens=2)
+            await complete(max_tokens=2)
+            await page.wait_for_selector('tr[data-unit="u1"][data-state="ejected"]')
+            assert await row.locator(".ejections").text_content() == "1"
+            await page.wait_for_selector('#events-body tr[data-kind="ejected"]')
+
+            # A follower of u2 stops serving: its cell and its unit go unhealthy, an event
+            # shows, and with u1 ejected nothing is routable: panic.
+            await u2.followers[1].set_serving(False)
+            await page.wait_for_selector('[data-node="u2/follower-2"][data-state="unhealthy"]')
+            await page.wait_for_selector('tr[data-unit="u2"][data-state="unhealthy"]')
+            await page.wait_for_selector('#events-body tr[data-kind="node unhealthy"]')
+            await page.wait_for_selector('#panic:text-is("llm")')
+            leader = page.locator('[data-node="u2/leader"]')
+            assert await leader.get_attribute("data-state") == "healthy"
+
+            # A drain through the registry shows up too.
+            proxy.registry.set_draining("u1", True)
+            await page.wait_for_selector('tr[data-unit="u1"][data-state="draining"]')
+            await page.wait_for_selector('#events-body tr[data-kind="drain"]')
+            assert await page.evaluate("window.__sameDocument === true")
+
+            shot = tmp_path / "dashboard.png"
+            await page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 5_000
+            print("dashboard screenshot:", shot)
+
+            # The proxy going away marks the view stale instead of freezing silently.
+            await proxy.stop()
+            await page.wait_for_selector("body.stale")
+        finally:
+            await browser.close()

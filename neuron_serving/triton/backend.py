@@ -97,6 +97,8 @@ class LLMBackend:
         self.engine_thread.submit(self.health.run())
         self.metrics.ready.set(1)
         log.info("llm model ready (warm-up canary %.3f s)", latency)
+        if self.config.init_marker:
+            Path(self.config.init_marker).write_text(f"{latency}\n")
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:

@@ -45,6 +45,9 @@ class BackendConfig:
     # here so the launcher can merge it into the metrics port. 0 = off.
     vllm_metrics_port: int = 0
     vllm_metrics_host: str = "127.0.0.1"
+    # File written when initialize() has finished; the launcher uses it to notice a
+    # tritonserver that abandoned the load anyway (see launcher.wait_ready). "" = off.
+    init_marker: str = ""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -53,6 +53,12 @@ EXIT_START_FAILED = 4
 EXIT_SERVER_DIED = 5
 
 _POLL_S = 0.25
+# After the model's initialize() returned, tritonserver normally reports it ready
+# within a second. Seen here under heavy CPU load: the Python backend judged the
+# stub unhealthy during a long initialize() (its health handshake allows the stub
+# 1 s per poll), abandoned the load and then waited forever for the stub to exit,
+# so HTTP never came up. Past this grace the leader gives up and exits non-zero.
+LOAD_GRACE_S = 60.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -113,6 +119,7 @@ class TritonLeader:
         self.stop_requested = threading.Event()
         self._tree: dict[int, psutil.Process] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._marker: Path | None = None
 
     # ---- start -----------------------------------------------------------------------
 
@@ -134,7 +141,10 @@ class TritonLeader:
             "control_port": s.control_port,
             "control_host": s.control_host,
             "vllm_metrics_port": vllm_metrics_port,
+            "init_marker": str(self._init_marker(run_dir)),
         }
+        self._init_marker(run_dir).unlink(missing_ok=True)
+        self._marker = self._init_marker(run_dir)
         repo = render_model_repository(run_dir, overrides)
         backends = assemble_backend_dir(install, run_dir)
         cmd = [
@@ -181,6 +191,10 @@ class TritonLeader:
         )
         self.merger.start()
 
+    @staticmethod
+    def _init_marker(run_dir: Path) -> Path:
+        return run_dir / f"{MODEL_NAME}.initialized"
+
     def _rank0_env(self) -> dict[str, str]:
         from neuron_serving import envs
         from neuron_serving.devices.base import RankPlacement, get_backend
@@ -216,6 +230,16 @@ class TritonLeader:
             if self.model_ready():
                 log.info("model %s ready after %.1f s", MODEL_NAME, time.monotonic() - start)
                 return True
+            if self._marker is not None and self._marker.exists():
+                waited = time.time() - self._marker.stat().st_mtime
+                if waited > LOAD_GRACE_S:
+                    log.error(
+                        "model %s initialized %.0f s ago but tritonserver never reported it "
+                        "ready: tritonserver abandoned the load; giving up",
+                        MODEL_NAME,
+                        waited,
+                    )
+                    return False
             time.sleep(_POLL_S)
         if not self.stop_requested.is_set():
             log.error("model %s not ready within %.0f s", MODEL_NAME, self.s.ready_timeout_s)

@@ -1,0 +1,124 @@
+"""The proxy in front of a real unit: `neuron-serving proxy` (process) -> tritonserver +
+vLLM (`neuron-serving leader`, TP=1), driven by the official `openai` client.
+
+One leader and one proxy for the module (leader start-up is 35-60 s here). Greedy
+decoding with ``ignore_eos`` makes outputs comparable across paths: what the proxy
+returns must equal what the leader's own Triton generate endpoint returns.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.leader_fixture import proxy_config, running_leader, running_proxy
+from tests.e2e.triton_leader_helpers import LeaderEndpoints, get
+
+pytestmark = pytest.mark.e2e
+
+CHAT = [
+    {"role": "system", "content": "You are a shopping assistant for an outdoor store."},
+    {"role": "user", "content": "Do you have running shoes in size 10?"},
+]
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model: Path, tmp_path_factory) -> Iterator[tuple[LeaderEndpoints, str]]:
+    tmp = tmp_path_factory.mktemp("proxy-e2e")
+    with running_leader(demo_model, tmp) as leader:
+        with running_proxy(proxy_config([leader], demo_model), tmp) as base:
+            yield leader, base
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    import openai
+
+    c = openai.OpenAI(base_url=stack[1] + "/v1", api_key="unused", timeout=120, max_retries=0)
+    yield c
+    c.close()
+
+
+def _leader_generate(leader: LeaderEndpoints, prompt: str, max_tokens: int) -> dict:
+    """The same generation straight from the leader's Triton HTTP generate endpoint."""
+    body = {"text_input": prompt, "exclude_input_in_output": True,
+            "parameters": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}}  # fmt: skip
+    req = urllib.request.Request(
+        f"http://{leader.http}/v2/models/llm/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_models_lists_the_model(client) -> None:
+    assert [m.id for m in client.models.list().data] == ["llm"]
+
+
+def test_openai_client_streams_a_chat_completion(client) -> None:
+    stream = client.chat.completions.create(
+        model="llm", messages=CHAT, max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    )  # fmt: skip
+    chunks = list(stream)
+    deltas = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    usage = chunks[-1].usage
+    assert len(deltas) > 1, "expected several content chunks"
+    assert finish == ["length"]
+    assert usage is not None and usage.completion_tokens == 16 and usage.prompt_tokens > 20
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+    # The same chat, not streamed: the same greedy text.
+    full = client.chat.completions.create(model="llm", messages=CHAT, max_tokens=16, **GREEDY)
+    assert full.choices[0].message.content == "".join(deltas)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 16
+
+
+def test_non_stream_completion_matches_the_leader(client, stack) -> None:
+    leader, _ = stack
+    prompt = "Which tents are good for a rainy weekend?"
+    out = client.completions.create(model="llm", prompt=prompt, max_tokens=12, **GREEDY)
+    direct = _leader_generate(leader, prompt, 12)
+    assert out.choices[0].text == direct["text_output"]
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == direct["prompt_tokens"]
+
+
+def test_bad_requests_get_openai_errors(client, stack) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="llm", prompt="hi", max_tokens=0)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["param"] == "max_tokens"
+    assert "max_tokens" in err["message"]
+
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    assert e.value.status_code == 404
+
+    with pytest.raises(openai.BadRequestError) as e:  # beyond max_model_len=512
+        client.completions.create(model="llm", prompt="shoes " * 2000, max_tokens=4)
+    assert e.value.status_code == 400
+
+    # Nothing above reached the unit as a fault, and the proxy keeps serving.
+    out = client.completions.create(model="llm", prompt="hi", max_tokens=2, **GREEDY)
+    assert out.usage.completion_tokens == 2
+    status = json.loads(get(stack[1] + "/status")[1])
+    (unit,) = status["units"]
+    assert unit["state"] == "routable" and unit["errors_total"] == 0
+    assert unit["requests_total"] >= 4

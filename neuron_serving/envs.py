@@ -73,6 +73,15 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _str("NEURON_SERVING_PROXY_ADMIN_TOKEN", None),
         "Bearer token of the proxy's admin API (overrides admin_token_file in its config).",
     ),
+    "NEURON_SERVING_CACHE_DIR": (
+        _str("NEURON_SERVING_CACHE_DIR", None),
+        "Cache of `neuron-serving up` (demo model, run directories); default "
+        "$XDG_CACHE_HOME/neuron-serving or ~/.cache/neuron-serving.",
+    ),
+    "XDG_CACHE_HOME": (
+        _str("XDG_CACHE_HOME", None),
+        "Base of the default cache directory (XDG Base Directory spec).",
+    ),
     "VLLM_CPU_OMP_THREADS_BIND": (
         _str("VLLM_CPU_OMP_THREADS_BIND", None),
         "vLLM's CPU binding list, read per rank by the cpu backend: '0|1' gives rank r entry r; "

@@ -1,0 +1,147 @@
+"""`neuron-serving status [--proxy URL]`: units and nodes as the proxy and the supervisor see them.
+
+Merges two sources by unit id: the proxy's ``GET /status`` (health, routability,
+load, model version, probe errors) and, when this machine runs the cluster with
+`neuron-serving up`, the supervisor's state file (process state, restarts, last
+failure). Either alone is enough to print a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="table of units and nodes (proxy /status + supervisor)")
+    p.add_argument("--proxy", default="http://127.0.0.1:8080", help="proxy base URL")
+    p.add_argument(
+        "--state",
+        default=None,
+        help="supervisor state file (default: the `up` run dir of the proxy's port)",
+    )
+    p.add_argument("--json", action="store_true", help="print the merged view as JSON")
+    p.set_defaults(func=run)
+
+
+def _age(ts: float | None) -> str:
+    if not ts:
+        return ""
+    s = max(0.0, time.time() - ts)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
+
+
+def merge(proxy: dict[str, Any] | None, state: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One row per unit: proxy fields, supervisor fields, and nodes joined by name."""
+    units: dict[str, dict[str, Any]] = {}
+    for u in (proxy or {}).get("units", []):
+        units[u["unit_id"]] = {"unit_id": u["unit_id"], "proxy": u, "supervisor": None}
+    for u in (state or {}).get("units", []):
+        units.setdefault(u["unit_id"], {"unit_id": u["unit_id"], "proxy": None})["supervisor"] = u
+    rows = []
+    for unit_id in sorted(units):
+        row = units[unit_id]
+        p, s = row["proxy"] or {}, row["supervisor"] or {}
+        procs = {x["name"]: x for x in s.get("processes", [])}
+        nodes = []
+        for n in p.get("nodes", []) or [{"node_id": f"{unit_id}/{k}"} for k in procs]:
+            name = n["node_id"].split("/", 1)[1]
+            proc = procs.get(name, {})
+            nodes.append(
+                {
+                    "name": name,
+                    "health": n.get("state"),
+                    "node_state": proc.get("node_state"),
+                    "pid": proc.get("pid"),
+                    "running": proc.get("running"),
+                    "last_error": (n.get("last_error") or "").splitlines()[0:1],
+                    "probe_ms": n.get("last_probe_latency_ms"),
+                }
+            )
+        failure = s.get("last_failure") or {}
+        rows.append(
+            {
+                "unit_id": unit_id,
+                "health": p.get("state"),
+                "phase": s.get("phase"),
+                "restarts": s.get("restarts"),
+                "in_flight": p.get("in_flight"),
+                "requests_total": p.get("requests_total"),
+                "errors_total": p.get("errors_total"),
+                "model_version": p.get("model_version"),
+                "last_failure": failure.get("reason"),
+                "last_failure_at": failure.get("at"),
+                "nodes": nodes,
+            }
+        )
+    return rows
+
+
+def _state_path(args: argparse.Namespace) -> Path:
+    if args.state:
+        return Path(args.state)
+    from neuron_serving.local.cache import default_run_dir
+
+    port = urlparse(args.proxy).port or 80
+    return default_run_dir(port) / "supervisor.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from neuron_serving.local.cluster import _pid_alive, read_state
+    from neuron_serving.local.probe import get_json
+
+    base = args.proxy.rstrip("/")
+    proxy = get_json(f"{base}/status", 3.0)
+    state = read_state(_state_path(args))
+    if state is not None and not _pid_alive(state.get("pid")):
+        state = None  # a dead supervisor's file describes nothing that runs
+    rows = merge(proxy, state)
+    if args.json:
+        print(json.dumps({"proxy": base, "reachable": proxy is not None, "units": rows}))
+        return 0 if proxy is not None else 1
+    console = Console()
+    if proxy is None:
+        console.print(f"[red]proxy {base} unreachable[/red]" + (
+            "; showing the supervisor's view only" if state else ""))  # fmt: skip
+        if state is None:
+            return 1
+    table = Table(title=f"neuron-serving status: {base}", show_lines=False)
+    for col in ("unit / node", "health", "state", "restarts", "load", "version"):
+        table.add_column(col, overflow="fold")
+    # Probe errors are long gRPC messages: one line, cut, so the table stays readable.
+    table.add_column("last failure / probe error", overflow="ellipsis", no_wrap=True, max_width=60)
+    colors = {"routable": "green", "healthy": "green", "unhealthy": "red", "draining": "yellow",
+              "ejected": "magenta", "pending": "yellow"}  # fmt: skip
+
+    def paint(v: Any) -> str:
+        return f"[{colors[v]}]{v}[/]" if v in colors else ("" if v is None else str(v))
+
+    for r in rows:
+        load = "" if r["in_flight"] is None else (
+            f"{r['in_flight']} in flight ({r['requests_total']} req, {r['errors_total']} err)")  # fmt: skip
+        failure = ""
+        if r["last_failure"]:
+            failure = f"{r['last_failure']} ({_age(r['last_failure_at'])})"
+        table.add_row(f"[bold]{r['unit_id']}[/]", paint(r["health"]), paint(r["phase"]),
+                      "" if r["restarts"] is None else str(r["restarts"]), load,
+                      r["model_version"] or "", failure)  # fmt: skip
+        for n in r["nodes"]:
+            pid = f" pid {n['pid']}" if n["pid"] and n["running"] else ""
+            table.add_row(f"  {n['name']}{pid}", paint(n["health"]), paint(n["node_state"]),
+                          "", "", "", " ".join(n["last_error"]))  # fmt: skip
+    console.print(table)
+    if proxy is not None:
+        adm = proxy.get("admission", {})
+        console.print(
+            f"routing {proxy.get('routing_policy')}; {adm.get('active', 0)} active, "
+            f"{adm.get('queued', 0)} queued" + (
+                f"; panic: {proxy['panic_models']}" if proxy.get("panic_models") else "")
+        )  # fmt: skip
+    return 0 if proxy is not None else 1

@@ -1,0 +1,143 @@
+"""`neuron-serving up`: a local cluster (K units of TP=N behind the proxy), supervised."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run K inference units (leader + N-1 followers each) behind the proxy",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--units", type=int, default=2, help="inference units (default 2)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per unit (default 2)")
+    p.add_argument(
+        "--model", default=None, help="local Hugging Face Llama-family dir (default: demo model)"
+    )
+    p.add_argument("--port", type=int, default=8080, help="proxy client port (default 8080)")
+    p.add_argument("--admin-port", type=int, default=0, help="proxy admin port (default port+1)")
+    p.add_argument(
+        "--base-port", type=int, default=29600, help="first port of the units' port blocks"
+    )
+    p.add_argument(
+        "--run-dir", default=None, help="logs, config, secrets, state (default: cache/up-PORT)"
+    )
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per unit start")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds on Ctrl-C")
+    p.set_defaults(func=run)
+
+
+def _examples(base: str, model: str) -> str:
+    body = (
+        f'{{"model": "{model}", "messages": [{{"role": "user", "content": '
+        f'"Is this coffee maker in stock?"}}], "max_tokens": 32, "stream": true}}'
+    )
+    # No indentation: the heredoc's closing PY must start its line to be pasted as is.
+    return f"""\
+curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  -d '{body}'
+
+{sys.executable} - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="unused")
+stream = client.chat.completions.create(
+    model="{model}", stream=True, max_tokens=32,
+    messages=[{{"role": "user", "content": "Is this coffee maker in stock?"}}])
+for chunk in stream:
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+PY"""
+
+
+def run(args: argparse.Namespace) -> int:
+    from neuron_serving.local.cache import default_run_dir, demo_model_dir
+    from neuron_serving.local.cluster import ClusterSupervisor, StartupFailed
+    from neuron_serving.local.spec import ClusterSpec
+
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    try:
+        model = Path(args.model) if args.model else demo_model_dir(say)
+        spec = ClusterSpec(
+            model_dir=model,
+            run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(args.port),
+            units=args.units,
+            tp=args.tp,
+            port=args.port,
+            admin_port=args.admin_port,
+            base_port=args.base_port,
+            max_model_len=args.max_model_len,
+            kv_cache_bytes=args.kv_cache_bytes,
+            max_num_seqs=args.max_num_seqs,
+            ready_timeout_s=args.ready_timeout,
+            drain_timeout_s=args.drain_timeout,
+        )
+    except ValueError as e:
+        print(f"neuron-serving up: {e}", file=sys.stderr)
+        return 2
+
+    signals = {"count": 0}
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signals["count"] += 1
+        stop.set()
+        cluster.stopping.set()
+        if signals["count"] > 1:
+            say("second interrupt: stopping without draining")
+
+    cluster = ClusterSupervisor(spec, on_event=say)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    say(
+        f"{spec.units} unit(s) x TP={spec.tp} of {spec.model_dir} "
+        f"(CPU binding {spec.cpu_bind!r}); run dir {spec.run_dir}"
+    )
+    rc = 0
+    try:
+        cluster.prepare()
+        cluster.start()
+        took = cluster.wait_ready(spec.ready_timeout_s * 3)
+        base = spec.proxy_url
+        print(
+            f"""
+neuron-serving up: {spec.units} unit(s) x TP={spec.tp} ready in {took:.1f} s
+  OpenAI API  {base}/v1        model "{spec.served_model_name}"
+  Triton API  {base}/v2/models/{spec.served_model_name}/generate_stream
+  status      {base}/status    (or: neuron-serving status --proxy {base})
+  metrics     {base}/metrics   dashboard {base}/dashboard
+  admin       {spec.admin_url}  (bearer token in {spec.run_dir / "admin-token"})
+  logs        {spec.run_dir / "logs"}/<unit>/<process>.log
+
+{_examples(base, spec.served_model_name)}
+
+Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            cluster.write_state()
+    except StartupFailed as e:
+        if not stop.is_set():
+            print(f"neuron-serving up: start-up failed: {e}", file=sys.stderr, flush=True)
+            rc = 1
+    finally:
+        survivors = cluster.shutdown(drain=signals["count"] <= 1)
+        if survivors:
+            print(f"neuron-serving up: processes left running: {survivors}", file=sys.stderr)
+            rc = rc or 3
+        else:
+            say("stopped; no process left running")
+    return rc

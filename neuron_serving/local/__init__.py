@@ -1,0 +1,1 @@
+"""The local cluster: `neuron-serving up` supervision (see README.md)."""

@@ -1,0 +1,261 @@
+"""`ClusterSupervisor`: the proxy and K inference units of one `up`, started and stopped together.
+
+    prepare()   run dir (0700), ports free?, unit token + admin token (0600), proxy.yaml
+    start()     proxy group (one process) + one UnitSupervisor per unit, all in parallel
+    wait_ready  until the proxy and every unit were ready once; a unit failing
+                ``max_start_failures`` times before its first ready aborts start-up
+    (serving)   write_state() keeps supervisor.json fresh for `neuron-serving status`
+    shutdown()  drain through the proxy admin API (stop admitting, wait for in-flight
+                up to drain_timeout_s), then stop every unit in parallel, then the
+                proxy; finally check the process table: nothing of ours may remain.
+
+Units are independent: one unit's crash loop never touches another unit or the
+proxy. The proxy is supervised as a group of one (restarted with backoff if it dies).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from neuron_serving.local import plan
+from neuron_serving.local.backoff import RestartBackoff
+from neuron_serving.local.probe import admin_call, get_json, http_status
+from neuron_serving.local.process import ProcessSpec
+from neuron_serving.local.proxy_config import write_proxy_config, write_secret
+from neuron_serving.local.spec import ClusterSpec
+from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
+
+STATE_VERSION = 1
+
+
+class StartupFailed(RuntimeError):
+    pass
+
+
+def check_ports_free(host: str, ports: list[int]) -> None:
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                busy.append(port)
+    if busy:
+        raise StartupFailed(
+            f"ports already in use on {host}: {busy} (another `neuron-serving up`? "
+            "pick other ports with --port / --base-port)"
+        )
+
+
+class ClusterSupervisor:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        on_event: Callable[[str], None] = print,
+        max_start_failures: int = 3,
+    ) -> None:
+        self.spec = spec
+        self.on_event = on_event
+        self.max_start_failures = max_start_failures
+        self.admin_token = ""
+        self.proxy: UnitSupervisor | None = None
+        self.units: list[UnitSupervisor] = []
+        self.started_at: float | None = None
+        self.stopping = threading.Event()
+
+    # ---- start ---------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        spec = self.spec
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(spec.run_dir, 0o700)  # logs and secrets live here
+        other = read_state(spec.state_file)
+        if other and other.get("pid") != os.getpid() and _pid_alive(other.get("pid")):
+            raise StartupFailed(
+                f"another supervisor (pid {other['pid']}) is running in {spec.run_dir}"
+            )
+        check_ports_free(spec.host, spec.all_ports())
+        token_file = spec.run_dir / "unit-token"
+        write_secret(token_file)
+        config_path, self.admin_token = write_proxy_config(spec)
+        logs = spec.run_dir / "logs"
+        self.proxy = UnitSupervisor(
+            UnitPlan(
+                "proxy",
+                [
+                    ProcessSpec(
+                        "proxy", plan.cli("proxy", "--config", str(config_path)), plan.child_env({})
+                    )
+                ],  # fmt: skip
+                logs / "proxy",
+                ready=lambda: http_status(f"{spec.proxy_url}/healthz", 1.0) == 200,
+                ready_timeout_s=60.0,
+                stop_timeout_s=spec.stop_timeout_s,
+                restart_stop_timeout_s=spec.restart_stop_timeout_s,
+                backoff=RestartBackoff(spec.backoff_base_s, spec.backoff_max_s, spec.stable_s),
+            ),
+            self.on_event,
+        )
+        self.units = [
+            UnitSupervisor(
+                UnitPlan(
+                    spec.unit_id(i),
+                    plan.unit_processes(spec, i, token_file),
+                    logs / spec.unit_id(i),
+                    ready=lambda i=i: plan.unit_ready(spec, i),
+                    progress=lambda name, i=i: plan.unit_progress(spec, i, name),
+                    ready_timeout_s=spec.ready_timeout_s,
+                    stop_timeout_s=spec.stop_timeout_s,
+                    restart_stop_timeout_s=spec.restart_stop_timeout_s,
+                    backoff=plan.unit_backoff(spec),
+                ),
+                self.on_event,
+            )
+            for i in range(spec.units)
+        ]
+
+    def start(self) -> None:
+        if self.proxy is None:
+            self.prepare()
+        assert self.proxy is not None
+        self.started_at = time.time()
+        self.proxy.start()
+        for u in self.units:
+            u.start()
+        self.write_state()
+
+    def wait_ready(self, timeout_s: float) -> float:
+        """Block until the proxy and every unit were ready once; returns seconds taken.
+
+        Raises StartupFailed naming the process and with its log tail when a unit
+        fails ``max_start_failures`` times before its first ready, or on timeout.
+        """
+        assert self.started_at is not None and self.proxy is not None
+        deadline = time.monotonic() + timeout_s
+        groups = [self.proxy, *self.units]
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if all(g.ever_ready.is_set() for g in groups):
+                return time.time() - self.started_at
+            for g in groups:
+                if not g.ever_ready.is_set() and g.restarts >= self.max_start_failures:
+                    f = g.failures[-1]
+                    raise StartupFailed(
+                        f"{g.unit_id} failed {g.restarts} times before becoming ready; "
+                        f"last: {f.reason}\n--- last lines of its log:\n{f.log_tail}"
+                    )
+            self.write_state()
+            time.sleep(0.5)
+        if self.stopping.is_set():
+            raise StartupFailed("interrupted during start-up")
+        pending = [g.unit_id for g in groups if not g.ever_ready.is_set()]
+        raise StartupFailed(f"not ready within {timeout_s:.0f} s: {pending}")
+
+    # ---- serving -------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        spec = self.spec
+        return {
+            "version": STATE_VERSION,
+            "pid": os.getpid(),
+            "updated_at": time.time(),
+            "started_at": self.started_at,
+            "stopping": self.stopping.is_set(),
+            "run_dir": str(spec.run_dir),
+            "model_dir": str(spec.model_dir),
+            "served_model_name": spec.served_model_name,
+            "units_requested": spec.units,
+            "tp": spec.tp,
+            "proxy_url": spec.proxy_url,
+            "admin_url": spec.admin_url,
+            "proxy": self.proxy.snapshot() if self.proxy else None,
+            "units": [u.snapshot() for u in self.units],
+        }
+
+    def write_state(self) -> None:
+        tmp = self.spec.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.snapshot(), indent=1))
+        os.replace(tmp, self.spec.state_file)  # readers never see half a file
+
+    def pids(self) -> list[int]:
+        groups = [g for g in (self.proxy, *self.units) if g is not None]
+        return sorted({pid for g in groups for pid in g.pids()})
+
+    # ---- stop ----------------------------------------------------------------------
+
+    def drain(self, timeout_s: float) -> tuple[int, float]:
+        """Stop admitting (every unit drained in the proxy) and wait for in-flight
+        requests to finish. Returns (requests still in flight, seconds waited)."""
+        start = time.monotonic()
+        for u in self.units:
+            status, body = admin_call(
+                "POST", f"{self.spec.admin_url}/admin/units/{u.unit_id}/drain", self.admin_token
+            )
+            if status != 200:
+                self.on_event(f"drain {u.unit_id}: admin API answered {status}: {body}")
+        left = 0
+        while time.monotonic() - start < timeout_s:
+            status = get_json(f"{self.spec.proxy_url}/status", 2.0)
+            if status is None:
+                left = 0  # no proxy, nothing in flight through it
+                break
+            left = sum(int(u.get("in_flight", 0)) for u in status.get("units", []))
+            left += int(status.get("admission", {}).get("queued", 0))
+            if left == 0:
+                break
+            time.sleep(0.2)
+        return left, time.monotonic() - start
+
+    def shutdown(self, drain: bool = True) -> list[int]:
+        """Drain, stop everything, and return the pids that survived (should be [])."""
+        self.stopping.set()
+        if drain and self.proxy is not None and self.proxy.phase == UnitPhase.READY:
+            self.on_event(f"draining (up to {self.spec.drain_timeout_s:.0f} s) ...")
+            left, took = self.drain(self.spec.drain_timeout_s)
+            if left:
+                self.on_event(f"drain timed out after {took:.1f} s with {left} requests in flight")
+            else:
+                self.on_event(f"drained in {took:.1f} s")
+        self.on_event("stopping units ...")
+        # Units first (in parallel; each tears its own processes down in parallel), so
+        # the proxy can still answer clients with a clean 503 meanwhile.
+        threads = [threading.Thread(target=u.stop, daemon=True) for u in self.units]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.spec.stop_timeout_s + 30.0)
+        if self.proxy is not None:
+            self.proxy.stop()
+        survivors = self.pids()
+        try:
+            self.write_state()
+        except OSError:
+            pass
+        return survivors
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,80 @@
+"""Small bounded HTTP calls the supervisor makes: readiness, /healthz, proxy admin.
+
+Standard library only (``neuron-serving status`` must start fast), every call
+with a timeout, failures returned as values rather than raised: a probe that
+cannot connect simply means "not ready yet".
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def http_status(url: str, timeout_s: float = 2.0) -> int:
+    """HTTP status of a GET, 0 when the server cannot be reached."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (OSError, ValueError):
+        return 0
+
+
+def get_json(url: str, timeout_s: float = 2.0) -> Any | None:
+    """Decoded JSON body of a 200 GET, or None."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            if r.status != 200:
+                return None
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def admin_call(
+    method: str, url: str, token: str, body: Any = None, timeout_s: float = 5.0
+) -> tuple[int, Any]:
+    """Call the proxy's admin API with a bearer token: (status, decoded body or text)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            raw = r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    except OSError as e:
+        return 0, str(e)
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def node_state(healthz_url: str, timeout_s: float = 1.0) -> str | None:
+    """The ``state`` a node reports on its HTTP /healthz (joining/loading/ready/failed).
+
+    A node that is not ready answers 503 with the same JSON body, so the body is
+    read whatever the status.
+    """
+    try:
+        with urllib.request.urlopen(healthz_url, timeout=timeout_s) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+    except (OSError, ValueError):
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(body, dict) and isinstance(body.get("state"), str):
+        return body["state"]
+    return None

@@ -1,0 +1,167 @@
+"""`ClusterSpec`: what `neuron-serving up` runs, and where every process listens.
+
+Port layout (all on loopback). The proxy takes ``port`` (clients) and
+``admin_port``. Unit ``i`` owns the block starting at ``base_port + i * stride``:
+
+    +0..+3   leader control plane (control, Gloo store, vLLM dist store, spare),
+             fixed offsets of neuron_serving.unit.config.UnitConfig
+    +4 +5 +6 leader Triton HTTP, gRPC, metrics
+    +7 +8    leader node health (gRPC health, HTTP /healthz)
+    +7+2r    follower rank r node health (gRPC health; HTTP /healthz on +1)
+
+A recreated unit gets the same ports, so the proxy's registry (fixed addresses)
+sees the same unit go unhealthy and come back without an admin call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONTROL_PORTS = 4  # see UnitConfig: control, store, dist, Neuron bootstrap
+
+
+@dataclass(frozen=True, slots=True)
+class UnitPorts:
+    base: int
+    tp: int
+
+    @property
+    def control(self) -> int:
+        return self.base
+
+    @property
+    def http(self) -> int:
+        return self.base + CONTROL_PORTS
+
+    @property
+    def grpc(self) -> int:
+        return self.base + CONTROL_PORTS + 1
+
+    @property
+    def metrics(self) -> int:
+        return self.base + CONTROL_PORTS + 2
+
+    def health(self, rank: int) -> int:
+        """gRPC health port of ``rank`` (its HTTP /healthz is the next port)."""
+        if not 0 <= rank < self.tp:
+            raise ValueError(f"rank {rank} outside 0..{self.tp - 1}")
+        return self.base + CONTROL_PORTS + 3 + 2 * rank
+
+    def all(self) -> list[int]:
+        return list(range(self.base, self.health(self.tp - 1) + 2))
+
+
+def stride(tp: int) -> int:
+    """Ports per unit, rounded up to a multiple of 10 so blocks are easy to read."""
+    used = CONTROL_PORTS + 3 + 2 * tp
+    return (used + 9) // 10 * 10
+
+
+def default_cpu_bind(tp: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for one unit: rank r pins to one allowed CPU.
+
+    Every unit uses the same list, so on this 2-core box the ranks of different
+    units share cores; binding still matters because TP ranks of one unit on the
+    same core would starve each other's spin-waiting all-reduce.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    model_dir: Path
+    run_dir: Path
+    units: int = 2
+    tp: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8080
+    admin_port: int = 0  # 0 = port + 1
+    base_port: int = 29600
+    served_model_name: str = ""  # "" = the model directory's name
+    # Engine: small enough that K units of TP=N start quickly on 2 cores.
+    max_model_len: int = 512
+    kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 16
+    cpu_bind: str = ""  # "" = default_cpu_bind(tp)
+    # Proxy probing: interval 0.5 s x 2 failures -> a dead unit leaves rotation in
+    # about 1-1.5 s, inside the 3 s the local cluster promises.
+    health_interval_s: float = 0.5
+    health_timeout_s: float = 0.4
+    unhealthy_threshold: int = 2
+    # Supervision.
+    ready_timeout_s: float = 600.0
+    stop_timeout_s: float = 10.0  # SIGTERM -> SIGKILL on shutdown
+    restart_stop_timeout_s: float = 3.0  # same, when tearing down a failed unit
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    stable_s: float = 60.0  # ready this long -> the crash-loop backoff resets
+    drain_timeout_s: float = 30.0
+    extra_leader_args: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        if not self.model_dir.is_dir():
+            raise ValueError(f"--model {str(self.model_dir)!r} is not a directory")
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"--model {str(self.model_dir)!r} has no config.json")
+        if self.units < 1:
+            raise ValueError(f"--units must be >= 1, got {self.units}")
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if not 0 < self.port < 65536 or not 0 <= self.admin_port < 65536:
+            raise ValueError(f"bad proxy ports {self.port}/{self.admin_port}")
+        if self.admin_port == 0:
+            object.__setattr__(self, "admin_port", self.port + 1)
+        if not self.served_model_name:
+            object.__setattr__(self, "served_model_name", self.model_dir.resolve().name)
+        if not self.cpu_bind:
+            object.__setattr__(self, "cpu_bind", default_cpu_bind(self.tp))
+        if len(self.cpu_bind.split("|")) < self.tp and self.cpu_bind != "nobind":
+            raise ValueError(f"cpu_bind {self.cpu_bind!r} needs one '|' entry per rank")
+        last = self.base_port + self.units * stride(self.tp)
+        if not 1024 <= self.base_port or last >= 65536:
+            raise ValueError(f"unit ports {self.base_port}..{last} out of range")
+        unit_ports = set(range(self.base_port, last))
+        if {self.port, self.admin_port} & unit_ports:
+            raise ValueError(f"proxy ports collide with unit ports {self.base_port}..{last - 1}")
+        if self.max_model_len < 16 or self.kv_cache_bytes <= 0 or self.max_num_seqs < 1:
+            raise ValueError("max_model_len >= 16, kv_cache_bytes > 0, max_num_seqs >= 1")
+        for name in ("health_interval_s", "health_timeout_s", "ready_timeout_s",
+                     "stop_timeout_s", "restart_stop_timeout_s", "backoff_base_s",
+                     "stable_s", "drain_timeout_s"):  # fmt: skip
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.health_timeout_s > self.health_interval_s:
+            raise ValueError("health_timeout_s must be <= health_interval_s")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise ValueError("backoff_max_s must be >= backoff_base_s")
+
+    def unit_id(self, index: int) -> str:
+        return f"unit-{index}"
+
+    def unit_ports(self, index: int) -> UnitPorts:
+        if not 0 <= index < self.units:
+            raise ValueError(f"unit index {index} outside 0..{self.units - 1}")
+        return UnitPorts(self.base_port + index * stride(self.tp), self.tp)
+
+    def all_ports(self) -> list[int]:
+        ports = [self.port, self.admin_port]
+        for i in range(self.units):
+            ports += self.unit_ports(i).all()
+        return ports
+
+    @property
+    def proxy_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
+
+    @property
+    def state_file(self) -> Path:
+        return self.run_dir / "supervisor.json"

@@ -1,0 +1,291 @@
+"""`UnitSupervisor`: one group of processes that lives and dies together.
+
+LeaderWorkerSet's ``RecreateGroupOnPodRestart``: when any process of the group
+exits (for any reason, with any code), the others are stopped and the whole
+group is started again from scratch, after an exponential backoff if it keeps
+failing. A unit's ranks cannot be replaced one at a time anyway: a new follower
+cannot join a running leader's tensor-parallel world.
+
+One thread per group. It owns the group's processes; every other thread only
+reads ``snapshot()`` (under the lock) or calls ``stop()``.
+
+    launch all -> watch (poll exits every 0.2 s; probe readiness / node progress)
+       any exit / not ready in time -> record failure -> tear down (TERM, then KILL)
+       -> wait backoff -> launch all again
+    stop() -> tear down -> STOPPED
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from neuron_serving.local.backoff import RestartBackoff
+from neuron_serving.local.process import ManagedProcess, ProcessSpec
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+_READY_PROBE_S = 0.5
+_PROGRESS_PROBE_S = 1.0
+_TAIL_LINES = 25
+
+
+class UnitPhase(enum.StrEnum):
+    STARTING = "starting"  # processes launched, not ready yet
+    READY = "ready"  # the readiness probe passed
+    BACKOFF = "backoff"  # failed; waiting before recreating the group
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitFailure:
+    at: float  # time.time()
+    process: str  # the process that exited, or "" for a readiness timeout
+    returncode: int | None
+    reason: str
+    log_tail: str
+
+
+@dataclass(slots=True)
+class UnitPlan:
+    """What to run for one group, and how to tell it is ready."""
+
+    unit_id: str
+    processes: list[ProcessSpec]
+    log_dir: Path
+    # Whole-group readiness (for a unit: the leader's Triton model is ready). Must
+    # return quickly (bounded HTTP timeout); exceptions count as "not ready".
+    ready: Callable[[], bool]
+    # Optional per-process state while starting (a node's /healthz "state").
+    progress: Callable[[str], str | None] | None = None
+    ready_timeout_s: float = 600.0
+    stop_timeout_s: float = 10.0
+    restart_stop_timeout_s: float = 3.0
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.processes]
+        if not names:
+            raise ValueError(f"{self.unit_id}: a group needs at least one process")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.unit_id}: duplicate process names {names}")
+        for name in ("ready_timeout_s", "stop_timeout_s", "restart_stop_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{self.unit_id}: {name} must be > 0")
+
+
+class UnitSupervisor:
+    def __init__(self, plan: UnitPlan, on_event: Callable[[str], None] | None = None) -> None:
+        self.plan = plan
+        self.procs = [ManagedProcess(spec, plan.log_dir) for spec in plan.processes]
+        self._on_event = on_event or (lambda msg: log.info("%s", msg))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # Written by the supervisor thread under _lock; read by snapshot().
+        self.phase = UnitPhase.STOPPED
+        self.restarts = 0
+        self.failures: list[UnitFailure] = []
+        self.launched_at: float | None = None  # time.time() of the current incarnation
+        self.ready_at: float | None = None
+        self.first_ready_s: float | None = None  # launch -> ready, of the first incarnation
+        self.last_ready_s: float | None = None
+        self.next_start_at: float | None = None
+        self.node_states: dict[str, str] = {}
+        self.ever_ready = threading.Event()
+
+    @property
+    def unit_id(self) -> str:
+        return self.plan.unit_id
+
+    # ---- control (any thread) ------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"{self.unit_id} supervisor already started")
+        self._thread = threading.Thread(
+            target=self._run, name=f"supervise-{self.unit_id}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, join_timeout_s: float | None = None) -> None:
+        """Stop the group and wait for the supervisor thread (bounded)."""
+        self._stop.set()
+        if self._thread is not None:
+            budget = join_timeout_s or self.plan.stop_timeout_s + 15.0
+            self._thread.join(budget)
+            if self._thread.is_alive():
+                # The thread is stuck (it should not be): kill what we can from here.
+                log.error("%s: supervisor did not stop in %.0f s", self.unit_id, budget)
+                for p in self.procs:
+                    p.kill_tree()
+
+    def wait_phase(self, phase: UnitPhase, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.phase == phase:
+                return True
+            time.sleep(0.05)
+        return self.phase == phase
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            last = self.failures[-1] if self.failures else None
+            return {
+                "unit_id": self.unit_id,
+                "phase": str(self.phase),
+                "restarts": self.restarts,
+                "launched_at": self.launched_at,
+                "ready_at": self.ready_at,
+                "first_ready_s": self.first_ready_s,
+                "last_ready_s": self.last_ready_s,
+                "next_start_in_s": None
+                if self.next_start_at is None
+                else round(max(0.0, self.next_start_at - time.time()), 2),
+                "last_failure": asdict(last) if last else None,
+                "processes": [
+                    {
+                        "name": p.name,
+                        "pid": p.pid,
+                        "running": p.popen is not None and p.popen.poll() is None,
+                        "node_state": self.node_states.get(p.name),
+                        "log": str(p.log_path),
+                    }
+                    for p in self.procs
+                ],
+            }
+
+    def pids(self) -> list[int]:
+        """Pids of every live process of the group (main processes and their sessions)."""
+        return sorted({m.pid for p in self.procs for m in p.members()})
+
+    # ---- supervisor thread ---------------------------------------------------------
+
+    def _set(self, **fields: object) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self, k, v)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._launch()
+                failure = self._watch()
+                if failure is None:
+                    break  # stop requested
+                up_for = time.time() - (self.ready_at or time.time())
+                delay = self.plan.backoff.failed(up_for)
+                with self._lock:
+                    # One update: readers never see the new count with the old phase.
+                    self.failures = [*self.failures[-9:], failure]
+                    self.restarts += 1
+                    self.phase = UnitPhase.BACKOFF
+                    self.next_start_at = time.time() + delay
+                self._teardown(self.plan.restart_stop_timeout_s)
+                self._on_event(
+                    f"{self.unit_id} failed: {failure.reason}; recreating the whole unit "
+                    f"in {delay:.1f} s (restart {self.restarts})"
+                )
+                if self._stop.wait(delay):
+                    break
+        except Exception:
+            log.exception("%s: supervisor thread crashed; stopping the group", self.unit_id)
+        finally:
+            self._set(phase=UnitPhase.STOPPING, next_start_at=None)
+            self._teardown(self.plan.stop_timeout_s)
+            self._set(phase=UnitPhase.STOPPED)
+
+    def _launch(self) -> None:
+        self._set(
+            phase=UnitPhase.STARTING,
+            launched_at=time.time(),
+            ready_at=None,
+            next_start_at=None,
+            node_states={},
+        )
+        # Order does not matter for correctness (followers wait for their leader and
+        # the leader for its followers); the first process is started first anyway.
+        for p in self.procs:
+            p.start()
+        self._on_event(
+            f"{self.unit_id} starting: " + ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
+        )
+
+    def _watch(self) -> UnitFailure | None:
+        assert self.launched_at is not None
+        launched = time.monotonic()
+        next_ready = next_progress = 0.0
+        while not self._stop.wait(_POLL_S):
+            for p in self.procs:
+                rc = p.poll()
+                if rc is not None:
+                    return UnitFailure(
+                        time.time(), p.name, rc, f"{p.name} exited with code {rc}",
+                        p.log_tail(_TAIL_LINES),
+                    )  # fmt: skip
+            now = time.monotonic()
+            if self.phase == UnitPhase.STARTING:
+                if now >= next_progress and self.plan.progress is not None:
+                    next_progress = now + _PROGRESS_PROBE_S
+                    self._probe_progress()
+                if now >= next_ready:
+                    next_ready = now + _READY_PROBE_S
+                    if self._probe_ready():
+                        took = now - launched
+                        with self._lock:
+                            self.phase = UnitPhase.READY
+                            self.ready_at = time.time()
+                            self.last_ready_s = round(took, 2)
+                            if self.first_ready_s is None:
+                                self.first_ready_s = round(took, 2)
+                        self.ever_ready.set()
+                        self._on_event(f"{self.unit_id} ready after {took:.1f} s")
+                        continue
+                if now - launched > self.plan.ready_timeout_s:
+                    tails = "\n".join(f"--- {p.name}\n{p.log_tail(10)}" for p in self.procs)
+                    return UnitFailure(
+                        time.time(), "", None,
+                        f"not ready within {self.plan.ready_timeout_s:.0f} s", tails,
+                    )  # fmt: skip
+        return None
+
+    def _probe_ready(self) -> bool:
+        try:
+            return bool(self.plan.ready())
+        except Exception:
+            return False
+
+    def _probe_progress(self) -> None:
+        assert self.plan.progress is not None
+        for p in self.procs:
+            try:
+                state = self.plan.progress(p.name)
+            except Exception:
+                state = None
+            old = self.node_states.get(p.name)
+            if state is not None and state != old:
+                with self._lock:
+                    self.node_states = {**self.node_states, p.name: state}
+                self._on_event(f"{self.unit_id} {p.name}: {state}")
+
+    def _teardown(self, timeout_s: float) -> None:
+        """Stop every process of the group in parallel (each: TERM, wait, KILL its tree)."""
+        threads = [
+            threading.Thread(target=p.terminate, args=(timeout_s,), daemon=True)
+            for p in self.procs
+            if p.popen is not None
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s + 15.0)
+        leftovers = [m.pid for p in self.procs for m in p.members()]
+        if leftovers:
+            log.error("%s: processes survived teardown: %s", self.unit_id, leftovers)

@@ -1,0 +1,157 @@
+"""UnitSupervisor with small real processes: group recreation, backoff, teardown.
+
+The processes are real (``python -c ...``); readiness is a file a process writes,
+so the supervisor's whole path (spawn, poll, probe, teardown by session) runs
+exactly as it does for a leader and its followers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from neuron_serving.local.backoff import RestartBackoff
+from neuron_serving.local.process import ManagedProcess, ProcessSpec, session_members
+from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
+from tests.procs import wait_for
+
+SLEEP = "import time; time.sleep(60)"
+
+
+def py(name: str, code: str) -> ProcessSpec:
+    return ProcessSpec(name, (sys.executable, "-c", code), dict(os.environ))
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def make_plan(tmp_path: Path, procs: list[ProcessSpec], **kw) -> UnitPlan:
+    marker = tmp_path / "ready"
+    kw.setdefault("backoff", RestartBackoff(0.2, 1.0, 30.0))
+    kw.setdefault("restart_stop_timeout_s", 1.0)
+    kw.setdefault("stop_timeout_s", 2.0)
+    return UnitPlan("unit-t", procs, tmp_path / "logs", ready=marker.exists, **kw)
+
+
+def test_any_exit_recreates_the_whole_group(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    procs = [
+        py("leader", f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); "
+                     "time.sleep(60)"),
+        py("follower-1", SLEEP),
+    ]  # fmt: skip
+    events: list[str] = []
+    sup = UnitSupervisor(make_plan(tmp_path, procs), events.append)
+    sup.start()
+    try:
+        assert sup.wait_phase(UnitPhase.READY, 20), events
+        first = {p.name: p.pid for p in sup.procs}
+        killed_at = time.monotonic()
+        os.kill(first["follower-1"], signal.SIGKILL)
+        # The leader is stopped too, and both come back as new processes.
+        wait_for(lambda: not alive(first["leader"]), 10, what="leader stopped")
+        wait_for(lambda: sup.restarts == 1 and sup.phase == UnitPhase.READY, 20, what="ready")
+        print(f"group recreated in {time.monotonic() - killed_at:.2f} s")
+        second = {p.name: p.pid for p in sup.procs}
+        assert all(second[n] != first[n] for n in first)
+        snap = sup.snapshot()
+        assert snap["restarts"] == 1
+        f = snap["last_failure"]
+        assert f["process"] == "follower-1" and f["returncode"] == -signal.SIGKILL
+        assert "follower-1 exited with code -9" in f["reason"]
+        assert any("recreating the whole unit" in e for e in events)
+    finally:
+        sup.stop()
+    assert sup.phase == UnitPhase.STOPPED
+    assert all(not alive(p.pid) for p in sup.procs)
+    assert sup.pids() == []
+
+
+def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
+    procs = [py("leader", "import sys; print('boom: bad config'); sys.exit(7)")]
+    sup = UnitSupervisor(make_plan(tmp_path, procs, backoff=RestartBackoff(0.2, 0.8, 30.0)))
+    starts: list[float] = []
+    sup._on_event = lambda msg: starts.append(time.monotonic()) if "starting" in msg else None
+    sup.start()
+    try:
+        wait_for(lambda: sup.restarts >= 5, 20, what="5 restarts")
+    finally:
+        sup.stop()
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    print("gaps between starts:", [round(g, 2) for g in gaps])
+    # Delays 0.2, 0.4, 0.8, 0.8 (capped), plus process start-up time.
+    assert gaps[0] >= 0.2 and gaps[1] >= 0.4 and gaps[2] >= 0.8 and gaps[3] >= 0.8
+    assert gaps[3] < gaps[2] + 0.6  # the cap holds
+    last = sup.snapshot()["last_failure"]
+    assert last["returncode"] == 7 and "boom: bad config" in last["log_tail"]
+    assert not sup.ever_ready.is_set()
+
+
+def test_backoff_resets_after_a_stable_period() -> None:
+    b = RestartBackoff(1.0, 8.0, stable_s=10.0)
+    assert [b.failed(0) for _ in range(5)] == [1.0, 2.0, 4.0, 8.0, 8.0]
+    assert b.failed(up_for_s=11.0) == 1.0
+    with pytest.raises(ValueError):
+        RestartBackoff(2.0, 1.0)
+
+
+def test_not_ready_in_time_is_a_failure(tmp_path: Path) -> None:
+    sup = UnitSupervisor(make_plan(tmp_path, [py("leader", SLEEP)], ready_timeout_s=0.6))
+    sup.start()
+    try:
+        wait_for(lambda: sup.restarts >= 1, 10, what="a restart")
+    finally:
+        sup.stop()
+    assert "not ready within" in sup.snapshot()["last_failure"]["reason"]
+
+
+def test_terminate_escalates_to_sigkill_and_reaps_the_session(tmp_path: Path) -> None:
+    # A parent that ignores SIGTERM, with a grandchild that double-forks away from it:
+    # only the session finds the grandchild after the parent is gone.
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import os, time\\n"
+        "if os.fork(): os._exit(0)\\ntime.sleep(60)'])\n"
+        "time.sleep(60)\n"
+    )
+    p = ManagedProcess(py("stubborn", code), tmp_path)
+    p.start()
+    wait_for(lambda: len(session_members(p.pid)) >= 2, 10, what="grandchild")
+    members = [m.pid for m in session_members(p.pid)]
+    t = time.monotonic()
+    rc = p.terminate(timeout_s=0.5)
+    took = time.monotonic() - t
+    print(f"terminated in {took:.2f} s, rc {rc}")
+    assert rc == -signal.SIGKILL
+    assert 0.5 <= took < 6
+    assert not any(alive(pid) for pid in members)
+    assert p.members() == []
+
+
+def test_log_tail_shows_only_the_last_start(tmp_path: Path) -> None:
+    p = ManagedProcess(py("talker", "print('first run')"), tmp_path)
+    p.start()
+    p.popen.wait(10)
+    p = ManagedProcess(py("talker", "print('second run'); print('line 2')"), tmp_path)
+    p.start()
+    p.popen.wait(10)
+    assert p.log_tail(5) == "second run\nline 2"
+    assert "first run" in p.log_path.read_text()  # history kept in one file
+
+
+def test_spec_rejects_bad_names() -> None:
+    with pytest.raises(ValueError):
+        ProcessSpec("a/b", ("true",))
+    with pytest.raises(ValueError):
+        ProcessSpec("x", ())

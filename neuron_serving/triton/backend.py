@@ -68,10 +68,18 @@ class LLMBackend:
         if not self.config.model:
             raise ValueError(f"{path}: 'model' is empty; the launcher renders it (--model DIR)")
         log.info("llm model settings: %s", self.config.to_dict())
-        self.metrics = BackendMetrics(self.config.unit_id)
         serve_registry(self.config.vllm_metrics_host, self.config.vllm_metrics_port)
+        self.start(
+            self.config,
+            EngineThread(self.config.engine_kwargs(), ENGINE_START_TIMEOUT_S),
+            BackendMetrics(self.config.unit_id),
+        )
 
-        self.engine_thread = EngineThread(self.config.engine_kwargs(), ENGINE_START_TIMEOUT_S)
+    def start(self, config: BackendConfig, engine_thread: Any, metrics: BackendMetrics) -> None:
+        """Everything after reading the settings; tests pass a fake engine thread."""
+        self.config = config
+        self.metrics = metrics
+        self.engine_thread = engine_thread
         self.engine_thread.start()
         self.engine = self.engine_thread.engine
         self.tokenizer = self.engine.get_tokenizer()
@@ -101,6 +109,7 @@ class LLMBackend:
             Path(self.config.init_marker).write_text(f"{latency}\n")
 
     def execute(self, requests: list[Any]) -> None:
+        """Never blocks on generation; every request ends with one FINAL response."""
         for request in requests:
             sender = request.get_response_sender()
             if not self.health.healthy:
@@ -116,7 +125,13 @@ class LLMBackend:
             request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex[:12]}"
             stream = Stream(sender)
             self.responses.register(request_id, stream)
-            stream.future = self.engine_thread.submit(self._generate(request_id, parsed, stream))
+            try:
+                stream.future = self.engine_thread.submit(
+                    self._generate(request_id, parsed, stream)
+                )
+            except Exception as e:  # noqa: BLE001 - e.g. the engine loop already stopped
+                self.metrics.outcome("unavailable")
+                self.responses.put(request_id, self._error(f"{e!r}", "UNAVAILABLE"), self.final)
         return None
 
     def finalize(self) -> None:

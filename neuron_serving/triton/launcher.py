@@ -53,6 +53,10 @@ EXIT_START_FAILED = 4
 EXIT_SERVER_DIED = 5
 
 _POLL_S = 0.25
+# tritonserver gets --exit-timeout-secs=stop_timeout_s to drain requests; finalizing
+# the model (engine shutdown) comes after that and took over 15 s under heavy load,
+# so SIGKILL waits this much longer.
+FINALIZE_GRACE_S = 20.0
 # After the model's initialize() returned, tritonserver normally reports it ready
 # within a second. Seen here under heavy CPU load: the Python backend judged the
 # stub unhealthy during a long initialize() (its health handshake allows the stub
@@ -272,7 +276,9 @@ class TritonLeader:
         rc = None
         if self.proc is not None:
             self._remember_tree()
-            rc = reaper.terminate_tree(self.proc, self.s.stop_timeout_s, list(self._tree.values()))
+            rc = reaper.terminate_tree(
+                self.proc, self.s.stop_timeout_s + FINALIZE_GRACE_S, list(self._tree.values())
+            )
         if self.merger is not None:
             self.merger.stop()
             self.merger = None

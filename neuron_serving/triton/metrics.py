@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 log = logging.getLogger(__name__)
 
@@ -22,17 +29,19 @@ log = logging.getLogger(__name__)
 class BackendMetrics:
     """Our own counters beside vLLM's; created once per model process."""
 
-    def __init__(self, unit_id: str) -> None:
+    def __init__(self, unit_id: str, registry: CollectorRegistry = REGISTRY) -> None:
         labels = {"unit": unit_id}
         self.ready = Gauge(
             "neuron_serving_triton_unit_ready",
             "1 while the inference unit behind the Triton model is healthy.",
             list(labels),
+            registry=registry,
         ).labels(**labels)
         self.requests = Counter(
             "neuron_serving_triton_requests",
             "Requests handled by the Triton model, by outcome.",
             [*labels, "outcome"],
+            registry=registry,
         )
         self._unit = unit_id
         self.canary_seconds = Histogram(
@@ -40,6 +49,7 @@ class BackendMetrics:
             "Latency of the idle canary (one greedy token through every rank).",
             list(labels),
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=registry,
         ).labels(**labels)
 
     def outcome(self, outcome: str) -> None:

@@ -1,0 +1,268 @@
+"""LLMBackend's request handling against a fake Triton and a fake AsyncLLM.
+
+The real thing runs in tests/e2e/test_triton_leader.py; here the invariant "every
+request ends with exactly one FINAL response" is checked path by path (finished,
+invalid, cancelled, engine error, unit failure) in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from neuron_serving.triton.backend import LLMBackend
+from neuron_serving.triton.backend_config import BackendConfig
+from neuron_serving.triton.metrics import BackendMetrics
+
+FINAL = 1
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, CANCELLED = range(7)
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        self.message, self.code = message, code
+
+
+class Tensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, array
+
+    def as_numpy(self) -> np.ndarray:
+        return self.array
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors: list[Tensor] = (), error: TritonError | None = None):
+        self.outputs = {t.name: t.array for t in output_tensors}
+        self.error = error
+
+
+class Sender:
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.sent: list[tuple[InferenceResponse, int]] = []
+        self.cancel_after = cancel_after
+
+    def send(self, response: InferenceResponse, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+
+    def is_cancelled(self) -> bool:
+        return self.cancel_after is not None and len(self.sent) >= self.cancel_after
+
+    def finals(self) -> list[InferenceResponse]:
+        return [r for r, f in self.sent if f & FINAL]
+
+
+class Request:
+    def __init__(self, sender: Sender, **inputs: Any) -> None:
+        self.sender = sender
+        self.inputs = {}
+        for name, value in inputs.items():
+            dtype = bool if isinstance(value, bool) else np.object_
+            self.inputs[name] = Tensor(name, np.array([value], dtype=dtype))
+
+    def get_response_sender(self) -> Sender:
+        return self.sender
+
+    def parameters(self) -> str:
+        return "{}"
+
+    def request_id(self) -> str:
+        return ""
+
+
+class Tokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+
+class Engine:
+    """Generates 'tN ' tokens; records aborts the way AsyncLLM.generate does."""
+
+    def __init__(self) -> None:
+        self.errored = False
+        self.fail_after: int | None = None
+        self.aborted: list[str] = []
+        self.dead = False
+        self.step_s = 0.002
+
+    def get_tokenizer(self) -> Tokenizer:
+        return Tokenizer()
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("EngineCore died")
+
+    async def generate(self, prompt: dict, params: Any, request_id: str):
+        from vllm.sampling_params import RequestOutputKind
+
+        n = params.max_tokens
+        try:
+            for i in range(n):
+                await asyncio.sleep(self.step_s)
+                if self.fail_after is not None and i == self.fail_after:
+                    raise RuntimeError("boom")
+                last = i == n - 1
+                if params.output_kind == RequestOutputKind.FINAL_ONLY and not last:
+                    continue
+                if params.output_kind == RequestOutputKind.DELTA:
+                    ids, text = [i], f"t{i} "
+                else:
+                    ids, text = list(range(n)), "".join(f"t{j} " for j in range(n))
+                seq = SimpleNamespace(
+                    text=text,
+                    token_ids=ids,
+                    finish_reason="length" if last else None,
+                    logprobs=None,
+                )
+                yield SimpleNamespace(finished=last, outputs=[seq])
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)
+            raise
+
+
+class LoopThread:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro, timeout: float):
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture
+def backend():
+    unloaded: list[str] = []
+    pb = SimpleNamespace(
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL=FINAL,
+        Tensor=Tensor,
+        InferenceResponse=InferenceResponse,
+        TritonError=TritonError,
+        get_input_tensor_by_name=lambda req, name: req.inputs.get(name),
+        unload_model=unloaded.append,
+    )
+    b = LLMBackend(pb)
+    b.model_name = "llm"
+    b.unloaded = unloaded
+    engine = Engine()
+    config = BackendConfig(
+        model="/m", max_model_len=64, health_interval_s=0.02, canary_interval_s=0.05
+    )
+    b.start(config, LoopThread(engine), BackendMetrics("u", CollectorRegistry()))
+    yield b
+    b.finalize()
+
+
+def wait_final(sender: Sender, timeout: float = 10.0) -> InferenceResponse:
+    deadline = time.monotonic() + timeout
+    while not sender.finals():
+        assert time.monotonic() < deadline, f"no FINAL response; sent {sender.sent}"
+        time.sleep(0.005)
+    time.sleep(0.05)  # a second FINAL would arrive now
+    assert len(sender.finals()) == 1, sender.sent
+    return sender.finals()[0]
+
+
+def text(r: InferenceResponse) -> str:
+    return r.outputs["text_output"][0].decode()
+
+
+def test_non_streaming_prepends_prompt_by_default(backend) -> None:
+    s = Sender()
+    params = json.dumps({"max_tokens": 3})
+    backend.execute([Request(s, text_input=b"two words", sampling_parameters=params)])
+    r = wait_final(s)
+    assert r.error is None and len(s.sent) == 1
+    assert text(r) == "two wordst0 t1 t2 "
+    assert r.outputs["prompt_tokens"][0] == 2 and r.outputs["completion_tokens"][0] == 3
+    assert r.outputs["finish_reason"][0] == b"length"
+
+
+def test_streaming_sends_deltas_and_cumulative_counts(backend) -> None:
+    s = Sender()
+    backend.execute(
+        [Request(s, text_input=b"hi", stream=True, sampling_parameters='{"max_tokens": 4}')]
+    )
+    wait_final(s)
+    assert [text(r) for r, _ in s.sent] == ["t0 ", "t1 ", "t2 ", "t3 "]
+    assert [int(r.outputs["completion_tokens"][0]) for r, _ in s.sent] == [1, 2, 3, 4]
+    assert [f for _, f in s.sent] == [0, 0, 0, FINAL]
+    assert [r.outputs["finish_reason"][0] for r, _ in s.sent][-2:] == [b"", b"length"]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "fragment"),
+    [
+        ({"text_input": b""}, "text_input is empty"),
+        ({"text_input": b"\xff"}, "not valid UTF-8"),
+        ({"text_input": b"x", "sampling_parameters": "{"}, "not valid JSON"),
+        ({"text_input": b"x " * 64}, "max_model_len is 64"),  # found after tokenizing
+    ],
+)
+def test_invalid_input_is_one_invalid_arg_final(backend, inputs, fragment) -> None:
+    s = Sender()
+    backend.execute([Request(s, **inputs)])
+    r = wait_final(s)
+    assert r.error.code == TritonError.INVALID_ARG and fragment in r.error.message
+
+
+def test_cancelled_stream_is_aborted_in_the_engine(backend) -> None:
+    backend.engine.step_s = 0.01
+    s = Sender(cancel_after=2)
+    backend.execute(
+        [Request(s, text_input=b"hi", stream=True, sampling_parameters='{"max_tokens": 60}')]
+    )
+    r = wait_final(s)
+    assert r.error.code == TritonError.CANCELLED
+    assert len(backend.engine.aborted) == 1
+    assert len(s.sent) < 60
+
+
+def test_engine_error_mid_stream_is_one_internal_final(backend) -> None:
+    backend.engine.fail_after = 2
+    s = Sender()
+    backend.execute(
+        [Request(s, text_input=b"hi", stream=True, sampling_parameters='{"max_tokens": 8}')]
+    )
+    r = wait_final(s)
+    assert r.error.code == TritonError.INTERNAL and "boom" in r.error.message
+    assert len(s.sent) == 3  # two partials, then the error
+
+
+def test_unit_failure_unloads_model_and_answers_unavailable(backend) -> None:
+    backend.engine.dead = True
+    deadline = time.monotonic() + 10
+    while not backend.unloaded:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert backend.unloaded == ["llm"] and not backend.health.healthy
+    s = Sender()
+    backend.execute([Request(s, text_input=b"hi")])
+    r = wait_final(s)
+    assert r.error.code == TritonError.UNAVAILABLE and "EngineCore died" in r.error.message
+
+
+def test_idle_canary_runs(backend) -> None:
+    deadline = time.monotonic() + 10
+    while backend.health.canaries_ok < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)

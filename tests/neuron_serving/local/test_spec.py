@@ -1,0 +1,122 @@
+"""ClusterSpec port layout, the generated proxy config (checked by the proxy's own
+loader), secrets' permissions, the unit's process plan, and the status merge."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.commands.status import merge
+from neuron_serving.local import plan
+from neuron_serving.local.proxy_config import write_proxy_config, write_secret
+from neuron_serving.local.spec import ClusterSpec, stride
+from proxy.config import load_config
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "my-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    return d
+
+
+def test_ports_of_every_unit_are_distinct(model_dir: Path, tmp_path: Path) -> None:
+    spec = ClusterSpec(model_dir, tmp_path / "run", units=3, tp=4, port=18080, base_port=30000)
+    ports = spec.all_ports()
+    assert len(ports) == len(set(ports))
+    assert spec.admin_port == 18081 and spec.served_model_name == "my-model"
+    u1 = spec.unit_ports(1)
+    assert u1.control == 30000 + stride(4) and u1.http == u1.control + 4
+    assert u1.health(3) + 1 < spec.unit_ports(2).control  # /healthz of the last rank fits
+    assert len(spec.cpu_bind.split("|")) == 4
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"units": 0}, "--units"),
+        ({"tp": 0}, "--tp"),
+        ({"port": 30005}, "collide"),
+        ({"cpu_bind": "0"}, "entry per rank"),
+        ({"health_timeout_s": 2.0}, "health_timeout_s"),
+    ],
+)
+def test_spec_rejects(model_dir: Path, tmp_path: Path, kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        ClusterSpec(model_dir, tmp_path, base_port=30000, **kw)
+
+
+def test_spec_needs_a_model_dir(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a directory"):
+        ClusterSpec(tmp_path / "missing", tmp_path)
+
+
+def test_proxy_config_is_accepted_by_the_proxy(model_dir: Path, tmp_path: Path) -> None:
+    spec = ClusterSpec(model_dir, tmp_path / "run", units=2, tp=3, port=18080, base_port=30000)
+    path, token = write_proxy_config(spec)
+    cfg = load_config(path)
+    assert cfg.admin_token() == token
+    assert [u.unit_id for u in cfg.units] == ["unit-0", "unit-1"]
+    u0 = cfg.units[0]
+    ports = spec.unit_ports(0)
+    assert u0.leader_grpc == f"127.0.0.1:{ports.grpc}"
+    assert u0.followers == (f"127.0.0.1:{ports.health(1)}", f"127.0.0.1:{ports.health(2)}")
+    assert cfg.models[0].model_dir == str(model_dir.resolve())
+    # A dead unit must leave rotation well within 3 s.
+    h = cfg.health
+    assert h.unhealthy_threshold * h.interval_s + h.timeout_s + h.jitter_s < 3.0
+    assert cfg.host == "127.0.0.1" and cfg.admin_host == "127.0.0.1"
+
+
+def test_secrets_are_private_and_fresh(tmp_path: Path) -> None:
+    a = write_secret(tmp_path / "token")
+    mode = stat.S_IMODE((tmp_path / "token").stat().st_mode)
+    b = write_secret(tmp_path / "token")
+    assert mode == 0o600 and a != b and len(a) >= 32
+
+
+def test_unit_plan(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("NEURON_SERVING_UNIT_TOKEN", "users-own-token")
+    spec = ClusterSpec(model_dir, tmp_path / "run", units=2, tp=2, base_port=30000)
+    leader, follower = plan.unit_processes(spec, 1, tmp_path / "unit-token")
+    ports = spec.unit_ports(1)
+    assert leader.name == "leader" and follower.name == "follower-1"
+    assert f"{ports.control}" in leader.argv and f"127.0.0.1:{ports.control}" in follower.argv
+    assert leader.env["NEURON_SERVING_LEADER_HEALTH_PORT"] == str(ports.health(0))
+    for p in (leader, follower):
+        assert p.env["NEURON_SERVING_UNIT_ID"] == "unit-1"
+        assert p.env["NEURON_SERVING_TOKEN_FILE"] == str(tmp_path / "unit-token")
+        assert "NEURON_SERVING_UNIT_TOKEN" not in p.env
+        assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == spec.cpu_bind
+
+
+def test_status_merges_proxy_and_supervisor() -> None:
+    proxy = {"units": [{"unit_id": "unit-0", "state": "unhealthy", "in_flight": 2,
+                        "requests_total": 9, "errors_total": 1, "model_version": "v1",
+                        "nodes": [{"node_id": "unit-0/leader", "state": "healthy"},
+                                  {"node_id": "unit-0/follower-1", "state": "unhealthy",
+                                   "last_error": "connection refused\nmore"}]}]}  # fmt: skip
+    state = {"units": [
+        {"unit_id": "unit-0", "phase": "backoff", "restarts": 2,
+         "last_failure": {"reason": "follower-1 exited with code -9", "at": 1.0},
+         "processes": [{"name": "leader", "pid": 10, "running": True, "node_state": "ready"},
+                       {"name": "follower-1", "pid": 11, "running": False}]},
+        {"unit_id": "unit-1", "phase": "starting", "restarts": 0, "processes": [
+            {"name": "leader", "pid": 12, "running": True, "node_state": "loading"}]},
+    ]}  # fmt: skip
+    rows = merge(proxy, state)
+    assert [r["unit_id"] for r in rows] == ["unit-0", "unit-1"]
+    r0 = rows[0]
+    assert (r0["health"], r0["phase"], r0["restarts"], r0["in_flight"]) == (
+        "unhealthy", "backoff", 2, 2)  # fmt: skip
+    assert r0["last_failure"].startswith("follower-1 exited")
+    assert r0["nodes"][0] == {"name": "leader", "health": "healthy", "node_state": "ready",
+                              "pid": 10, "running": True, "last_error": [], "probe_ms": None}  # fmt: skip
+    assert r0["nodes"][1]["last_error"] == ["connection refused"]
+    # A unit only the supervisor knows (not yet in the proxy) still shows its nodes.
+    assert rows[1]["health"] is None and rows[1]["nodes"][0]["node_state"] == "loading"
+    assert merge(None, None) == []

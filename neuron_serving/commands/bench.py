@@ -28,6 +28,14 @@ def run(args: argparse.Namespace) -> int:
             from neuron_serving.bench import executor
 
             rc |= executor.main(args.quick, args.model, args.json, args.repeats)
+        elif name == "proxy":
+            from neuron_serving.bench import proxy
+
+            rc |= proxy.main(args.quick, args.model, args.json, args.repeats)
+        elif name == "routing":
+            from neuron_serving.bench import routing
+
+            rc |= routing.main(args.quick, args.model, args.json, args.repeats)
         else:
             print(f"neuron-serving bench: '{name}' is not built yet (see issue 8)", file=sys.stderr)
             if args.name != "all":

@@ -1,0 +1,168 @@
+"""Proxy overhead: TTFT and ITL through the proxy against straight to the leader.
+
+One real TP=1 unit (`neuron-serving leader`: tritonserver + vLLM, demo model) and
+one `neuron-serving proxy` process in front of it. Both arms use the same client
+and protocol, Triton's HTTP ``generate_stream`` (the proxy serves it too, through
+its admission, routing and tritonclient gRPC upstream), so the difference is the
+proxy hop alone. Per repeat: 64 concurrent streams per arm, arms alternating and
+their order flipped every repeat so drift on a shared machine hits both alike.
+Every prompt starts with a unique number, so neither arm gets prefix-cache hits
+the other did not. A sequential pass (one stream at a time, arms interleaved
+request by request) measures the hop without queueing noise.
+
+TTFT and ITL as in ``sse.py`` (ITL = time between consecutive output chunks of
+one request, vLLM's definition). Added TTFT = proxy minus direct, per repeat,
+p50 and p99; targets: p50 <= 1 ms, p99 <= 5 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from neuron_serving.bench.common import percentile, spread, write_result
+from neuron_serving.bench.sse import StreamTiming, timed_stream
+from neuron_serving.bench.stack import proxy_config, start_leader, start_proxy, wait_leaders
+
+TARGET_ADDED_TTFT_P50_MS = 1.0
+TARGET_ADDED_TTFT_P99_MS = 5.0
+STREAMS = 64
+MAX_MODEL_LEN = 512
+PROMPT = "is a customer asking whether the trail running shoes come in size 10 and in blue"
+
+
+def _ms(values: list[float], q: float) -> float:
+    return percentile(values, q) * 1e3
+
+
+async def _batch(
+    session: aiohttp.ClientSession, url: str, n: int, max_tokens: int, ids: itertools.count
+) -> list[StreamTiming]:
+    body = {"parameters": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+            "exclude_input_in_output": True, "stream": True}  # fmt: skip
+    return await asyncio.gather(
+        *(timed_stream(session, url, {**body, "text_input": f"{next(ids)} {PROMPT}"})
+          for _ in range(n))
+    )  # fmt: skip
+
+
+def _summary(timings: list[StreamTiming]) -> dict[str, Any]:
+    ttft = [t.ttft_s for t in timings if not t.error]
+    itl = [x for t in timings if not t.error for x in t.itl_s]
+    return {"ttft_p50_ms": _ms(ttft, 50), "ttft_p99_ms": _ms(ttft, 99),
+            "itl_p50_ms": _ms(itl, 50), "itl_p99_ms": _ms(itl, 99),
+            "requests": len(timings), "errors": sum(1 for t in timings if t.error),
+            "first_error": next((t.error for t in timings if t.error), "")}  # fmt: skip
+
+
+async def _run(urls: dict[str, str], repeats: int, max_tokens: int, sequential: int) -> dict:
+    ids = itertools.count()
+    timeout = aiohttp.ClientTimeout(total=600)
+    conn = aiohttp.TCPConnector(limit=0)  # 64 streams per arm must not queue in the client
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as s:
+        for url in urls.values():  # warm-up: connections, Triton and vLLM code paths
+            await _batch(s, url, 16, max_tokens, ids)
+        runs: list[dict[str, Any]] = []
+        for r in range(repeats):
+            order = ["direct", "proxy"] if r % 2 == 0 else ["proxy", "direct"]
+            run = {arm: _summary(await _batch(s, urls[arm], STREAMS, max_tokens, ids))
+                   for arm in order}  # fmt: skip
+            runs.append(run)
+            print(f"repeat {r + 1}/{repeats}: TTFT p50 direct {run['direct']['ttft_p50_ms']:.1f} "
+                  f"ms, proxy {run['proxy']['ttft_p50_ms']:.1f} ms", file=sys.stderr, flush=True)  # fmt: skip
+        seq: dict[str, list[StreamTiming]] = {"direct": [], "proxy": []}
+        for i in range(sequential):
+            for arm in ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct"):
+                seq[arm] += await _batch(s, urls[arm], 1, max_tokens, ids)
+    return {"runs": runs, "sequential": {arm: _summary(t) for arm, t in seq.items()}}
+
+
+def _added(runs: list[dict], key: str) -> dict[str, float]:
+    return spread([run["proxy"][key] - run["direct"][key] for run in runs])
+
+
+def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
+    from neuron_serving.models.demo import build_demo_model
+
+    repeats = repeats or (3 if quick else 7)
+    max_tokens = 16 if quick else 32
+    sequential = 16 if quick else 64
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ns-bench-proxy-") as tmp:
+        work = Path(tmp)
+        model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
+        leader = start_leader(model_dir, work, "leader", cpu_bind="0", max_model_len=MAX_MODEL_LEN)
+        try:
+            wait_leaders([leader])
+            proxy = start_proxy(proxy_config([leader], model_dir, MAX_MODEL_LEN), work)
+            try:
+                urls = {"direct": f"http://{leader.http}/v2/models/llm/generate_stream",
+                        "proxy": f"{proxy.base}/v2/models/llm/generate_stream"}  # fmt: skip
+                data = asyncio.run(_run(urls, repeats, max_tokens, sequential))
+            finally:
+                proxy.process.stop()
+        finally:
+            leader.process.stop()
+    runs = data["runs"]
+    # On a shared 2-core machine other work shifts every latency; record how busy it was.
+    load = {"load_avg_1m_start": load_before[0], "load_avg_1m_end": os.getloadavg()[0]}
+    arms = {arm: {k: spread([run[arm][k] for run in runs])
+                  for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+            for arm in ("direct", "proxy")}  # fmt: skip
+    add50, add99 = _added(runs, "ttft_p50_ms"), _added(runs, "ttft_p99_ms")
+    seq = data["sequential"]
+    result = {
+        "workload": {
+            "streams": STREAMS,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "repeats": repeats,
+            "sequential_requests_per_arm": sequential,
+            "protocol": "Triton HTTP generate_stream, same aiohttp client in both arms",
+            "model": "demo" if model is None else model,
+            "tp": 1,
+            "leader_cpu_bind": "0",
+            "itl_definition": "time between consecutive output chunks of one request "
+            "(vLLM benchmark_serving ITL)",
+        },  # fmt: skip
+        "machine_load": load,
+        "added_ttft_p50_ms": add50,
+        "added_ttft_p99_ms": add99,
+        "added_itl_p50_ms": _added(runs, "itl_p50_ms"),
+        "added_itl_p99_ms": _added(runs, "itl_p99_ms"),
+        "arms": arms,
+        "sequential": {
+            **seq,
+            "added_ttft_p50_ms": seq["proxy"]["ttft_p50_ms"] - seq["direct"]["ttft_p50_ms"],
+            "added_ttft_p99_ms": seq["proxy"]["ttft_p99_ms"] - seq["direct"]["ttft_p99_ms"],
+        },  # fmt: skip
+        "targets": {
+            "added_ttft_p50_ms": TARGET_ADDED_TTFT_P50_MS,
+            "added_ttft_p99_ms": TARGET_ADDED_TTFT_P99_MS,
+        },  # fmt: skip
+        "met": {
+            "added_ttft_p50": add50["median"] <= TARGET_ADDED_TTFT_P50_MS,
+            "added_ttft_p99": add99["median"] <= TARGET_ADDED_TTFT_P99_MS,
+        },  # fmt: skip
+        "errors": sum(run[a]["errors"] for run in runs for a in run),
+        "runs": runs,
+    }
+    path = write_result("proxy" + ("-quick" if quick else ""), result)
+    print(f"proxy: added TTFT p50 {add50['median']:+.2f} ms ({add50['min']:+.2f}..{add50['max']:+.2f}),"
+          f" p99 {add99['median']:+.2f} ms ({add99['min']:+.2f}..{add99['max']:+.2f}) at {STREAMS} "
+          f"streams (targets <= {TARGET_ADDED_TTFT_P50_MS} / {TARGET_ADDED_TTFT_P99_MS} ms); "
+          f"sequential added TTFT p50 {result['sequential']['added_ttft_p50_ms']:+.2f} ms; "
+          f"ITL p50 direct {arms['direct']['itl_p50_ms']['median']:.2f} ms, proxy "
+          f"{arms['proxy']['itl_p50_ms']['median']:.2f} ms -> {path}", file=sys.stderr)  # fmt: skip
+    if emit_json:
+        import json
+
+        print(json.dumps({k: result[k] for k in ("added_ttft_p50_ms", "added_ttft_p99_ms", "met")}))
+    return 0 if result["errors"] == 0 else 1

@@ -1,0 +1,194 @@
+"""Real processes for the serving benchmarks: `neuron-serving leader` units and a
+`neuron-serving proxy` in front of them, on loopback.
+
+Each process runs in its own session so ``stop`` can take down its whole tree
+(tritonserver, the backend stub, EngineCore); every wait is bounded. Logs go to
+the benchmark's work directory and their tail is raised with any start failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+READY_TIMEOUT_S = 600.0
+# A TP=1 leader needs no follower, but the unit still authenticates its control port.
+_BENCH_TOKEN = "bench-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int = 4) -> int:
+    """A base port with ``n`` consecutive free ports (the leader's control port and the
+    store/dist ports after it)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port block")
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def metric(addr: str, name: str) -> float:
+    """Sum of every sample of ``name`` on a Prometheus endpoint (all label sets)."""
+    total = 0.0
+    for line in http_get(f"http://{addr}/metrics")[1].splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM, a bounded wait, then SIGKILL of the whole session."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+
+
+def _spawn(name: str, args: list[str], workdir: Path, env: dict[str, str]) -> Process:
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as f:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "neuron_serving.cli", *args],
+            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
+    return Process(name, popen, log)
+
+
+@dataclass
+class Leader:
+    process: Process
+    http: str
+    grpc: str
+    metrics: str
+
+    def ready(self) -> bool:
+        return http_get(f"http://{self.http}/v2/models/llm/ready")[0] == 200
+
+
+def start_leader(
+    model: Path, workdir: Path, name: str, *, cpu_bind: str, max_model_len: int,
+    kv_cache_bytes: int = 256 << 20,
+) -> Leader:  # fmt: skip
+    """A TP=1 unit. ``cpu_bind`` is vLLM's per-rank list; two leaders on one machine get
+    different cores ("0" and "1") instead of both binding core 0."""
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    args = ["leader", "--model", str(model), "--tp", "1", "--control-port", str(free_port_block()),
+            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+            "--max-model-len", str(max_model_len), "--kv-cache-bytes", str(kv_cache_bytes),
+            "--run-dir", str(workdir / f"{name}-run"), "--drain", "1"]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind, "PYTHONUNBUFFERED": "1",
+           "NEURON_SERVING_UNIT_TOKEN": os.environ.get("NEURON_SERVING_UNIT_TOKEN", _BENCH_TOKEN)}  # fmt: skip
+    proc = _spawn(name, args, workdir, env)
+    return Leader(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}")
+
+
+def wait_leaders(leaders: list[Leader], timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(ldr.ready() for ldr in leaders):
+        for ldr in leaders:
+            if ldr.process.popen.poll() is not None:
+                raise RuntimeError(f"{ldr.process.name} exited:\n{ldr.process.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"leaders not ready in {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def proxy_config(
+    leaders: list[Leader], model: Path, max_model_len: int, **overrides: Any
+) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "port": free_port(),
+        "admin_port": free_port(),
+        "health": {"interval_s": 0.25, "timeout_s": 0.25, "jitter_s": 0.05},
+        "models": [{"name": "llm", "model_dir": str(model), "max_model_len": max_model_len}],
+        "units": [
+            {"unit_id": f"unit-{i}", "leader_grpc": ldr.grpc, "leader_http": ldr.http,
+             "model": "llm", "model_version": "demo"}
+            for i, ldr in enumerate(leaders)
+        ],
+    }  # fmt: skip
+    cfg.update(overrides)
+    return cfg
+
+
+@dataclass
+class Proxy:
+    process: Process
+    base: str
+
+    def status(self) -> dict[str, Any]:
+        code, body = http_get(self.base + "/status")
+        if code != 200:
+            raise RuntimeError(f"/status answered {code}")
+        return json.loads(body)
+
+
+def start_proxy(config: dict[str, Any], workdir: Path, name: str = "proxy") -> Proxy:
+    """The proxy process, returned once every unit in ``config`` is routable."""
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(config))
+    proc = _spawn(name, ["proxy", "--config", str(path), "--log-level", "WARNING"], workdir,
+                  {**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proxy = Proxy(proc, f"http://127.0.0.1:{config['port']}")
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"proxy exited:\n{proc.tail()}")
+        try:
+            units = proxy.status()["units"]
+            if len(units) == len(config["units"]) and all(u["state"] == "routable" for u in units):
+                return proxy
+        except RuntimeError:
+            pass
+        if time.monotonic() > deadline:
+            proc.stop()
+            raise TimeoutError("proxy units not routable in 60 s")
+        time.sleep(0.2)

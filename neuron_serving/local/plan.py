@@ -114,14 +114,11 @@ def unit_ready(spec: ClusterSpec, index: int) -> bool:
 
 
 def unit_progress(spec: ClusterSpec, index: int, process: str) -> str | None:
-    """A node's own state from its /healthz; before the leader's health server is up
-    (it starts inside EngineCore) the leader is 'starting'."""
+    """A node's own state from its /healthz, None if it does not answer (the leader's
+    health server only starts inside EngineCore; a busy node may miss a probe)."""
     ports = spec.unit_ports(index)
     rank = 0 if process == "leader" else int(process.rsplit("-", 1)[1])
-    state = node_state(f"http://127.0.0.1:{ports.health(rank) + 1}/healthz")
-    if state is None and rank == 0:
-        return "starting"
-    return state
+    return node_state(f"http://127.0.0.1:{ports.health(rank) + 1}/healthz")
 
 
 def unit_backoff(spec: ClusterSpec) -> RestartBackoff:

@@ -208,7 +208,9 @@ class UnitSupervisor:
             launched_at=time.time(),
             ready_at=None,
             next_start_at=None,
-            node_states={},
+            # Until a node answers its own probe it is "starting"; an unanswered probe
+            # later keeps the last known state rather than flapping back.
+            node_states={p.name: "starting" for p in self.procs},
         )
         # Order does not matter for correctness (followers wait for their leader and
         # the leader for its followers); the first process is started first anyway.

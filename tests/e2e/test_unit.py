@@ -178,49 +178,36 @@ def _start_long_unit(procs, demo_model, port):
     return leader, follower
 
 
-def test_follower_sigkill_fails_leader_naming_rank(procs, demo_model):
+@pytest.mark.parametrize(
+    ("victim", "sig", "expect"),
+    [
+        # A SIGKILLed follower closes its control connection: detected at once.
+        ("follower", signal.SIGKILL, ("rank 1", "failed")),
+        # A SIGSTOPped follower keeps its sockets open: only heartbeats reveal it.
+        ("follower", signal.SIGSTOP, ("rank 1", "no heartbeat")),
+        # A SIGKILLed leader: the follower exits non-zero on its own.
+        ("leader", signal.SIGKILL, ("lost the leader",)),
+    ],
+    ids=["follower-sigkill", "follower-sigstop", "leader-sigkill"],
+)
+def test_rank_failure_fails_the_unit_within_5s(procs, demo_model, victim, sig, expect):
     port = free_port_block(32)
     leader, follower = _start_long_unit(procs, demo_model, port)
-    follower.signal(signal.SIGKILL)
+    target, survivor = (follower, leader) if victim == "follower" else (leader, follower)
+    target.signal(sig)
     t0 = time.monotonic()
-    rc = leader.wait(timeout=5)
+    rc = survivor.wait(timeout=5)  # the bound; raises TimeoutExpired beyond it
     elapsed = time.monotonic() - t0
     assert rc != 0
-    err = leader.stderr()
-    assert "rank 1" in err and "failed" in err, err[-2000:]
-    print(f"leader exited {rc} {elapsed:.2f} s after follower SIGKILL")
+    err = survivor.stderr()
+    assert all(text in err for text in expect), err[-2000:]
+    print(f"{survivor.name} exited {rc} {elapsed:.2f} s after {victim} {signal.Signals(sig).name}")
+    if sig == signal.SIGSTOP:
+        target.signal(signal.SIGCONT)
+        # Resumed, it finds its leader gone and exits non-zero by itself.
+        assert target.wait(timeout=10) != 0
     # Nothing of the unit lingers on its own (before the fixture kills anything).
-    assert leftover([leader, follower]) == []
-
-
-def test_follower_sigstop_fails_leader(procs, demo_model):
-    port = free_port_block(32)
-    leader, follower = _start_long_unit(procs, demo_model, port)
-    follower.signal(signal.SIGSTOP)
-    t0 = time.monotonic()
-    rc = leader.wait(timeout=5)
-    elapsed = time.monotonic() - t0
-    assert rc != 0
-    err = leader.stderr()
-    assert "rank 1" in err and "no heartbeat" in err, err[-2000:]
-    print(f"leader exited {rc} {elapsed:.2f} s after follower SIGSTOP")
-    follower.signal(signal.SIGCONT)
-    # Resumed, it finds its leader gone and exits non-zero on its own.
-    assert follower.wait(timeout=10) != 0
-    assert leftover([leader, follower]) == []
-
-
-def test_leader_sigkill_stops_follower(procs, demo_model):
-    port = free_port_block(32)
-    leader, follower = _start_long_unit(procs, demo_model, port)
-    leader.signal(signal.SIGKILL)
-    t0 = time.monotonic()
-    rc = follower.wait(timeout=5)
-    elapsed = time.monotonic() - t0
-    assert rc != 0
-    assert "lost the leader" in follower.stderr() or "no heartbeat" in follower.stderr()
-    print(f"follower exited {rc} {elapsed:.2f} s after leader SIGKILL")
-    assert leftover([follower]) == []
+    assert leftover([leader, follower] if victim == "follower" else [survivor]) == []
 
 
 def test_wrong_token_is_rejected_and_join_times_out(procs, demo_model):

@@ -13,6 +13,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the unit")
     p.add_argument("--control-port", type=int, required=True, help="port followers join")
     p.add_argument("--control-host", default="127.0.0.1", help="address followers reach")
+    p.add_argument("--token-file", default=None, help="unit shared-secret file")
+    p.add_argument("--unit-id", default=None, help="unit name in health and metrics")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -60,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             "max_num_seqs": args.max_num_seqs,
             "executor": args.executor,
             "canary_interval_s": args.canary_interval,
+            "token_file": args.token_file,
+            "unit_id": args.unit_id,
         }.items()
         if value is not None
     }

@@ -72,7 +72,7 @@ class LLMBackend:
         self.start(
             self.config,
             EngineThread(self.config.engine_kwargs(), ENGINE_START_TIMEOUT_S),
-            BackendMetrics(self.config.unit_id),
+            BackendMetrics(self.config.resolved_unit_id()),
         )
 
     def start(self, config: BackendConfig, engine_thread: Any, metrics: BackendMetrics) -> None:

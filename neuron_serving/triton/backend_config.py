@@ -34,7 +34,10 @@ class BackendConfig:
     # Control plane of the unit (see neuron_serving.unit.config.UnitConfig).
     control_port: int = 29500
     control_host: str = "127.0.0.1"
-    unit_id: str = "unit-0"
+    unit_id: str = ""  # "" = NEURON_SERVING_UNIT_ID (what `neuron-serving up` sets)
+    # Unit shared-secret file ("" = NEURON_SERVING_UNIT_TOKEN / _TOKEN_FILE / default
+    # file, see neuron_serving.unit.auth). The secret itself never goes in model.json.
+    token_file: str = ""
     # Readiness: AsyncLLM.check_health() every health_interval_s; when no request
     # has run for canary_interval_s, a one-token greedy generation goes through every
     # rank and must finish within canary_timeout_s.
@@ -84,13 +87,21 @@ class BackendConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def resolved_unit_id(self) -> str:
+        from neuron_serving import envs
+
+        return self.unit_id or envs.NEURON_SERVING_UNIT_ID
+
     def engine_kwargs(self) -> dict[str, Any]:
         """AsyncEngineArgs keyword arguments, always via the unit's one recipe."""
         from neuron_serving.unit.config import UnitConfig
         from neuron_serving.unit.engine import engine_kwargs
 
         unit = UnitConfig.from_env(
-            control_port=self.control_port, control_host=self.control_host, unit_id=self.unit_id
+            control_port=self.control_port,
+            control_host=self.control_host,
+            unit_id=self.unit_id or None,
+            token_file=self.token_file or None,
         )
         overrides: dict[str, Any] = {}
         if self.executor != "unit":

@@ -79,6 +79,19 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def free_port_pair(host: str = "127.0.0.1") -> int:
+    """A free port whose successor is free too (the unit health server takes both)."""
+    for _ in range(100):
+        port = free_port(host)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
 @dataclass(slots=True)
 class LeaderSettings:
     model: str
@@ -173,6 +186,19 @@ class TritonLeader:
         # Rank 0's worker runs in EngineCore, a grandchild of tritonserver: its OpenMP
         # binding must already be in the environment tritonserver passes down.
         env.update(self._rank0_env())
+        # The unit executor's control-plane metrics (broadcast cost, follower heartbeat
+        # age, steps) are served by its node health server, in EngineCore, on
+        # health_port + 1. Use the configured one, or give it a loopback port.
+        from neuron_serving import envs
+
+        health_port = envs.NEURON_SERVING_LEADER_HEALTH_PORT
+        health_host = envs.NEURON_SERVING_HEALTH_HOST
+        if not health_port:
+            health_port = free_port_pair()
+            health_host = "127.0.0.1"
+            env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(health_port)
+        if health_host in ("0.0.0.0", "::", ""):
+            health_host = "127.0.0.1"
         log.info("starting %s", " ".join(cmd))
         # Own process group (for killpg) but the leader's session, so a supervisor
         # that cleans up by session still finds the tree; parent-death signal so a
@@ -191,6 +217,7 @@ class TritonLeader:
             [
                 f"http://127.0.0.1:{triton_metrics_port}/metrics",
                 f"http://127.0.0.1:{vllm_metrics_port}/metrics",
+                f"http://{health_host}:{health_port + 1}/metrics",
             ],
         )
         self.merger.start()

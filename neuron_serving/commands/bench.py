@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> int:
             from neuron_serving.bench import executor
 
             rc |= executor.main(args.quick, args.model, args.json, args.repeats)
+        elif name == "failover":
+            from neuron_serving.bench import cluster
+
+            rc |= cluster.main(args.quick, args.json)
         elif name == "proxy":
             from neuron_serving.bench import proxy
 

@@ -135,7 +135,7 @@ class RoutingConfig:
     # A cached prefix counts only if it covers at least this fraction of the prompt's blocks
     # (SGLang's cache_threshold): a shared BOS + role header must not pull everything to one unit.
     cache_threshold: float = 0.5
-    balance_abs_threshold: int = 32  # in-flight requests; see README for the why
+    balance_abs_threshold: int = 4  # in-flight requests; see README for the why
     balance_rel_threshold: float = 1.5
     session_header: str = "x-session-id"
 

@@ -40,7 +40,7 @@ def test_cache_aware_follows_the_longest_prefix():
     first = policy.choose(req(SYSTEM + "user: red shoes"), [a, b])
     assert first.reason == "prefix_miss"
     # Load the chosen unit a little: still below both thresholds, so the prefix wins.
-    first.unit.in_flight = 5
+    first.unit.in_flight = 3
     for turn in range(10):
         d = policy.choose(req(SYSTEM + f"user: question {turn}"), [a, b])
         assert d.unit is first.unit and d.reason == "prefix_hit"

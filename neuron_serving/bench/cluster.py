@@ -40,6 +40,10 @@ from neuron_serving.local.probe import get_json
 BUDGET_RSS_GIB = 12.0
 
 
+# Unit ports below the ephemeral range (see neuron_serving/local/spec.py), away from
+# the default `up` (29600) so a running `make serve` does not collide.
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,7 +172,7 @@ def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
     port, admin = _free_port(), _free_port()
     run_dir = tmp / "run"
     args = [sys.executable, "-m", "neuron_serving.cli", "up", "--port", str(port),
-            "--admin-port", str(admin), "--base-port", "39600", "--run-dir", str(run_dir)]  # fmt: skip
+            "--admin-port", str(admin), "--base-port", "27600", "--run-dir", str(run_dir)]  # fmt: skip
     log = open(tmp / "up.log", "wb")  # noqa: SIM115 (closed below)
     t0 = time.monotonic()
     up = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,11 +2,14 @@
 
 Standard library only (``neuron-serving status`` must start fast), every call
 with a timeout, failures returned as values rather than raised: a probe that
-cannot connect simply means "not ready yet".
+cannot connect simply means "not ready yet". ``http.client.HTTPException`` is caught
+too: a connect to an unbound port in the ephemeral range can, rarely, connect to
+itself (TCP simultaneous open) and read its own request back as a "bad status line".
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -20,7 +23,7 @@ def http_status(url: str, timeout_s: float = 2.0) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return 0
 
 
@@ -31,7 +34,7 @@ def get_json(url: str, timeout_s: float = 2.0) -> Any | None:
             if r.status != 200:
                 return None
             return json.loads(r.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
@@ -50,7 +53,7 @@ def admin_call(
             status = r.status
     except urllib.error.HTTPError as e:
         raw, status = e.read(), e.code
-    except OSError as e:
+    except (OSError, http.client.HTTPException) as e:
         return 0, str(e)
     try:
         return status, json.loads(raw)
@@ -69,7 +72,7 @@ def node_state(healthz_url: str, timeout_s: float = 1.0) -> str | None:
             raw = r.read()
     except urllib.error.HTTPError as e:
         raw = e.read()
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
     try:
         body = json.loads(raw)

@@ -9,6 +9,11 @@ Port layout (all on loopback). The proxy takes ``port`` (clients) and
     +7 +8    leader node health (gRPC health, HTTP /healthz)
     +7+2r    follower rank r node health (gRPC health; HTTP /healthz on +1)
 
+Unit ports should lie below the kernel's ephemeral range (``ip_local_port_range``,
+usually 32768-60999): a probe of a not-yet-bound port inside it can connect to
+itself (TCP simultaneous open), which has crashed a starting leader's readiness
+check. The default base port (29600) is below it.
+
 A recreated unit gets the same ports, so the proxy's registry (fixed addresses)
 sees the same unit go unhealthy and come back without an admin call.
 """

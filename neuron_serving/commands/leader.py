@@ -27,6 +27,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="skip torch.compile warm-up (fast startup, slower steps)",
+    )
+    p.add_argument("--dtype", default=None, help="model dtype (default auto)")
+    p.add_argument(
         "--executor",
         choices=("unit", "uni", "mp"),
         default=None,
@@ -60,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_bytes,
             "max_num_seqs": args.max_num_seqs,
+            "enforce_eager": args.enforce_eager,
+            "dtype": args.dtype,
             "executor": args.executor,
             "canary_interval_s": args.canary_interval,
             "token_file": args.token_file,

@@ -30,6 +30,10 @@ class BackendConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 64
     seed: int = 0
+    # Skip torch.compile warm-up: startup in seconds instead of ~30 s per rank
+    # on CPU, at some cost in step time (tests and crash-loop recovery use it).
+    enforce_eager: bool = False
+    dtype: str = "auto"
     executor: str = "unit"
     # Control plane of the unit (see neuron_serving.unit.config.UnitConfig).
     control_port: int = 29500
@@ -115,5 +119,7 @@ class BackendConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
+            dtype=self.dtype,
             **overrides,
         )

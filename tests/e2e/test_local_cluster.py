@@ -119,7 +119,7 @@ def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
     run_dir = tmp / "run"
     args = ["up", "--model", str(demo_model), "--port", str(port), "--admin-port",
             str(free_port()), "--base-port", str(base), "--run-dir", str(run_dir),
-            "--max-model-len", "256", "--max-num-seqs", "16"]  # fmt: skip
+            "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"]  # fmt: skip
     proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1"))
     c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, demo_model.name)
     print("up:", " ".join(args), "logs in", run_dir)

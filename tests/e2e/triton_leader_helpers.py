@@ -59,7 +59,10 @@ def start_leader(model: Path, tmp: Path, *, tp: int, extra: list[str] = ()) -> L
     args = [
         "leader", "--model", str(model), "--tp", str(tp), "--control-port", str(control),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-        "--run-dir", str(tmp / "run"), *extra,
+        "--run-dir", str(tmp / "run"),
+        # Tests exercise the serving path, not torch.compile: eager startup keeps
+        # each leader to seconds instead of ~30 s per rank on CPU.
+        "--enforce-eager", *extra,
     ]  # fmt: skip
     proc = Proc("leader", args, tmp, unit_env())
     print("leader:", " ".join(args), "logs in", tmp)

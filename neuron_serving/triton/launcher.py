@@ -19,6 +19,7 @@ Every path ends in ``reaper.terminate_tree`` (SIGTERM, then SIGKILL).
 
 from __future__ import annotations
 
+import http.client
 import logging
 import os
 import signal
@@ -239,7 +240,9 @@ class TritonLeader:
         try:
             with urllib.request.urlopen(url, timeout=2.0) as r:
                 return r.status == 200
-        except (urllib.error.URLError, OSError):
+        # HTTPException: a probe of a port nobody has bound yet can TCP
+        # self-connect (same ephemeral port both ends) and read garbage.
+        except (urllib.error.URLError, OSError, http.client.HTTPException):
             return False
 
     def _remember_tree(self) -> None:

@@ -182,7 +182,8 @@ async def bench_triton(args, tmp: Path) -> dict:
            "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--max-model-len", str(ENGINE["max_model_len"]),
            "--kv-cache-bytes", str(ENGINE["kv_cache_bytes"]),
-           "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--run-dir", str(tmp / "triton")]  # fmt: skip
+           "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--run-dir", str(tmp / "triton"),
+           "--executor", args.executor]  # fmt: skip
     with open(tmp / "triton.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -232,6 +233,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--executor", default="unit", help="the leader's executor: unit or uni")
+    p.add_argument("--only", choices=("both", "triton", "vllm"), default="both")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-triton-") as d:
         tmp = Path(d)
@@ -239,10 +242,15 @@ def main() -> int:
             from neuron_serving.models.demo import build_demo_model
 
             args.model = str(build_demo_model(tmp / "demo", seed=SEED))
-        triton = asyncio.run(bench_triton(args, tmp))
-        print("triton:", json.dumps(triton), file=sys.stderr, flush=True)
-        vllm = asyncio.run(bench_vllm(args, tmp))
-        print("vllm serve:", json.dumps(vllm), file=sys.stderr, flush=True)
+        triton = vllm = None
+        if args.only in ("both", "triton"):
+            triton = asyncio.run(bench_triton(args, tmp))
+            print("triton:", json.dumps(triton), file=sys.stderr, flush=True)
+        if args.only in ("both", "vllm"):
+            vllm = asyncio.run(bench_vllm(args, tmp))
+            print("vllm serve:", json.dumps(vllm), file=sys.stderr, flush=True)
+    if triton is None or vllm is None:
+        return 0
     result = {
         "workload": {
             "requests": args.requests,

@@ -20,12 +20,16 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.1
+# is_cancelled() is an IPC round trip to tritonserver; asking after every token of
+# every stream doubled the IPC per token. Once per stream per interval is plenty.
+_CANCEL_CHECK_INTERVAL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -35,6 +39,7 @@ class Stream:
     sender: Any  # pb_utils.InferenceResponseSender
     future: concurrent.futures.Future | None = None  # the request task on the engine loop
     cancelled: bool = False
+    last_check: float = 0.0  # monotonic time of the last is_cancelled()
 
 
 class ResponseThread:
@@ -92,8 +97,10 @@ class ResponseThread:
             self._check(request_id, stream)
 
     def _check(self, request_id: str, stream: Stream) -> None:
-        if stream.cancelled:
+        now = time.monotonic()
+        if stream.cancelled or now - stream.last_check < _CANCEL_CHECK_INTERVAL_S:
             return
+        stream.last_check = now
         try:
             cancelled = stream.sender.is_cancelled()
         except Exception:  # noqa: BLE001

@@ -242,6 +242,32 @@ async def test_concurrent_streams_and_cancellation(leader: LeaderEndpoints, clie
     assert 2 <= victim_tokens < victim_max
 
 
+async def test_http_stream_disconnect_aborts_request(leader: LeaderEndpoints) -> None:
+    """A client that drops an HTTP generate_stream connection cancels the request too."""
+    import aiohttp
+
+    cancelled_before = _metric(leader, "neuron_serving_triton_requests_total", outcome="cancelled")
+    body = {"text_input": "Where is my package?", "stream": True,
+            "parameters": {"max_tokens": MAX_MODEL_LEN - 32, "ignore_eos": True}}  # fmt: skip
+    url = f"http://{leader.http}/v2/models/llm/generate_stream"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        r = await s.post(url, json=body)
+        events = 0
+        async for line in r.content:
+            events += line.startswith(b"data:")
+            if events == 2:
+                break
+        r.close()  # drop the connection mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ours = _metric(leader, "neuron_serving_triton_requests_total", outcome="cancelled")
+        if ours > cancelled_before and _metric(leader, "vllm:num_requests_running") == 0:
+            break
+        await asyncio.sleep(0.5)
+    assert ours == cancelled_before + 1
+    assert _metric(leader, "vllm:num_requests_running") == 0
+
+
 BAD_INPUTS = [
     ("invalid-json", PROMPT, "{max_tokens: 5", "not valid JSON"),
     ("unknown-key", PROMPT, {"max_token": 5}, "unknown sampling parameter(s) ['max_token']"),
@@ -280,6 +306,9 @@ def test_metrics_port_has_triton_and_vllm_metrics(leader: LeaderEndpoints) -> No
         "vllm:time_to_first_token_seconds_bucket",
         "vllm:inter_token_latency_seconds_bucket",
         "neuron_serving_triton_unit_ready",
+        # from the unit executor's node health server (EngineCore process)
+        "neuron_serving_node_state",
+        "neuron_serving_steps_total",
     ):
         assert name in text, name
 

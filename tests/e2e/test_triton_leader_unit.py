@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from neuron_serving.triton.launcher import EXIT_UNIT_FAILED
-from tests.e2e.triton_leader_helpers import start_leader, wait_ready
+from tests.e2e.triton_leader_helpers import get, start_leader, wait_ready
 from tests.procs import Proc, leftover, unit_env
 
 pytestmark = pytest.mark.e2e
@@ -54,6 +54,14 @@ def test_follower_death_turns_readiness_off_and_leader_exits(demo_model: Path, t
         wait_ready(leader, follower)
         out = _generate(leader.http, "Is this coffee maker in stock?", 8)
         assert out["completion_tokens"] == 8 and out["finish_reason"] == "length"
+        # The unit's control-plane metrics are merged into the leader's metrics port.
+        metrics = get(f"http://{leader.metrics}/metrics")[1]
+        for name in (
+            "vllm:num_requests_running",
+            "neuron_serving_control_broadcast_seconds",
+            "neuron_serving_follower_heartbeat_age_seconds",
+        ):
+            assert name in metrics, name
 
         follower.signal(signal.SIGKILL)
         killed = time.monotonic()

@@ -91,6 +91,24 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _int("NEURON_SERVING_NEURON_CORES_PER_NODE", 32),
         "NeuronCores per node for the neuron backend (32 on trn1.32xlarge, 64 on trn2.48xlarge).",
     ),
+    # Set per task by the ECS task definitions and RunTask overrides (neuron_serving/ecs);
+    # the node container's command reads them (see ecs/README.md).
+    "NEURON_SERVING_LEADER_ADDR": (
+        _str("NEURON_SERVING_LEADER_ADDR", None),
+        "HOST:PORT of the unit leader's control port, given to a follower task on ECS.",
+    ),
+    "NEURON_SERVING_RANK": (
+        _int("NEURON_SERVING_RANK", 0),
+        "Rank of this node in its unit (0 = leader), set per ECS task.",
+    ),
+    "NEURON_SERVING_WORLD_SIZE": (
+        _int("NEURON_SERVING_WORLD_SIZE", 1),
+        "Nodes in this node's unit, set by the ECS task definition.",
+    ),
+    "NEURON_SERVING_MODEL_VERSION": (
+        _str("NEURON_SERVING_MODEL_VERSION", None),
+        "Deployment version label of the ECS deployment that started this node.",
+    ),
     "NEURON_SERVING_DEVICE": (
         _str("NEURON_SERVING_DEVICE", "cpu"),
         "Device backend of this node: cpu or neuron.",

@@ -1,0 +1,194 @@
+"""`DeploymentSpec`: the YAML unit spec of one ECS deployment, checked before anything runs.
+
+Required keys: name, model, version, instance_type, nodes_per_unit, units, image,
+execution_role_arn, task_role_arn. Every other key is optional (see README.md).
+All problems of a spec are reported together in one ``SpecError``, so a user fixes
+a file in one pass instead of one error per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from neuron_serving.ecs.instances import InstanceType, get_instance_type
+
+REQUIRED = (
+    "name",
+    "model",
+    "version",
+    "instance_type",
+    "nodes_per_unit",
+    "units",
+    "image",
+    "execution_role_arn",
+    "task_role_arn",
+)
+# ECS limits `startedBy` to 36 characters; a deployment name is used there as is.
+_NAME = re.compile(r"^[a-z][a-z0-9-]{0,27}$")
+_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$")
+_SECRET_ARN = re.compile(r"^arn:aws[a-z-]*:(secretsmanager|ssm):[a-z0-9-]+:\d{12}:.+$")
+# Triton's ports are fixed by the Triton image convention and the proxy's config.
+TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT = 8000, 8001, 8002
+
+
+class SpecError(ValueError):
+    """A unit spec that cannot work; ``problems`` lists every reason."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    name: str
+    model: str  # the model name clients use through the proxy
+    version: str  # deployment label: task definition tag, proxy model_version
+    instance_type: str
+    nodes_per_unit: int
+    units: int
+    image: str
+    execution_role_arn: str
+    task_role_arn: str
+    cluster: str = "neuron-serving"
+    region: str = "us-east-1"
+    subnets: tuple[str, ...] = ()
+    security_groups: tuple[str, ...] = ()
+    # NxDI's global tensor-parallel degree; must equal nodes_per_unit x NeuronCores.
+    tp_degree: int | None = None
+    model_dir: str = ""  # inside the image/instance; default /models/<model>
+    log_group: str = ""  # default /ecs/<name>
+    # Cloud Map private DNS namespace (both or neither): leaders are registered as
+    # <unit-id>-leader.<namespace> and followers dial that name.
+    service_discovery_namespace: str | None = None
+    service_discovery_namespace_id: str | None = None
+    unit_token_secret_arn: str | None = None  # injected as NEURON_SERVING_UNIT_TOKEN
+    proxy_admin_url: str | None = None  # e.g. http://proxy.internal:8081
+    proxy_admin_token_file: str | None = None  # else NEURON_SERVING_PROXY_ADMIN_TOKEN
+    control_port: int = 29500  # +1 store, +2 dist, +3 Neuron CC bootstrap
+    health_port: int = 9100  # grpc.health.v1; HTTP /healthz on +1
+    task_memory_mib: int | None = None  # default: the instance type's
+    ready_timeout_s: float = 1800.0  # launch -> every node HEALTHY
+    leader_args: tuple[str, ...] = ()  # extra `neuron-serving leader` flags
+
+    def __post_init__(self) -> None:
+        problems = self._problems()
+        if problems:
+            raise SpecError(f"unit spec {self.name!r}", problems)
+        for key, default in (("model_dir", f"/models/{self.model}"), ("log_group", "")):
+            if not getattr(self, key):
+                object.__setattr__(self, key, default or f"/ecs/{self.name}")
+
+    def _problems(self) -> list[str]:
+        p: list[str] = []
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            p.append(
+                f"name {self.name!r} must be lowercase letters, digits and '-', "
+                "start with a letter, at most 28 characters"
+            )
+        for key in ("model", "version", "image"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key).strip():
+                p.append(f"{key} is missing or empty")
+        for key in ("execution_role_arn", "task_role_arn"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not _ROLE_ARN.match(value):
+                p.append(f"{key} must be an IAM role ARN (arn:aws:iam::<account>:role/...)")
+        itype = self._instance_type(p)
+        for key, low in (("nodes_per_unit", 1), ("units", 0)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                p.append(f"{key} must be an integer >= {low}, got {value!r}")
+        if itype is not None and isinstance(self.nodes_per_unit, int) and self.tp_degree:
+            total = self.nodes_per_unit * itype.neuron_cores
+            if self.tp_degree != total:
+                p.append(
+                    f"tp_degree {self.tp_degree} does not match nodes_per_unit x NeuronCores "
+                    f"= {self.nodes_per_unit} x {itype.neuron_cores} = {total} on "
+                    f"{itype.name} (each node shards over all of its cores)"
+                )
+        if (self.service_discovery_namespace is None) != (
+            self.service_discovery_namespace_id is None
+        ):
+            p.append("service_discovery_namespace and service_discovery_namespace_id go together")
+        if self.unit_token_secret_arn and not _SECRET_ARN.match(self.unit_token_secret_arn):
+            p.append("unit_token_secret_arn must be a Secrets Manager or SSM parameter ARN")
+        if self.proxy_admin_url and not re.match(r"^https?://", self.proxy_admin_url):
+            p.append("proxy_admin_url must start with http:// or https://")
+        p.extend(self._port_problems())
+        if self.ready_timeout_s <= 0:
+            p.append("ready_timeout_s must be > 0")
+        if itype is not None and self.task_memory_mib is not None:
+            if not 128 <= self.task_memory_mib <= itype.memory_mib:
+                p.append(f"task_memory_mib must be in 128..{itype.memory_mib} on {itype.name}")
+        return p
+
+    def _instance_type(self, p: list[str]) -> InstanceType | None:
+        try:
+            return get_instance_type(self.instance_type)
+        except ValueError as e:
+            p.append(str(e))
+            return None
+
+    def _port_problems(self) -> list[str]:
+        ctl = range(self.control_port, self.control_port + 4)
+        health = range(self.health_port, self.health_port + 2)
+        triton = {TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT}
+        if not (1024 <= self.control_port <= 65532 and 1024 <= self.health_port <= 65534):
+            return ["control_port must be in 1024..65532 and health_port in 1024..65534"]
+        if set(ctl) & set(health) or (set(ctl) | set(health)) & triton:
+            return [
+                f"ports overlap: control {ctl.start}..{ctl.stop - 1}, health "
+                f"{health.start}..{health.stop - 1}, Triton 8000..8002"
+            ]
+        return []
+
+    @property
+    def instance(self) -> InstanceType:
+        return get_instance_type(self.instance_type)
+
+    @property
+    def global_tp_degree(self) -> int:
+        return self.nodes_per_unit * self.instance.neuron_cores
+
+    @property
+    def memory_mib(self) -> int:
+        return self.task_memory_mib or self.instance.default_task_memory_mib
+
+    def unit_id(self, index: int) -> str:
+        return f"{self.name}-{index}"
+
+    def replace(self, **changes: Any) -> DeploymentSpec:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str = "unit spec") -> DeploymentSpec:
+        if not isinstance(raw, dict):
+            raise SpecError(source, ["must be a YAML mapping of keys to values"])
+        names = {f.name for f in dataclasses.fields(cls)}
+        problems = [f"missing required key {k!r}" for k in REQUIRED if k not in raw]
+        problems += [f"unknown key {k!r}" for k in sorted(set(raw) - names)]
+        if problems:
+            raise SpecError(source, problems)
+        data = dict(raw)
+        for key in ("subnets", "security_groups", "leader_args"):
+            if key in data:
+                if not isinstance(data[key], list | tuple):
+                    raise SpecError(source, [f"{key} must be a list"])
+                data[key] = tuple(str(x) for x in data[key])
+        data["version"] = str(data["version"])  # YAML reads 2026-12-01 as a date
+        return cls(**data)
+
+
+def load_spec(path: str | Path) -> DeploymentSpec:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise SpecError(str(path), [f"cannot read: {e}"]) from None
+    return DeploymentSpec.from_dict(raw, source=str(path))

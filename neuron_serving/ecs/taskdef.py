@@ -1,0 +1,240 @@
+"""Task definitions of a deployment's leader and followers, as `RegisterTaskDefinition` params.
+
+Per role (leader = rank 0, follower = ranks 1..N-1) one task definition family,
+``<name>-leader`` and ``<name>-follower``; one revision per spec version. What
+differs per task (unit id, rank, the leader's address, the Neuron rank variables)
+is not in the task definition but in RunTask's container overrides
+(``rank_environment``), so one revision serves every unit and rank.
+
+The Neuron variables come from ``NeuronBackend.process_env``: the same function
+the follower applies after joining, so the task and the process agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from typing import Any
+
+from neuron_serving.devices.base import RankPlacement
+from neuron_serving.devices.neuron import NEURON_CC_PORT_OFFSET, NeuronBackend
+from neuron_serving.ecs.spec import (
+    TRITON_GRPC_PORT,
+    TRITON_HTTP_PORT,
+    TRITON_METRICS_PORT,
+    DeploymentSpec,
+)
+
+ROLES = ("leader", "follower")
+# Neuron variables that differ per rank or unit: they go in RunTask overrides.
+PER_RANK_NEURON_VARS = ("NEURON_RT_ROOT_COMM_ID", "NEURON_RANK_ID")
+# Installed by ecs/Dockerfile.*: prints the task's awsvpc ENI address.
+TASK_IP = "/opt/neuron-serving/task-ip"
+TAG_PREFIX = "neuron-serving/"
+
+
+def family(spec: DeploymentSpec, role: str) -> str:
+    return f"{spec.name}-{role}"
+
+
+def leader_address(spec: DeploymentSpec, unit_id: str, leader_ip: str) -> str:
+    """Host followers dial: the unit's Cloud Map name if configured, else the leader's IP."""
+    if spec.service_discovery_namespace:
+        return f"{unit_id}-leader.{spec.service_discovery_namespace}"
+    return leader_ip
+
+
+def neuron_environment(spec: DeploymentSpec, rank: int, leader_host: str) -> dict[str, str]:
+    backend = NeuronBackend(cores_per_node=spec.instance.neuron_cores)
+    return backend.process_env(
+        RankPlacement(rank, spec.nodes_per_unit, leader_host, spec.control_port)
+    )
+
+
+def rank_environment(
+    spec: DeploymentSpec, unit_id: str, rank: int, leader_host: str | None
+) -> dict[str, str]:
+    """Variables of one task that the task definition cannot know (RunTask overrides).
+
+    ``leader_host`` None (rank 0 without Cloud Map): the leader does not know its own
+    address before it starts, and its command fills the leader variables from its ENI.
+    """
+    env = {
+        "NEURON_SERVING_UNIT_ID": unit_id,
+        "NEURON_SERVING_RANK": str(rank),
+        "NEURON_SERVING_MODEL_VERSION": spec.version,
+    }
+    if leader_host is None:
+        if rank != 0:
+            raise ValueError(f"rank {rank} needs its leader's address")
+        return env
+    neuron = neuron_environment(spec, rank, leader_host)
+    env["NEURON_SERVING_LEADER_ADDR"] = f"{leader_host}:{spec.control_port}"
+    env.update({k: neuron[k] for k in PER_RANK_NEURON_VARS})
+    return env
+
+
+def static_environment(spec: DeploymentSpec, role: str) -> dict[str, str]:
+    neuron = neuron_environment(spec, 0, "leader.invalid")
+    env = {k: v for k, v in neuron.items() if k not in PER_RANK_NEURON_VARS}
+    env.update(
+        NEURON_SERVING_DEVICE="neuron",
+        NEURON_SERVING_NEURON_CORES_PER_NODE=str(spec.instance.neuron_cores),
+        NEURON_SERVING_WORLD_SIZE=str(spec.nodes_per_unit),
+        NEURON_SERVING_HEALTH_HOST="0.0.0.0",  # the proxy and ECS probe from outside
+        PYTHONUNBUFFERED="1",
+    )
+    if role == "leader":
+        env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(spec.health_port)
+    return env
+
+
+def command(spec: DeploymentSpec, role: str) -> str:
+    """Shell command of the node: `$VAR`s are filled from the task's overrides."""
+    if role == "leader":
+        args = [
+            "neuron-serving", "leader",
+            "--model", spec.model_dir,
+            "--tp", str(spec.nodes_per_unit),
+            "--control-port", str(spec.control_port),
+            "--http-port", str(TRITON_HTTP_PORT),
+            "--grpc-port", str(TRITON_GRPC_PORT),
+            "--metrics-port", str(TRITON_METRICS_PORT),
+            "--host", "0.0.0.0",
+            *spec.leader_args,
+        ]  # fmt: skip
+        # The control address is bound and advertised: it must be this task's ENI address.
+        # Without Cloud Map the Neuron root (rank 0 itself) is that address too.
+        cc = spec.control_port + NEURON_CC_PORT_OFFSET
+        prefix = (
+            f'IP="$({TASK_IP})" && '
+            f'export NEURON_RT_ROOT_COMM_ID="${{NEURON_RT_ROOT_COMM_ID:-$IP:{cc}}}" '
+            f'NEURON_RANK_ID="${{NEURON_RANK_ID:-0}}" && '
+        )
+        tail = ' --control-host "$IP" --unit-id "$NEURON_SERVING_UNIT_ID"'
+    else:
+        args = [
+            "neuron-serving", "follower",
+            "--world-size", str(spec.nodes_per_unit),
+            "--health-port", str(spec.health_port),
+            "--health-host", "0.0.0.0",
+            "--device", "neuron",
+        ]  # fmt: skip
+        prefix = ""
+        tail = ' --leader "$NEURON_SERVING_LEADER_ADDR" --rank "$NEURON_SERVING_RANK"'
+    return prefix + "exec " + shlex.join(args) + tail
+
+
+def port_mappings(spec: DeploymentSpec, role: str) -> list[dict[str, Any]]:
+    ports = [("health-grpc", spec.health_port), ("health-http", spec.health_port + 1)]
+    if role == "leader":
+        ports = [
+            ("triton-http", TRITON_HTTP_PORT),
+            ("triton-grpc", TRITON_GRPC_PORT),
+            ("triton-metrics", TRITON_METRICS_PORT),
+            ("control", spec.control_port),
+            ("control-store", spec.control_port + 1),
+            ("dist-store", spec.control_port + 2),
+            ("neuron-cc", spec.control_port + NEURON_CC_PORT_OFFSET),
+            *ports,
+        ]
+    # awsvpc: hostPort must equal containerPort (each task has its own ENI).
+    return [{"name": n, "containerPort": p, "hostPort": p, "protocol": "tcp"} for n, p in ports]
+
+
+def health_check(spec: DeploymentSpec) -> dict[str, Any]:
+    # The node's own HTTP /healthz: 200 only in state READY (python3 is in every image
+    # we build; curl is not guaranteed in the Neuron DLC).
+    url = f"http://127.0.0.1:{spec.health_port + 1}/healthz"
+    probe = f"python3 -c \"import urllib.request; urllib.request.urlopen('{url}', timeout=4)\""
+    # startPeriod is ECS's maximum (300 s); loading and compiling take longer, which
+    # the controller covers with ready_timeout_s rather than ECS.
+    return {
+        "command": ["CMD-SHELL", f"{probe} || exit 1"],
+        "interval": 15,
+        "timeout": 5,
+        "retries": 3,
+        "startPeriod": 300,
+    }
+
+
+def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
+    itype = spec.instance
+    devices = [
+        {"hostPath": p, "containerPath": p, "permissions": ["read", "write"]}
+        for p in itype.neuron_device_paths() + itype.efa_device_paths()
+    ]
+    env = static_environment(spec, role)
+    container: dict[str, Any] = {
+        "name": role,
+        "image": spec.image,
+        "essential": True,
+        "entryPoint": ["/bin/sh", "-c"],
+        "command": [command(spec, role)],
+        "memoryReservation": spec.memory_mib,
+        "portMappings": port_mappings(spec, role),
+        "environment": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "linuxParameters": {
+            "devices": devices,
+            "capabilities": {"add": ["IPC_LOCK"]},  # EFA and Neuron pin host memory
+            "initProcessEnabled": True,  # reaps tritonserver's stub and EngineCore children
+            "sharedMemorySize": 16384,
+        },
+        "ulimits": [
+            {"name": "memlock", "softLimit": -1, "hardLimit": -1},
+            {"name": "nofile", "softLimit": 65535, "hardLimit": 65535},
+        ],
+        "healthCheck": health_check(spec),
+        # The leader's own exit path waits for Triton (15 s) before SIGKILL.
+        "stopTimeout": 30,
+        "logConfiguration": {
+            "logDriver": "awslogs",
+            "options": {
+                "awslogs-group": spec.log_group,
+                "awslogs-region": spec.region,
+                "awslogs-stream-prefix": role,
+                "awslogs-create-group": "true",
+            },
+        },
+    }
+    if spec.unit_token_secret_arn:
+        container["secrets"] = [
+            {"name": "NEURON_SERVING_UNIT_TOKEN", "valueFrom": spec.unit_token_secret_arn}
+        ]
+    return container
+
+
+def task_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
+    """`RegisterTaskDefinition` parameters of one role, tags included."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    params: dict[str, Any] = {
+        "family": family(spec, role),
+        "taskRoleArn": spec.task_role_arn,
+        "executionRoleArn": spec.execution_role_arn,
+        "networkMode": "awsvpc",
+        "requiresCompatibilities": ["EC2"],
+        "memory": str(spec.memory_mib),
+        "containerDefinitions": [container_definition(spec, role)],
+        # distinctInstance is a RunTask constraint; task definitions take memberOf only.
+        "placementConstraints": [
+            {
+                "type": "memberOf",
+                "expression": f"attribute:ecs.instance-type == {spec.instance_type}",
+            }
+        ],
+    }
+    params["tags"] = [
+        {"key": TAG_PREFIX + "deployment", "value": spec.name},
+        {"key": TAG_PREFIX + "role", "value": role},
+        {"key": TAG_PREFIX + "version", "value": spec.version},
+        {"key": TAG_PREFIX + "content", "value": content_hash(params)},
+    ]
+    return params
+
+
+def content_hash(params: dict[str, Any]) -> str:
+    """Identity of a rendered definition (without tags): re-registering is skipped if equal."""
+    body = {k: v for k, v in params.items() if k != "tags"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,188 @@
+"""Rendered task definitions and RunTask parameters: every device and setting, botocore's
+ECS model, and the Neuron environment of every rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from neuron_serving.devices.base import RankPlacement
+from neuron_serving.devices.neuron import NeuronBackend
+from neuron_serving.ecs import render as render_mod
+from neuron_serving.ecs import taskdef
+from neuron_serving.ecs.launch import NodeLaunch, run_task_params
+from neuron_serving.ecs.schema import SchemaError, validate
+from neuron_serving.ecs.spec import DeploymentSpec
+from tests.neuron_serving.ecs.conftest import spec_dict
+
+DEVICES = {"trn1.32xlarge": (16, 8, 32), "trn2.48xlarge": (16, 16, 64)}
+
+
+def make_spec(**changes) -> DeploymentSpec:
+    raw = spec_dict(tp_degree=None, **changes)
+    return DeploymentSpec.from_dict(raw)
+
+
+def env_of(container) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container["environment"]}
+
+
+@pytest.mark.parametrize("itype", sorted(DEVICES))
+@pytest.mark.parametrize("role", taskdef.ROLES)
+def test_task_definition_has_every_device_and_setting(itype, role):
+    spec = make_spec(instance_type=itype, task_memory_mib=None)
+    td = taskdef.task_definition(spec, role)
+    validate("RegisterTaskDefinition", td)
+    neuron, efa, cores = DEVICES[itype]
+    (c,) = td["containerDefinitions"]
+    devices = [d["hostPath"] for d in c["linuxParameters"]["devices"]]
+    assert devices == [f"/dev/neuron{i}" for i in range(neuron)] + [
+        f"/dev/infiniband/uverbs{i}" for i in range(efa)
+    ]
+    assert all(d["containerPath"] == d["hostPath"] for d in c["linuxParameters"]["devices"])
+    assert c["linuxParameters"]["capabilities"] == {"add": ["IPC_LOCK"]}
+    assert {"name": "memlock", "softLimit": -1, "hardLimit": -1} in c["ulimits"]
+    assert td["networkMode"] == "awsvpc" and td["requiresCompatibilities"] == ["EC2"]
+    assert td["family"] == f"llama-{role}" and c["name"] == role
+    assert td["placementConstraints"] == [
+        {"type": "memberOf", "expression": f"attribute:ecs.instance-type == {itype}"}
+    ]
+    ports = {p["containerPort"] for p in c["portMappings"]}
+    assert all(p["hostPort"] == p["containerPort"] for p in c["portMappings"])
+    assert {9100, 9101} <= ports
+    if role == "leader":
+        assert ports == {8000, 8001, 8002, 29500, 29501, 29502, 29503, 9100, 9101}
+    else:
+        assert ports == {9100, 9101}
+    hc = c["healthCheck"]
+    assert hc["command"][0] == "CMD-SHELL" and "http://127.0.0.1:9101/healthz" in hc["command"][1]
+    assert c["logConfiguration"]["logDriver"] == "awslogs"
+    assert c["logConfiguration"]["options"]["awslogs-group"] == "/ecs/llama"
+    assert c["logConfiguration"]["options"]["awslogs-stream-prefix"] == role
+    assert c["secrets"] == [
+        {"name": "NEURON_SERVING_UNIT_TOKEN", "valueFrom": spec.unit_token_secret_arn}
+    ]
+    env = env_of(c)
+    assert env["NEURON_LOCAL_TP"] == str(cores)
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["FI_EFA_FORK_SAFE"] == "1" and env["NEURON_SERVING_DEVICE"] == "neuron"
+    assert env["NEURON_SERVING_WORLD_SIZE"] == "2"
+    assert ("NEURON_SERVING_LEADER_HEALTH_PORT" in env) == (role == "leader")
+    assert td["memory"] == str(spec.instance.default_task_memory_mib)
+    assert c["memoryReservation"] == spec.instance.default_task_memory_mib
+    assert {t["key"]: t["value"] for t in td["tags"]}["neuron-serving/version"] == "v1"
+
+
+def test_commands():
+    spec = make_spec()
+    leader = taskdef.command(spec, "leader")
+    assert "exec neuron-serving leader --model /models/llm --tp 2 --control-port 29500" in leader
+    assert "--http-port 8000 --grpc-port 8001 --metrics-port 8002 --host 0.0.0.0" in leader
+    assert '--control-host "$IP"' in leader and "NEURON_RT_ROOT_COMM_ID:-$IP:29503" in leader
+    follower = taskdef.command(spec, "follower")
+    assert follower.startswith("exec neuron-serving follower --world-size 2 --health-port 9100")
+    assert '--leader "$NEURON_SERVING_LEADER_ADDR" --rank "$NEURON_SERVING_RANK"' in follower
+
+
+@pytest.mark.parametrize("itype", sorted(DEVICES))
+def test_neuron_environment_per_rank_matches_the_backend(itype):
+    """Task definition env + RunTask overrides = what NeuronBackend gives each rank."""
+    spec = make_spec(instance_type=itype, nodes_per_unit=4)
+    cores = DEVICES[itype][2]
+    backend = NeuronBackend(cores_per_node=cores)
+    leader = "llama-1-leader.neuron.internal"
+    starts = []
+    for rank in range(4):
+        role = "leader" if rank == 0 else "follower"
+        static = env_of(taskdef.container_definition(spec, role))
+        params = run_task_params(spec, NodeLaunch("llama-1", rank, leader, f"llama-{role}"))
+        validate("RunTask", params)
+        (override,) = params["overrides"]["containerOverrides"]
+        assert override["name"] == role
+        env = {**static, **{e["name"]: e["value"] for e in override["environment"]}}
+        placement = RankPlacement(rank, 4, leader, 29500)
+        for key, value in backend.process_env(placement).items():
+            assert env[key] == value, key
+        assert env["NEURON_RT_ROOT_COMM_ID"] == f"{leader}:29503"
+        assert env["NEURON_RANK_ID"] == str(rank) and env["NEURON_SERVING_RANK"] == str(rank)
+        assert env["NEURON_SERVING_LEADER_ADDR"] == f"{leader}:29500"
+        assert env["NEURON_SERVING_UNIT_ID"] == "llama-1"
+        nxdi = backend.nxdi_config(placement)
+        assert nxdi["tp_degree"] == spec.global_tp_degree == 4 * cores
+        starts.append(nxdi["start_rank_id"])
+        tags = {t["key"]: t["value"] for t in params["tags"]}
+        assert tags["neuron-serving/unit"] == "llama-1" and tags["neuron-serving/rank"] == str(rank)
+        assert {"type": "distinctInstance"} in params["placementConstraints"]
+    assert starts == [0, cores, 2 * cores, 3 * cores]
+
+
+def test_leader_without_cloud_map_learns_its_address_in_the_container():
+    spec = make_spec()
+    params = run_task_params(spec, NodeLaunch("llama-0", 0, None, "llama-leader"))
+    env = {e["name"] for e in params["overrides"]["containerOverrides"][0]["environment"]}
+    assert "NEURON_RT_ROOT_COMM_ID" not in env and "NEURON_SERVING_LEADER_ADDR" not in env
+    with pytest.raises(ValueError, match="needs its leader's address"):
+        taskdef.rank_environment(spec, "llama-0", 1, None)
+
+
+def test_schema_rejects_what_ecs_would():
+    td = taskdef.task_definition(make_spec(), "leader")
+    td["containerDefinitions"][0]["ulimits"][0]["softLimit"] = "unlimited"
+    with pytest.raises(SchemaError) as e:
+        validate("RegisterTaskDefinition", td)
+    assert "softLimit" in str(e.value)
+
+
+def test_render_writes_validated_files(tmp_path):
+    spec = make_spec(
+        service_discovery_namespace="neuron.internal", service_discovery_namespace_id="ns-1"
+    )
+    written = render_mod.write(spec, tmp_path)
+    names = sorted(str(p.relative_to(tmp_path)) for p in written)
+    assert names == [
+        "deployment.json",
+        "run-task/llama-0-rank0.json",
+        "run-task/llama-0-rank1.json",
+        "run-task/llama-1-rank0.json",
+        "run-task/llama-1-rank1.json",
+        "task-definitions/llama-follower.json",
+        "task-definitions/llama-leader.json",
+    ]
+    td = json.loads((tmp_path / "task-definitions/llama-leader.json").read_text())
+    assert td == taskdef.task_definition(spec, "leader")
+    deployment = json.loads((tmp_path / "deployment.json").read_text())
+    assert deployment["leader_names"]["llama-1"] == "llama-1-leader.neuron.internal"
+
+
+def test_render_writes_nothing_when_invalid(tmp_path, monkeypatch):
+    real = taskdef.task_definition
+
+    def broken(spec, role):
+        td = real(spec, role)
+        if role == "follower":
+            td["containerDefinitions"][0]["healthCheck"]["interval"] = "often"
+        return td
+
+    monkeypatch.setattr(render_mod, "task_definition", broken)
+    with pytest.raises(SchemaError, match="interval"):
+        render_mod.write(make_spec(), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_render(tmp_path, capsys):
+    import yaml
+
+    from neuron_serving.cli import main
+
+    spec_file = tmp_path / "unit.yaml"
+    spec_file.write_text(yaml.safe_dump(spec_dict()))
+    assert main(["ecs", "render", "--unit-spec", str(spec_file), "--out", str(tmp_path / "o")]) == 0
+    assert (tmp_path / "o/task-definitions/llama-follower.json").exists()
+    run = json.loads((tmp_path / "o/run-task/llama-0-rank1.json").read_text())
+    env = {e["name"]: e["value"] for e in run["overrides"]["containerOverrides"][0]["environment"]}
+    assert env["NEURON_SERVING_LEADER_ADDR"] == "LEADER_IP:29500"
+    spec_file.write_text(yaml.safe_dump(spec_dict(instance_type="p5.48xlarge")))
+    assert main(["ecs", "render", "--unit-spec", str(spec_file), "--out", str(tmp_path / "x")]) == 2
+    assert "unknown instance_type 'p5.48xlarge'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -307,7 +307,7 @@ class UnitController:
             self.retire(view, "teardown", forget_name=True)
         if self.discovery is not None:
             self.discovery.remove_all()
-        revisions = []
+        revisions: dict[str, None] = {}  # ordered set: INACTIVE lists what we just deregistered
         for role in ROLES:
             for status in ("ACTIVE", "INACTIVE"):
                 pages = self.ecs.get_paginator("list_task_definitions").paginate(
@@ -319,9 +319,10 @@ class UnitController:
                         if arn.rsplit("/", 1)[-1].rsplit(":", 1)[0] == family(self.spec, role):
                             if status == "ACTIVE":
                                 self.ecs.deregister_task_definition(taskDefinition=arn)
-                            revisions.append(arn)
-        for i in range(0, len(revisions), 10):  # DeleteTaskDefinitions takes at most 10
-            self.ecs.delete_task_definitions(taskDefinitions=revisions[i : i + 10])
+                            revisions[arn] = None
+        arns = list(revisions)
+        for i in range(0, len(arns), 10):  # DeleteTaskDefinitions takes at most 10
+            self.ecs.delete_task_definitions(taskDefinitions=arns[i : i + 10])
         return {"units": len(views), "task_definitions": len(revisions)}
 
 

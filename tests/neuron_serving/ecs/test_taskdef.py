@@ -129,9 +129,13 @@ def test_leader_without_cloud_map_learns_its_address_in_the_container():
 def test_schema_rejects_what_ecs_would():
     td = taskdef.task_definition(make_spec(), "leader")
     td["containerDefinitions"][0]["ulimits"][0]["softLimit"] = "unlimited"
+    td["containerDefinitions"][0]["linuxParameters"]["devices"][0]["permissions"] = ["rw"]
+    td["networkMode"] = "vpc"
     with pytest.raises(SchemaError) as e:
         validate("RegisterTaskDefinition", td)
-    assert "softLimit" in str(e.value)
+    msg = str(e.value)
+    assert "softLimit" in msg and "networkMode, value: 'vpc'" in msg
+    assert "containerDefinitions[0].linuxParameters.devices[0].permissions[0]" in msg
 
 
 def test_render_writes_validated_files(tmp_path):

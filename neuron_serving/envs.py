@@ -109,6 +109,11 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _str("NEURON_SERVING_MODEL_VERSION", None),
         "Deployment version label of the ECS deployment that started this node.",
     ),
+    "NEURON_SERVING_S3_ENDPOINT_URL": (
+        _str("NEURON_SERVING_S3_ENDPOINT_URL", None),
+        "S3 endpoint of `checkpoint publish/fetch` (e.g. http://127.0.0.1:9000 for minio or "
+        "moto); unset = AWS S3. Credentials and region come from boto3's usual chain.",
+    ),
     "NEURON_SERVING_DEVICE": (
         _str("NEURON_SERVING_DEVICE", "cpu"),
         "Device backend of this node: cpu or neuron.",

@@ -1,0 +1,335 @@
+"""`checkpoint shard`: a Hugging Face directory -> per-rank shards of vLLM's
+sharded-state layout, written by vLLM itself.
+
+How: this process runs a unit's leader in-process (vLLM ``LLM`` with the unit
+executor, tensor-parallel size N) and starts ranks 1..N-1 as ordinary
+``neuron-serving follower`` processes on loopback. A ``collective_rpc`` is then
+broadcast by the unit executor like any other call, and every rank writes
+``model-rank-{r}-part-{p}.safetensors`` with vLLM's own loader and
+``ShardedStateLoader.save_model`` (``rank_save.py``; the engine's
+``save_sharded_state`` is not used because on CPU it writes shards without the
+linear layers). Nothing here re-implements sharding: each rank's file holds
+exactly the slice vLLM's model class gives that rank (fused
+``qkv_proj``/``gate_up_proj``, padded vocabulary), which is what a unit loading
+with ``load_format="sharded_state"`` expects.
+
+Then the canary prompts are generated greedily on the same engine, the config
+and tokenizer files are copied, and the manifest is written last; everything
+goes to a hidden staging directory that is renamed to ``--out`` only when
+complete. All ranks write on this host (the staging path must be the same
+directory for every rank), which is how the tool is meant to run: sharding is
+a build step, not a serving step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from neuron_serving.checkpoint.layout import NXDI_LAYOUT, companion_files, parse_vllm_shard_name
+from neuron_serving.checkpoint.manifest import (
+    DTYPES,
+    Canary,
+    FileEntry,
+    Manifest,
+    NeuronLayoutInfo,
+    SourceInfo,
+    source_hash,
+)
+
+# Fixed canary prompts: recorded at shard time, replayed by a deploy on a new unit.
+CANARY_PROMPTS: tuple[str, ...] = (
+    "Do you have running shoes in size 10?",
+    "What is the return policy for electronics?",
+    "hello",
+)
+NXDI_NOTE = (
+    "Not generated: needs torch-neuronx and NxD Inference on a Trainium host. "
+    "NeuronConfig(tp_degree=N, save_sharded_checkpoint=True); model.compile(PATH) writes "
+    "PATH/weights/tp{rank}_sharded_checkpoint.safetensors, and node k loads ranks "
+    "k*local_ranks_size .. (k+1)*local_ranks_size-1 with model.load(PATH)."
+)
+# Below the kernel's ephemeral range (see neuron_serving/local/spec.py): a follower
+# dialing a not-yet-bound ephemeral port can connect to itself.
+_PORT_RANGE = (20000, 32000)
+
+
+class ShardError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class ShardConfig:
+    model_dir: Path
+    out_dir: Path
+    tp: int
+    version: str | None = None  # default: "src-" + first 12 hex digits of the source hash
+    model_name: str | None = None  # default: the source directory's name
+    dtype: str = "auto"  # auto = the source config's torch_dtype (vLLM's CPU auto is bf16)
+    max_shard_bytes: int = 5 << 30  # vLLM's part roll-over size
+    control_port: int = 0  # 0 = a free block of 4 ports below the ephemeral range
+    canary_prompts: tuple[str, ...] = CANARY_PROMPTS
+    canary_max_tokens: int = 8
+    max_model_len: int = 512
+    kv_cache_bytes: int = 64 << 20
+    join_timeout_s: float = 300.0
+    log_dir: Path | None = None  # follower logs; default: a temporary directory
+    env: dict[str, str] = field(default_factory=dict)  # extra env for followers
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        self.out_dir = Path(self.out_dir)
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {DTYPES}, got {self.dtype!r}")
+        if self.max_shard_bytes < 1 << 20:
+            raise ValueError(f"max_shard_bytes must be >= 1 MiB, got {self.max_shard_bytes}")
+        if not self.canary_prompts or self.canary_max_tokens < 1:
+            raise ValueError("need at least one canary prompt and canary_max_tokens >= 1")
+        if not (self.model_dir / "config.json").is_file():
+            raise ValueError(f"{self.model_dir} is not a Hugging Face directory (no config.json)")
+        if self.out_dir.exists() and any(self.out_dir.iterdir()):
+            raise ValueError(f"{self.out_dir} exists and is not empty")
+        if self.control_port and not 0 < self.control_port < 65530:
+            raise ValueError(f"control_port must be in 1..65529, got {self.control_port}")
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def resolve_dtype(requested: str, hf_config: dict) -> str:
+    if requested != "auto":
+        return requested
+    dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"config dtype {dtype!r} is not one of {DTYPES}; pass --dtype")
+    return dtype
+
+
+def free_port_block(n: int = 4) -> int:
+    import random
+
+    for _ in range(200):
+        base = random.randrange(*_PORT_RANGE)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise ShardError("no free block of ports below the ephemeral range")
+
+
+def shard(cfg: ShardConfig) -> Manifest:
+    """Write the sharded checkpoint; return its manifest. Leaves the process with
+    vLLM's non-daemon threads: a command should ``os._exit`` afterwards."""
+    hf_config = read_hf_config(cfg.model_dir)
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ShardError(f"{cfg.model_dir}/config.json names no architecture")
+    dtype = resolve_dtype(cfg.dtype, hf_config)
+    source = source_hash(cfg.model_dir)
+    version = cfg.version or f"src-{source.sha256[:12]}"
+    name = cfg.model_name or cfg.model_dir.resolve().name
+
+    cfg.out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = cfg.out_dir.parent / f".{cfg.out_dir.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        canaries, created_by = _run_unit(cfg, dtype, staging)
+        manifest = _finish(cfg, staging, name, version, archs[0], dtype, source, canaries)
+        manifest.created_by.update(created_by)
+        manifest.write(staging)  # last: the directory is a version only now
+        if cfg.out_dir.exists():
+            cfg.out_dir.rmdir()  # empty (checked in ShardConfig)
+        staging.rename(cfg.out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _run_unit(cfg: ShardConfig, dtype: str, staging: Path) -> tuple[list[Canary], dict[str, str]]:
+    from neuron_serving import envs
+    from neuron_serving.devices.base import RankPlacement, get_backend
+    from neuron_serving.local.spec import default_cpu_bind
+    from neuron_serving.unit.config import UnitConfig
+
+    port = cfg.control_port or free_port_block()
+    # A fresh secret per run: the unit lives only for this command.
+    token = envs.NEURON_SERVING_UNIT_TOKEN or secrets.token_hex(24)
+    bind = envs.VLLM_CPU_OMP_THREADS_BIND or default_cpu_bind(cfg.tp)
+    child_env = dict(os.environ)  # before this process rewrites its own binding
+    child_env.update(
+        NEURON_SERVING_UNIT_TOKEN=token,
+        VLLM_CPU_OMP_THREADS_BIND=bind,
+        VLLM_LOGGING_STREAM="ext://sys.stderr",
+        PYTHONUNBUFFERED="1",
+    )
+    child_env.update(cfg.env)
+    os.environ["NEURON_SERVING_UNIT_TOKEN"] = token
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    unit = UnitConfig.from_env(
+        control_port=port, unit_id="checkpoint-shard", join_timeout_s=cfg.join_timeout_s
+    )
+    backend = get_backend(unit.device)
+    # Before torch is imported: OpenMP reads its binding once.
+    os.environ.update(backend.process_env(RankPlacement(0, cfg.tp, unit.control_host, port)))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+    log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="neuron-serving-shard-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    followers = [
+        _start_follower(rank, cfg.tp, port, child_env, log_dir) for rank in range(1, cfg.tp)
+    ]
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm import __version__ as vllm_version
+
+        from neuron_serving.checkpoint.rank_save import save_rank_shard
+        from neuron_serving.unit.engine import engine_kwargs
+
+        llm = LLM(
+            **engine_kwargs(
+                str(cfg.model_dir),
+                cfg.tp,
+                unit,
+                max_model_len=cfg.max_model_len,
+                kv_cache_bytes=cfg.kv_cache_bytes,
+                dtype=dtype,
+                enforce_eager=True,
+                seed=0,
+            )
+        )
+        # Every rank writes its own slice; a gathered collective_rpc returns when all
+        # ranks have written (see rank_save.py for why not engine_core.save_sharded_state).
+        saved = llm.collective_rpc(save_rank_shard, args=(str(staging), cfg.max_shard_bytes))
+        if sorted(s["rank"] for s in saved) != list(range(cfg.tp)):
+            raise ShardError(f"expected one shard report per rank, got {saved}")
+        params = SamplingParams(
+            temperature=0.0, max_tokens=cfg.canary_max_tokens, ignore_eos=True, seed=0
+        )
+        outputs = llm.generate(list(cfg.canary_prompts), params, use_tqdm=False)
+        canaries = [
+            Canary(o.prompt, list(o.outputs[0].token_ids), cfg.canary_max_tokens) for o in outputs
+        ]
+        llm.llm_engine.engine_core.shutdown()
+        for rank, (proc, log) in enumerate(followers, start=1):
+            rc = proc.wait(timeout=60)
+            if rc != 0:
+                raise ShardError(f"follower rank {rank} exited {rc}; log: {log}")
+    except BaseException as e:
+        logs = ", ".join(str(log) for _, log in followers)
+        if not isinstance(e, ShardError) and logs:
+            e.add_note(f"follower logs: {logs}")
+        raise
+    finally:
+        for proc, _ in followers:
+            _stop(proc)
+    return canaries, {
+        "tool": "neuron-serving checkpoint shard (vLLM loader + ShardedStateLoader.save_model "
+        "on every rank of a unit)",
+        "vllm": vllm_version,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _start_follower(
+    rank: int, tp: int, port: int, env: dict[str, str], log_dir: Path
+) -> tuple[subprocess.Popen, Path]:
+    log = log_dir / f"follower-{rank}.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "neuron_serving.cli",
+                "follower",
+                "--leader",
+                f"127.0.0.1:{port}",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(tp),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its EngineCore-free worker tree dies with it
+        )
+    return proc, log
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _finish(
+    cfg: ShardConfig,
+    staging: Path,
+    name: str,
+    version: str,
+    architecture: str,
+    dtype: str,
+    source: SourceInfo,
+    canaries: list[Canary],
+) -> Manifest:
+    from neuron_serving.checkpoint.layout import nxdi_shard_files
+
+    rank_files: dict[int, list[str]] = {r: [] for r in range(cfg.tp)}
+    for p in sorted(staging.iterdir()):
+        parsed = parse_vllm_shard_name(p.name)
+        if parsed is None:
+            raise ShardError(f"unexpected file {p.name} written by vLLM")
+        rank, _ = parsed
+        if rank >= cfg.tp:
+            raise ShardError(f"vLLM wrote a shard for rank {rank} of tp {cfg.tp}")
+        rank_files[rank].append(p.name)
+    missing = [r for r, names in rank_files.items() if not names]
+    if missing:
+        raise ShardError(f"no shard written by rank(s) {missing}")
+    for r in rank_files:
+        rank_files[r].sort(key=lambda n: parse_vllm_shard_name(n)[1])  # type: ignore[index]
+    config_files, tokenizer_files = companion_files(cfg.model_dir)
+    for fname in config_files + tokenizer_files:
+        shutil.copy2(cfg.model_dir / fname, staging / fname)
+    files = {
+        p.name: FileEntry.of(p) for p in sorted(staging.iterdir()) if not p.name.startswith(".")
+    }
+    return Manifest(
+        model_name=name,
+        version=version,
+        architecture=architecture,
+        tp_degree=cfg.tp,
+        dtype=dtype,
+        files=files,
+        rank_files=rank_files,
+        config_files=config_files,
+        tokenizer_files=tokenizer_files,
+        source=source,
+        canaries=canaries,
+        neuron=NeuronLayoutInfo(
+            layout=NXDI_LAYOUT, files=nxdi_shard_files(cfg.tp), generated=False, note=NXDI_NOTE
+        ),
+    )

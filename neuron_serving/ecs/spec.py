@@ -62,7 +62,10 @@ class DeploymentSpec:
     security_groups: tuple[str, ...] = ()
     # NxDI's global tensor-parallel degree; must equal nodes_per_unit x NeuronCores.
     tp_degree: int | None = None
-    model_dir: str = ""  # inside the image/instance; default /models/<model>
+    model_dir: str = ""  # in the container; default /models/<model>
+    # Host directory with the compiled model, bind-mounted read-only at model_dir
+    # (the instance's user data fetches it); None: the image holds the model.
+    host_model_dir: str | None = None
     log_group: str = ""  # default /ecs/<name>
     # Cloud Map private DNS namespace (both or neither): leaders are registered as
     # <unit-id>-leader.<namespace> and followers dial that name.
@@ -121,6 +124,10 @@ class DeploymentSpec:
         if self.proxy_admin_url and not re.match(r"^https?://", self.proxy_admin_url):
             p.append("proxy_admin_url must start with http:// or https://")
         p.extend(self._port_problems())
+        for key in ("model_dir", "host_model_dir"):
+            value = getattr(self, key)
+            if value and not str(value).startswith("/"):
+                p.append(f"{key} must be an absolute path, got {value!r}")
         if self.ready_timeout_s <= 0:
             p.append("ready_timeout_s must be > 0")
         if itype is not None and self.task_memory_mib is not None:

@@ -198,6 +198,10 @@ def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
             },
         },
     }
+    if spec.host_model_dir:
+        container["mountPoints"] = [
+            {"sourceVolume": "model", "containerPath": spec.model_dir, "readOnly": True}
+        ]
     if spec.unit_token_secret_arn:
         container["secrets"] = [
             {"name": "NEURON_SERVING_UNIT_TOKEN", "valueFrom": spec.unit_token_secret_arn}
@@ -217,6 +221,11 @@ def task_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
         "requiresCompatibilities": ["EC2"],
         "memory": str(spec.memory_mib),
         "containerDefinitions": [container_definition(spec, role)],
+        "volumes": (
+            [{"name": "model", "host": {"sourcePath": spec.host_model_dir}}]
+            if spec.host_model_dir
+            else []
+        ),
         # distinctInstance is a RunTask constraint; task definitions take memberOf only.
         "placementConstraints": [
             {

@@ -74,6 +74,19 @@ def test_task_definition_has_every_device_and_setting(itype, role):
     assert {t["key"]: t["value"] for t in td["tags"]}["neuron-serving/version"] == "v1"
 
 
+def test_host_model_dir_is_mounted_read_only():
+    spec = make_spec(host_model_dir="/opt/neuron-serving/models/llm")
+    td = taskdef.task_definition(spec, "follower")
+    validate("RegisterTaskDefinition", td)
+    assert td["volumes"] == [
+        {"name": "model", "host": {"sourcePath": "/opt/neuron-serving/models/llm"}}
+    ]
+    assert td["containerDefinitions"][0]["mountPoints"] == [
+        {"sourceVolume": "model", "containerPath": "/models/llm", "readOnly": True}
+    ]
+    assert taskdef.task_definition(make_spec(), "leader")["volumes"] == []
+
+
 def test_commands():
     spec = make_spec()
     leader = taskdef.command(spec, "leader")

@@ -29,7 +29,8 @@ from neuron_serving.ecs.launch import NodeLaunch, run_task_params
 from neuron_serving.ecs.registrar import NullRegistrar, ProxyRegistrar, proxy_unit
 from neuron_serving.ecs.schema import validate
 from neuron_serving.ecs.spec import DeploymentSpec
-from neuron_serving.ecs.taskdef import ROLES, family, leader_address, task_definition
+from neuron_serving.ecs.taskdef import ROLES, leader_address, task_definition
+from neuron_serving.ecs.teardown import delete_task_definitions
 
 log = logging.getLogger("neuron_serving.ecs")
 
@@ -307,23 +308,8 @@ class UnitController:
             self.retire(view, "teardown", forget_name=True)
         if self.discovery is not None:
             self.discovery.remove_all()
-        revisions: dict[str, None] = {}  # ordered set: INACTIVE lists what we just deregistered
-        for role in ROLES:
-            for status in ("ACTIVE", "INACTIVE"):
-                pages = self.ecs.get_paginator("list_task_definitions").paginate(
-                    familyPrefix=family(self.spec, role), status=status
-                )
-                for page in pages:
-                    for arn in page["taskDefinitionArns"]:
-                        # familyPrefix matches prefixes: "llama-leader" would catch "llama-leader2".
-                        if arn.rsplit("/", 1)[-1].rsplit(":", 1)[0] == family(self.spec, role):
-                            if status == "ACTIVE":
-                                self.ecs.deregister_task_definition(taskDefinition=arn)
-                            revisions[arn] = None
-        arns = list(revisions)
-        for i in range(0, len(arns), 10):  # DeleteTaskDefinitions takes at most 10
-            self.ecs.delete_task_definitions(taskDefinitions=arns[i : i + 10])
-        return {"units": len(views), "task_definitions": len(revisions)}
+        deleted = delete_task_definitions(self.ecs, self.spec)
+        return {"units": len(views), "task_definitions": deleted}
 
 
 def _failure(view: fleet.UnitView | None) -> str:

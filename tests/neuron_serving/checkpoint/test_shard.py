@@ -1,0 +1,111 @@
+"""`checkpoint shard` for real: the demo model at tp=2, vLLM leader in-process plus one
+follower process started by the command itself. One run per module (about a minute)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neuron_serving import cli
+from neuron_serving.checkpoint.layout import VLLM_SHARD_PATTERN, nxdi_shard_files
+from neuron_serving.checkpoint.manifest import Manifest, source_hash
+from neuron_serving.checkpoint.shard import CANARY_PROMPTS
+from neuron_serving.checkpoint.verify import safetensors_header, verify
+from tests.procs import Proc, leftover, unit_env
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def sharded(demo_model, tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("shard")
+    out = work / "demo-v1-tp2"
+    proc = Proc(
+        "shard",
+        [
+            "checkpoint",
+            "shard",
+            "--model",
+            str(demo_model),
+            "--tp",
+            "2",
+            "--out",
+            str(out),
+            "--version",
+            "v1",
+            "--dtype",
+            "float32",
+            "--max-shard-bytes",
+            str(4 << 20),
+            "--log-dir",
+            str(work / "logs"),
+        ],
+        work,
+        unit_env(),
+    )
+    try:
+        rc = proc.wait(timeout=180)
+        assert rc == 0, proc.stderr()[-3000:]
+        assert proc.stdout().startswith("OK "), proc.stdout()
+        # The command's follower (its own session) is gone too.
+        assert leftover([proc]) == []
+    finally:
+        proc.stop()
+    return out
+
+
+def test_manifest_describes_the_tp2_shards(sharded, demo_model):
+    m = Manifest.read(sharded)
+    assert (m.model_name, m.version, m.tp_degree, m.dtype) == ("model", "v1", 2, "float32")
+    assert m.architecture == "LlamaForCausalLM"
+    assert m.source.sha256 == source_hash(demo_model).sha256
+    # 11 MB of float32 weights, 4 MiB parts: two parts per rank.
+    assert m.rank_files == {
+        r: [f"model-rank-{r}-part-0.safetensors", f"model-rank-{r}-part-1.safetensors"]
+        for r in (0, 1)
+    }
+    for names in m.rank_files.values():
+        for name in names:
+            assert (sharded / name).stat().st_size == m.files[name].size
+    assert "tokenizer.json" in m.tokenizer_files and "config.json" in m.config_files
+    assert not any((sharded / n).exists() for n in ("model.safetensors",))
+    assert [c.prompt for c in m.canaries] == list(CANARY_PROMPTS)
+    assert all(len(c.token_ids) == c.max_tokens == 8 for c in m.canaries)
+    assert m.neuron.files == nxdi_shard_files(2) and not m.neuron.generated
+    assert m.created_by["vllm"]
+
+
+def test_each_rank_holds_its_half(sharded, demo_model):
+    m = Manifest.read(sharded)
+    full = (demo_model / "model.safetensors").stat().st_size
+    for rank in (0, 1):
+        assert 0.4 * full < m.rank_bytes(rank) < 0.6 * full
+        keys = {}
+        for name in m.rank_files[rank]:
+            keys.update(safetensors_header(sharded / name))
+        # vLLM's fused, tp-sliced parameters, linear layers included (see rank_save.py).
+        config = json.loads((demo_model / "config.json").read_text())
+        qkv = keys["model.layers.0.self_attn.qkv_proj.weight"]["shape"]
+        heads, kv, hd = (
+            config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")
+        )
+        assert qkv == [hd * (heads // 2 + 2 * (kv // 2)), config["hidden_size"]]
+        assert keys["model.embed_tokens.weight"]["shape"][0] == config["vocab_size"] // 2
+    assert verify(sharded).ok
+
+
+def test_shard_pattern_is_vllms():
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    assert VLLM_SHARD_PATTERN == ShardedStateLoader.TP_ONLY_PATTERN
+
+
+def test_shard_refuses_nonempty_output(tmp_path, demo_model, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("")
+    args = ["checkpoint", "shard", "--model", str(demo_model), "--tp", "2"]
+    assert cli.main([*args, "--out", str(tmp_path / "out")]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert cli.main([*args, "--out", str(tmp_path / "o2"), "--dtype", "int4"]) == 2

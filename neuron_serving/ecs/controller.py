@@ -29,7 +29,7 @@ from neuron_serving.ecs.launch import NodeLaunch, run_task_params
 from neuron_serving.ecs.registrar import NullRegistrar, ProxyRegistrar, proxy_unit
 from neuron_serving.ecs.schema import validate
 from neuron_serving.ecs.spec import DeploymentSpec
-from neuron_serving.ecs.taskdef import ROLES, leader_address, task_definition
+from neuron_serving.ecs.taskdef import ROLES, leader_dns_name, task_definition
 from neuron_serving.ecs.teardown import delete_task_definitions
 
 log = logging.getLogger("neuron_serving.ecs")
@@ -139,7 +139,7 @@ class UnitController:
         as the leader has an address (seconds, well before it is ready)."""
         started: list[str] = []
         try:
-            dns = leader_address(self.spec, unit_id, "") or None
+            dns = leader_dns_name(self.spec, unit_id)
             leader_arn = self._run(NodeLaunch(unit_id, 0, dns, tds["leader"]))
             started.append(leader_arn)
             if dns is not None:

@@ -20,7 +20,7 @@ from typing import Any
 from neuron_serving.ecs.launch import NodeLaunch, run_task_params
 from neuron_serving.ecs.schema import validate
 from neuron_serving.ecs.spec import DeploymentSpec
-from neuron_serving.ecs.taskdef import ROLES, family, leader_address, task_definition
+from neuron_serving.ecs.taskdef import ROLES, family, leader_dns_name, task_definition
 
 LEADER_IP_PLACEHOLDER = "LEADER_IP"
 
@@ -35,7 +35,7 @@ def render(spec: DeploymentSpec) -> dict[str, dict[str, Any]]:
     leaders = {}
     for i in range(spec.units):
         unit_id = spec.unit_id(i)
-        dns = leader_address(spec, unit_id, "") or None
+        dns = leader_dns_name(spec, unit_id)
         leaders[unit_id] = dns
         for rank in range(spec.nodes_per_unit):
             role = "leader" if rank == 0 else "follower"

@@ -38,11 +38,12 @@ def family(spec: DeploymentSpec, role: str) -> str:
     return f"{spec.name}-{role}"
 
 
-def leader_address(spec: DeploymentSpec, unit_id: str, leader_ip: str) -> str:
-    """Host followers dial: the unit's Cloud Map name if configured, else the leader's IP."""
+def leader_dns_name(spec: DeploymentSpec, unit_id: str) -> str | None:
+    """The unit leader's Cloud Map name, or None without a namespace (followers then
+    get the leader's IP once its task has one)."""
     if spec.service_discovery_namespace:
         return f"{unit_id}-leader.{spec.service_discovery_namespace}"
-    return leader_ip
+    return None
 
 
 def neuron_environment(spec: DeploymentSpec, rank: int, leader_host: str) -> dict[str, str]:

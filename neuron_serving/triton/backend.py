@@ -182,23 +182,29 @@ class LLMBackend:
             except (ValueError, TypeError) as e:
                 raise RequestError(f"invalid sampling parameters: {e}") from None
             completion_tokens = 0
-            async for out in self.engine.generate(
-                {"prompt_token_ids": prompt_ids}, params, request_id
-            ):
-                if stream.cancelled:
-                    raise asyncio.CancelledError
-                produced = True
-                seq = out.outputs[0]
-                completion_tokens = (completion_tokens if req.stream else 0) + len(seq.token_ids)
-                text = seq.text
-                if not req.stream and not req.exclude_input_in_output:
-                    text = req.prompt + text
-                finish = seq.finish_reason if out.finished else None
-                logprobs = _sampled_logprobs(seq) if "logprobs" in req.sampling else None
-                response = self._response(
-                    text, finish, len(prompt_ids), completion_tokens, logprobs
-                )
-                self.responses.put(request_id, response, self.final if out.finished else 0)
+            outputs = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id)
+            try:
+                async for out in outputs:
+                    if stream.cancelled:  # noticed before the task's future existed
+                        raise asyncio.CancelledError
+                    produced = True
+                    seq = out.outputs[0]
+                    n = len(seq.token_ids)
+                    completion_tokens = completion_tokens + n if req.stream else n
+                    text = seq.text
+                    if not req.stream and not req.exclude_input_in_output:
+                        text = req.prompt + text
+                    finish = seq.finish_reason if out.finished else None
+                    logprobs = _sampled_logprobs(seq) if "logprobs" in req.sampling else None
+                    response = self._response(
+                        text, finish, len(prompt_ids), completion_tokens, logprobs
+                    )
+                    self.responses.put(request_id, response, self.final if out.finished else 0)
+            finally:
+                # Deterministic abort when we leave early: AsyncLLM.generate aborts the
+                # request on GeneratorExit; waiting for garbage collection could leave
+                # it running (and holding KV blocks) for a while.
+                await outputs.aclose()
             self.metrics.outcome("ok")
         except asyncio.CancelledError:
             # Client cancelled (or engine shutdown): AsyncLLM.generate has already

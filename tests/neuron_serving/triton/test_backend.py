@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import vllm.sampling_params  # noqa: F401 - import once here, not inside a timed canary
 from prometheus_client import CollectorRegistry
 
 from neuron_serving.triton.backend import LLMBackend
@@ -264,5 +265,17 @@ def test_unit_failure_unloads_model_and_answers_unavailable(backend) -> None:
 def test_idle_canary_runs(backend) -> None:
     deadline = time.monotonic() + 10
     while backend.health.canaries_ok < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_request_cancelled_before_any_output_is_aborted(backend) -> None:
+    backend.engine.step_s = 0.01
+    s = Sender(cancel_after=0)  # the client is gone before the first token
+    backend.execute([Request(s, text_input=b"hi", sampling_parameters='{"max_tokens": 60}')])
+    r = wait_final(s)
+    assert r.error.code == TritonError.CANCELLED
+    deadline = time.monotonic() + 5
+    while not backend.engine.aborted:
         assert time.monotonic() < deadline
         time.sleep(0.01)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,29 +16,15 @@ from pathlib import Path
 
 import psutil
 
+from neuron_serving import ports
+
 REPO = Path(__file__).resolve().parents[1]
 TEST_TOKEN = "test-unit-token-0123456789abcdef"
 
 
 def free_port_block(n: int = 4) -> int:
     """A base port with ``n`` consecutive free ports (control, store, dist, spare)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
+    return ports.free_port_block(n)
 
 
 def unit_env(**extra: str) -> dict[str, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,32 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.ports import free_port, free_port_block
+
 READY_TIMEOUT_S = 600.0
 # A TP=1 leader needs no follower, but the unit still authenticates its control port.
 _BENCH_TOKEN = "bench-token-0123456789abcdef"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int = 4) -> int:
-    """A base port with ``n`` consecutive free ports (the leader's control port and the
-    store/dist ports after it)."""
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port block")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:

@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from neuron_serving.checkpoint.manifest import (
     SourceInfo,
     source_hash,
 )
+from neuron_serving.ports import free_port_block
 
 # Fixed canary prompts: recorded at shard time, replayed by a deploy on a new unit.
 CANARY_PROMPTS: tuple[str, ...] = (
@@ -58,9 +58,6 @@ NXDI_NOTE = (
     "PATH/weights/tp{rank}_sharded_checkpoint.safetensors, and node k loads ranks "
     "k*local_ranks_size .. (k+1)*local_ranks_size-1 with model.load(PATH)."
 )
-# Below the kernel's ephemeral range (see neuron_serving/local/spec.py): a follower
-# dialing a not-yet-bound ephemeral port can connect to itself.
-_PORT_RANGE = (20000, 32000)
 
 
 class ShardError(RuntimeError):
@@ -117,21 +114,6 @@ def resolve_dtype(requested: str, hf_config: dict) -> str:
     return dtype
 
 
-def free_port_block(n: int = 4) -> int:
-    import random
-
-    for _ in range(200):
-        base = random.randrange(*_PORT_RANGE)
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise ShardError("no free block of ports below the ephemeral range")
-
-
 def shard(cfg: ShardConfig) -> Manifest:
     """Write the sharded checkpoint; return its manifest. Leaves the process with
     vLLM's non-daemon threads: a command should ``os._exit`` afterwards."""
@@ -168,7 +150,7 @@ def _run_unit(cfg: ShardConfig, dtype: str, staging: Path) -> tuple[list[Canary]
     from neuron_serving.local.spec import default_cpu_bind
     from neuron_serving.unit.config import UnitConfig
 
-    port = cfg.control_port or free_port_block()
+    port = cfg.control_port or free_port_block(4)
     # A fresh secret per run: the unit lives only for this command.
     token = envs.NEURON_SERVING_UNIT_TOKEN or secrets.token_hex(24)
     bind = envs.VLLM_CPU_OMP_THREADS_BIND or default_cpu_bind(cfg.tp)

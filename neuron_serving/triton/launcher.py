@@ -23,7 +23,6 @@ import http.client
 import logging
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from typing import Any
 
 import psutil
 
+from neuron_serving.ports import free_port, free_port_block
 from neuron_serving.triton import reaper
 from neuron_serving.triton.metrics_merge import MetricsMerger
 from neuron_serving.triton.repository import (
@@ -66,12 +66,6 @@ FINALIZE_GRACE_S = 20.0
 LOAD_GRACE_S = 60.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """Runs in the forked child before exec: SIGTERM it when the leader dies."""
     import ctypes
@@ -82,15 +76,7 @@ def _die_with_parent() -> None:
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
     """A free port whose successor is free too (the unit health server takes both)."""
-    for _ in range(100):
-        port = free_port(host)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port + 1))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair")
+    return free_port_block(2, host)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ import pytest
 
 from neuron_serving.local.probe import get_json
 from neuron_serving.triton.launcher import free_port
-from tests.procs import Proc, leftover, wait_for
+from tests.procs import Proc, free_port_block, leftover, wait_for
 
 # Start-up of 2x TP=2 on a loaded 2-core box can take minutes; per-test waits are bounded below.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
@@ -94,21 +94,7 @@ def _alive(pid: int) -> bool:
 
 
 def _port_block_below_ephemeral(n: int) -> int:
-    """Unit ports below ip_local_port_range: a probe of a not-yet-bound port inside
-    it can connect to itself (seen: a leader's readiness check crashed on it)."""
-    import random
-    import socket
-
-    for _ in range(200):
-        base = random.randrange(20000, 32000 - n)
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port block below the ephemeral range")
+    return free_port_block(n)
 
 
 @pytest.fixture(scope="module")

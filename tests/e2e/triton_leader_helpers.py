@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_serving.triton.launcher import free_port
+from neuron_serving.ports import free_port
 from tests.procs import Proc, free_port_block, unit_env
 
 READY_TIMEOUT_S = 300.0

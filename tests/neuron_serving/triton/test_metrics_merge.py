@@ -6,7 +6,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 
-from neuron_serving.triton.launcher import free_port
+from neuron_serving.ports import free_port
 from neuron_serving.triton.metrics_merge import MetricsMerger
 
 

@@ -64,6 +64,9 @@ FINALIZE_GRACE_S = 20.0
 # 1 s per poll), abandoned the load and then waited forever for the stub to exit,
 # so HTTP never came up. Past this grace the leader gives up and exits non-zero.
 LOAD_GRACE_S = 60.0
+# A ready server that answers no readiness probe (2 s timeout each) for this long is
+# treated as a failed unit.
+UNRESPONSIVE_S = 15.0
 
 
 def _die_with_parent() -> None:
@@ -221,15 +224,21 @@ class TritonLeader:
         placement = RankPlacement(0, self.s.tp, self.s.control_host, self.s.control_port)
         return backend.process_env(placement)
 
-    def model_ready(self) -> bool:
+    def probe_model(self) -> bool | None:
+        """True: ready; False: Triton answered "not ready"; None: no answer."""
         url = f"http://{self.s.connect_host}:{self.s.http_port}/v2/models/{MODEL_NAME}/ready"
         try:
             with urllib.request.urlopen(url, timeout=2.0) as r:
                 return r.status == 200
+        except urllib.error.HTTPError:
+            return False  # e.g. 400 once the model unloaded itself
         # HTTPException: a probe of a port nobody has bound yet can TCP
         # self-connect (same ephemeral port both ends) and read garbage.
         except (urllib.error.URLError, OSError, http.client.HTTPException):
-            return False
+            return None
+
+    def model_ready(self) -> bool:
+        return self.probe_model() is True
 
     def _remember_tree(self) -> None:
         assert self.proc is not None
@@ -271,6 +280,7 @@ class TritonLeader:
         """Block until a stop request, a unit failure or tritonserver's death."""
         assert self.proc is not None
         last_tree = 0.0
+        silent_since: float | None = None
         while not self.stop_requested.wait(_POLL_S):
             if time.monotonic() - last_tree > 2.0:
                 self._remember_tree()
@@ -278,7 +288,17 @@ class TritonLeader:
             if self.proc.poll() is not None:
                 log.error("tritonserver exited unexpectedly with %s", self.proc.returncode)
                 return EXIT_SERVER_DIED
-            if not self.model_ready() and self.proc.poll() is None:
+            state = self.probe_model()
+            if state is None:
+                # One slow probe on a loaded machine is not a unit failure; a server
+                # that stops answering altogether is.
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > UNRESPONSIVE_S:
+                    log.error("tritonserver answered no readiness probe for %.0f s", UNRESPONSIVE_S)
+                    return EXIT_UNIT_FAILED
+                continue
+            silent_since = None
+            if state is False and self.proc.poll() is None:
                 log.error(
                     "model %s is no longer ready: the unit failed; draining %.1f s",
                     MODEL_NAME,

@@ -1,0 +1,107 @@
+"""The leader's watch loop against a real (tiny) HTTP server standing in for Triton."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.triton import launcher
+from neuron_serving.triton.launcher import (
+    EXIT_OK,
+    EXIT_UNIT_FAILED,
+    LeaderSettings,
+    TritonLeader,
+)
+
+
+class FakeTriton:
+    """Answers /v2/models/llm/ready with ``status`` (200 ready, 400 unloaded)."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(fake.status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def leader(tmp_path: Path):
+    fake = FakeTriton()
+    settings = LeaderSettings(model=str(tmp_path), http_port=fake.port, drain_s=0.1)
+    ldr = TritonLeader(settings)
+    # Stands in for tritonserver: alive until killed.
+    ldr.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield ldr, fake
+    ldr.proc.kill()
+    ldr.proc.wait()
+    fake.close()
+
+
+def _monitor_in_thread(ldr: TritonLeader) -> tuple[threading.Thread, list[int]]:
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(ldr.monitor()), daemon=True)
+    t.start()
+    return t, result
+
+
+def test_model_going_not_ready_is_a_unit_failure(leader) -> None:
+    ldr, fake = leader
+    assert ldr.probe_model() is True
+    t, result = _monitor_in_thread(ldr)
+    time.sleep(0.5)
+    assert not result  # healthy: still watching
+    fake.status = 400  # the model unloaded itself
+    t.join(timeout=10)
+    assert result == [EXIT_UNIT_FAILED]
+
+
+def test_stop_request_ends_the_watch_cleanly(leader) -> None:
+    ldr, _ = leader
+    t, result = _monitor_in_thread(ldr)
+    ldr.stop_requested.set()
+    t.join(timeout=10)
+    assert result == [EXIT_OK]
+
+
+def test_unanswered_probes_fail_the_unit_only_after_a_while(leader, monkeypatch) -> None:
+    ldr, fake = leader
+    monkeypatch.setattr(launcher, "UNRESPONSIVE_S", 1.0)
+    fake.close()  # nobody answers any more
+    assert ldr.probe_model() is None
+    t, result = _monitor_in_thread(ldr)
+    t.join(timeout=20)
+    assert result == [EXIT_UNIT_FAILED]
+
+
+def test_abandoned_load_is_noticed(leader, tmp_path: Path, monkeypatch) -> None:
+    ldr, fake = leader
+    fake.status = 400  # never ready
+    monkeypatch.setattr(launcher, "LOAD_GRACE_S", 0.5)
+    marker = tmp_path / "llm.initialized"
+    marker.write_text("0.1\n")
+    old = time.time() - 5
+    os.utime(marker, (old, old))
+    ldr._marker = marker
+    assert ldr.wait_ready() is False

@@ -183,7 +183,7 @@ async def bench_triton(args, tmp: Path) -> dict:
            "--max-model-len", str(ENGINE["max_model_len"]),
            "--kv-cache-bytes", str(ENGINE["kv_cache_bytes"]),
            "--max-num-seqs", str(ENGINE["max_num_seqs"]), "--run-dir", str(tmp / "triton"),
-           "--executor", args.executor]  # fmt: skip
+           "--executor", args.executor, "--stream-interval", str(args.stream_interval)]  # fmt: skip
     with open(tmp / "triton.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -234,6 +234,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--executor", default="unit", help="the leader's executor: unit or uni")
+    p.add_argument("--stream-interval", type=int, default=1, help="leader tokens per response")
     p.add_argument("--only", choices=("both", "triton", "vllm"), default="both")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-triton-") as d:

@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-bytes", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--stream-interval", type=int, default=None, help="tokens per streamed response")
     p.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
             "max_model_len": args.max_model_len,
             "kv_cache_bytes": args.kv_cache_bytes,
             "max_num_seqs": args.max_num_seqs,
+            "stream_interval": args.stream_interval,
             "enforce_eager": args.enforce_eager,
             "dtype": args.dtype,
             "executor": args.executor,

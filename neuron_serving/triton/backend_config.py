@@ -34,6 +34,9 @@ class BackendConfig:
     # on CPU, at some cost in step time (tests and crash-loop recovery use it).
     enforce_eager: bool = False
     dtype: str = "auto"
+    # Tokens per streamed response (vLLM's stream_interval). Each response is a
+    # stub-to-server IPC plus a gRPC message, so 1 (every token) costs throughput.
+    stream_interval: int = 1
     executor: str = "unit"
     # Control plane of the unit (see neuron_serving.unit.config.UnitConfig).
     control_port: int = 29500
@@ -63,6 +66,8 @@ class BackendConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.executor not in EXECUTORS:
@@ -107,7 +112,7 @@ class BackendConfig:
             unit_id=self.unit_id or None,
             token_file=self.token_file or None,
         )
-        overrides: dict[str, Any] = {}
+        overrides: dict[str, Any] = {"stream_interval": self.stream_interval}
         if self.executor != "unit":
             overrides["distributed_executor_backend"] = self.executor
         return engine_kwargs(

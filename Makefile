@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 chromium:
 	@if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
 	    && [ "$$(id -u)" = 0 ]; then \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+	  timeout 600 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium' \
 	    || echo "chromium not installed: the dashboard browser test will skip"; \
 	fi || true
 

@@ -181,7 +181,13 @@ class UnitExecutor(Executor):
 
     # -- calls --------------------------------------------------------------
     def _call(
-        self, method: Any, args: tuple, kwargs: dict, gather: bool, timeout: float | None = None
+        self,
+        method: Any,
+        args: tuple,
+        kwargs: dict,
+        gather: bool,
+        timeout: float | None = None,
+        resolve_async: bool = True,
     ) -> list[Any]:
         if self.failure:
             raise UnitFailedError(self.failure)
@@ -190,7 +196,7 @@ class UnitExecutor(Executor):
             seq = self.broadcast.send(KIND_CALL, encode_call(method, args, kwargs, gather))
         try:
             result = run_method(self.driver_worker, method, args, kwargs)
-            if isinstance(result, AsyncModelRunnerOutput):
+            if resolve_async and isinstance(result, AsyncModelRunnerOutput):
                 result = result.get_output()
         except Exception as e:
             # Followers ran (or are running) the same call; rank 0 cannot rejoin
@@ -225,8 +231,17 @@ class UnitExecutor(Executor):
         return _done(value) if non_block else value
 
     def _leader_only(self, method: str, args: tuple, non_block: bool) -> Any:
-        out = self._call(method, args, {}, gather=False)[0]
-        return _done(out) if non_block else out
+        # Under async scheduling (non_block), rank 0's sampled tokens may still be
+        # in flight (AsyncModelRunnerOutput): hand vLLM a future that resolves
+        # them when it asks, as UniProcExecutor does, so the scheduler can prepare
+        # the next step meanwhile. The broadcast order is unchanged: calls are
+        # still issued, broadcast and started on rank 0 one at a time.
+        out = self._call(method, args, {}, gather=False, resolve_async=not non_block)[0]
+        if not non_block:
+            return out
+        if isinstance(out, AsyncModelRunnerOutput):
+            return _AsyncOutputFuture(out)
+        return _done(out)
 
     def execute_model(self, scheduler_output, non_block: bool = False):  # type: ignore[override]
         out = self._leader_only("execute_model", (scheduler_output,), non_block)
@@ -246,6 +261,10 @@ class UnitExecutor(Executor):
         super().compile_or_warm_up_model()
         self.status.set_state(NodeState.READY)
         logger.info("unit %s: all %d ranks ready", self.unit.unit_id, self.world_size)
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         with self._failure_lock:
@@ -333,6 +352,22 @@ class UnitExecutor(Executor):
     @property
     def control_stats(self):
         return None if self.broadcast is None else self.broadcast.stats
+
+
+class _AsyncOutputFuture(Future):
+    """Resolves rank 0's AsyncModelRunnerOutput on first ``result()``."""
+
+    def __init__(self, output: AsyncModelRunnerOutput) -> None:
+        super().__init__()
+        self._output = output
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            try:
+                self.set_result(self._output.get_output())
+            except Exception as e:
+                self.set_exception(e)
+        return super().result(timeout)
 
 
 def _done(value: Any) -> Future:

@@ -120,8 +120,15 @@ def wait_leaders(leaders: list[Leader], timeout_s: float = READY_TIMEOUT_S) -> N
 
 
 def proxy_config(
-    leaders: list[Leader], model: Path, max_model_len: int, **overrides: Any
+    leaders: list[Leader],
+    model: Path,
+    max_model_len: int,
+    model_version: str = "demo",
+    **overrides: Any,
 ) -> dict[str, Any]:
+    """A proxy config for ``leaders`` (objects with ``grpc`` and ``http`` addresses; one
+    unit each, no followers) serving model ``llm``; probes faster than the defaults so
+    a unit is routable within a second of being ready."""
     cfg: dict[str, Any] = {
         "port": free_port(),
         "admin_port": free_port(),
@@ -129,7 +136,7 @@ def proxy_config(
         "models": [{"name": "llm", "model_dir": str(model), "max_model_len": max_model_len}],
         "units": [
             {"unit_id": f"unit-{i}", "leader_grpc": ldr.grpc, "leader_http": ldr.http,
-             "model": "llm", "model_version": "demo"}
+             "model": "llm", "model_version": model_version}
             for i, ldr in enumerate(leaders)
         ],
     }  # fmt: skip

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from neuron_serving.triton.launcher import free_port
+from neuron_serving.bench import stack
 from tests.e2e.triton_leader_helpers import LeaderEndpoints, get, start_leader, wait_ready
 from tests.procs import Proc, leftover, unit_env
 
@@ -51,20 +51,9 @@ def proxy_config(
     **overrides: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """A proxy config for ``leaders`` (one unit each, no followers) serving model ``llm``."""
-    cfg: dict[str, Any] = {
-        "port": free_port(),
-        "admin_port": free_port(),
-        # Faster than the defaults so a test sees the unit routable within a second.
-        "health": {"interval_s": 0.25, "timeout_s": 0.25, "jitter_s": 0.05},
-        "models": [{"name": "llm", "model_dir": str(model), "max_model_len": max_model_len}],
-        "units": [
-            {"unit_id": f"unit-{i}", "leader_grpc": ldr.grpc, "leader_http": ldr.http,
-             "model": "llm", "model_version": "demo-seed0"}
-            for i, ldr in enumerate(leaders)
-        ],
-    }  # fmt: skip
-    cfg.update(overrides)
-    return cfg
+    return stack.proxy_config(
+        leaders, model, max_model_len, model_version="demo-seed0", **overrides
+    )
 
 
 @contextmanager

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from neuron_serving.bench.stack import http_get
 from neuron_serving.ports import free_port
 from tests.procs import Proc, free_port_block, unit_env
 
@@ -32,14 +31,7 @@ class LeaderEndpoints:
         return get(f"http://{self.http}/v2/models/llm/ready")[0] == 200
 
 
-def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""
+get = http_get  # one HTTP GET helper for tests and benchmarks
 
 
 def metric(metrics_addr: str, name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ from neuron_serving.checkpoint.layout import VLLM_SHARD_PATTERN, nxdi_shard_file
 from neuron_serving.checkpoint.manifest import Manifest, source_hash
 from neuron_serving.checkpoint.shard import CANARY_PROMPTS
 from neuron_serving.checkpoint.verify import safetensors_header, verify
-from tests.procs import Proc, leftover, unit_env
+from tests.procs import Proc, free_port_block, leftover, unit_env
 
 pytestmark = pytest.mark.e2e
 
@@ -109,3 +109,41 @@ def test_shard_refuses_nonempty_output(tmp_path, demo_model, capsys):
     assert cli.main([*args, "--out", str(tmp_path / "out")]) == 2
     assert "not empty" in capsys.readouterr().err
     assert cli.main([*args, "--out", str(tmp_path / "o2"), "--dtype", "int4"]) == 2
+
+
+def test_unit_of_another_size_refuses_the_checkpoint(sharded, tmp_path):
+    args = ["generate", "--model", str(sharded), "--tp", "1", "--control-port",
+            str(free_port_block()), "--prompt", "hi", "--json", "--enforce-eager"]  # fmt: skip
+    proc = Proc("generate-tp1", args, tmp_path, unit_env())
+    try:
+        assert proc.wait(timeout=120) != 0
+        err = proc.stderr()
+        assert "sharded for tp=2" in err and "this unit has 1 rank" in err, err[-2000:]
+    finally:
+        proc.stop()
+
+
+def test_tp2_unit_loads_its_shards_and_reproduces_the_canaries(sharded, tmp_path):
+    m = Manifest.read(sharded)
+    port = free_port_block()
+    follower = Proc(
+        "follower", ["follower", "--leader", f"127.0.0.1:{port}", "--rank", "1"], tmp_path,
+        unit_env(),
+    )  # fmt: skip
+    args = ["generate", "--model", str(sharded), "--tp", "2", "--control-port", str(port),
+            "--json", "--enforce-eager", "--ignore-eos",
+            "--max-tokens", str(m.canaries[0].max_tokens)]  # fmt: skip
+    for canary in m.canaries:
+        args += ["--prompt", canary.prompt]
+    leader = Proc("leader", args, tmp_path, unit_env())
+    try:
+        assert leader.wait(timeout=240) == 0, leader.stderr()[-3000:]
+        assert follower.wait(timeout=30) == 0, follower.stderr()[-3000:]
+        records = [json.loads(ln) for ln in leader.stdout().splitlines() if ln.startswith("{")]
+        assert [r["token_ids"] for r in records] == [c.token_ids for c in m.canaries]
+        # vLLM's sharded-state loader ran on both ranks (each reads only its own files).
+        assert "'load_format': 'sharded_state'" in leader.stderr()
+    finally:
+        leader.stop()
+        follower.stop()
+    assert leftover([leader, follower]) == []

@@ -192,18 +192,18 @@ class UnitExecutor(Executor):
         if self.failure:
             raise UnitFailedError(self.failure)
         seq = 0
-        if self.broadcast is not None:
-            seq = self.broadcast.send(KIND_CALL, encode_call(method, args, kwargs, gather))
         try:
+            if self.broadcast is not None:
+                seq = self.broadcast.send(KIND_CALL, encode_call(method, args, kwargs, gather))
             result = run_method(self.driver_worker, method, args, kwargs)
             if resolve_async and isinstance(result, AsyncModelRunnerOutput):
                 result = result.get_output()
         except Exception as e:
+            if self.server is None:
+                raise
             # Followers ran (or are running) the same call; rank 0 cannot rejoin
             # them in lockstep, so the unit fails as a whole.
-            if self.server is not None:
-                self._on_rank_failure(0, f"rank 0 failed in {method_name(method)}: {e!r}")
-            raise
+            raise self._unit_failure_from(e, method) from e
         if not gather or self.server is None:
             return [result]
         replies = self.server.gather(seq, timeout or self.unit.rpc_timeout_s, lambda: self.failure)
@@ -278,6 +278,19 @@ class UnitExecutor(Executor):
             raise UnitFailedError(self.failure)
 
     # -- failure ------------------------------------------------------------
+    def _unit_failure_from(self, error: Exception, method: Any) -> UnitFailedError:
+        # A dead peer usually surfaces here first (Gloo: "connection closed by
+        # peer") while the control server is still noticing the closed control
+        # connection; wait a moment for it so the error names the rank and not a
+        # socket, then fail the unit (which also frees its shared memory).
+        deadline = time.monotonic() + 1.0
+        while not self.failure and time.monotonic() < deadline:
+            time.sleep(0.02)
+        reason = f"rank 0 failed in {method_name(method)}: {error!r}"
+        if not self.failure:
+            self._on_rank_failure(0, reason)
+        return UnitFailedError(self.failure or reason)
+
     def _on_rank_failure(self, rank: int, reason: str) -> None:
         with self._failure_lock:
             if self.failure or self._shutdown_started:

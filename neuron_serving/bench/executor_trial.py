@@ -32,7 +32,7 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
-    follower = None
+    followers: list[subprocess.Popen] = []
     if args.mode == "unit":
         from neuron_serving.devices.base import RankPlacement
         from neuron_serving.devices.cpu import CpuBackend
@@ -64,7 +64,6 @@ def main() -> int:
             )
             for r in range(1, args.tp)
         ]
-        follower = followers
     else:
         kwargs = dict(
             model=args.model,
@@ -120,8 +119,8 @@ def main() -> int:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    if follower:
-        for f in follower:
+    if followers:
+        for f in followers:
             try:
                 f.wait(timeout=15)
             except subprocess.TimeoutExpired:

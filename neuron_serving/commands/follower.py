@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="unit size, to pick this rank's CPU binding before the leader is reached",
+        help="unit size, reported in /healthz before the leader is reached "
+        "(the binding uses the size the leader announces)",
     )
     p.add_argument("--device", default=None, help="device backend: cpu (default) or neuron")
     p.set_defaults(func=run)

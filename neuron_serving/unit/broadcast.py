@@ -29,13 +29,13 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from neuron_serving.unit import auth
+from neuron_serving.unit.stats import BroadcastStats
 
 MAGIC = b"NSCB"
 WIRE_VERSION = 1
@@ -48,26 +48,6 @@ KIND_SHUTDOWN = 3  # no payload: clean exit
 
 class BroadcastError(RuntimeError):
     """A control broadcast was malformed, unauthenticated or out of order."""
-
-
-@dataclass
-class BroadcastStats:
-    """Per-message control-plane cost, read by metrics and benchmarks."""
-
-    messages: int = 0
-    payload_bytes: int = 0
-    wire_bytes: int = 0
-    last_latency_s: float = 0.0
-    latencies_s: list[float] = field(default_factory=list)  # bounded ring (see record)
-    max_samples: int = 100_000
-
-    def record(self, payload: int, wire: int, latency_s: float) -> None:
-        self.messages += 1
-        self.payload_bytes += payload
-        self.wire_bytes += wire
-        self.last_latency_s = latency_s
-        if len(self.latencies_s) < self.max_samples:
-            self.latencies_s.append(latency_s)
 
 
 def make_group(

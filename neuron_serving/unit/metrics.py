@@ -21,22 +21,21 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.unit.stats import LATENCY_BUCKETS, BroadcastStats
 
-# Broadcast latency buckets (seconds): loopback sends take tens of microseconds,
-# a cross-host broadcast of a prefill step a few milliseconds.
-LATENCY_BUCKETS = (
-    25e-6,
-    50e-6,
-    100e-6,
-    250e-6,
-    500e-6,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    10e-3,
-    50e-3,
-    0.25,
-    1.0,
+# (metric name, help, BroadcastStats attribute) of the control-plane counters.
+_COUNTERS = (
+    ("neuron_serving_control_broadcasts", "Control broadcasts (executor calls)", "messages"),
+    (
+        "neuron_serving_control_broadcast_payload_bytes",
+        "Serialized call bytes broadcast",
+        "payload_bytes",
+    ),
+    (
+        "neuron_serving_control_broadcast_wire_bytes",
+        "Bytes put on the Gloo broadcast (fixed first frame + overflow)",
+        "wire_bytes",
+    ),
 )
 
 
@@ -44,15 +43,12 @@ class NodeCollector(Collector):
     def __init__(
         self,
         status: NodeStatus,
-        stats: Callable[[], object | None] = lambda: None,
+        stats: Callable[[], BroadcastStats | None] = lambda: None,
         heartbeat_ages: Callable[[], dict[int, float]] = dict,
     ) -> None:
         self.status = status
         self.stats = stats
         self.heartbeat_ages = heartbeat_ages
-        self._hist_seen = 0
-        self._buckets = [0] * len(LATENCY_BUCKETS)
-        self._sum = 0.0
 
     def collect(self) -> Iterable:
         labels = ["unit_id", "rank"]
@@ -75,28 +71,11 @@ class NodeCollector(Collector):
 
         st = self.stats()
         if st is not None:
-            msgs = CounterMetricFamily(
-                "neuron_serving_control_broadcasts",
-                "Control broadcasts (executor calls)",
-                labels=labels,
-            )
-            msgs.add_metric(lv, st.messages)
-            yield msgs
-            payload = CounterMetricFamily(
-                "neuron_serving_control_broadcast_payload_bytes",
-                "Serialized call bytes broadcast",
-                labels=labels,
-            )
-            payload.add_metric(lv, st.payload_bytes)
-            yield payload
-            wire = CounterMetricFamily(
-                "neuron_serving_control_broadcast_wire_bytes",
-                "Bytes put on the Gloo broadcast (fixed first frame + overflow)",
-                labels=labels,
-            )
-            wire.add_metric(lv, st.wire_bytes)
-            yield wire
-            yield self._latency(st, labels, lv)
+            for name, doc, attr in _COUNTERS:
+                counter = CounterMetricFamily(name, doc, labels=labels)
+                counter.add_metric(lv, getattr(st, attr))
+                yield counter
+            yield _latency(st, labels, lv)
 
         beats = GaugeMetricFamily(
             "neuron_serving_follower_heartbeat_age_seconds",
@@ -107,29 +86,20 @@ class NodeCollector(Collector):
             beats.add_metric([*lv, str(rank)], seconds)
         yield beats
 
-    def _latency(self, st, labels, lv) -> HistogramMetricFamily:
-        # Fold new samples into cumulative buckets incrementally (the sample list
-        # is append-only and bounded).
-        new = st.latencies_s[self._hist_seen :]
-        self._hist_seen += len(new)
-        for v in new:
-            self._sum += v
-            for i, bound in enumerate(LATENCY_BUCKETS):
-                if v <= bound:
-                    self._buckets[i] += 1
-                    break
-        cumulative, running = [], 0
-        for bound, count in zip(LATENCY_BUCKETS, self._buckets, strict=True):
-            running += count
-            cumulative.append((repr(bound), running))
-        cumulative.append(("+Inf", self._hist_seen))
-        h = HistogramMetricFamily(
-            "neuron_serving_control_broadcast_seconds",
-            "Leader-side latency of one control broadcast (all frames)",
-            labels=labels,
-        )
-        h.add_metric(lv, cumulative, sum_value=self._sum)
-        return h
+
+def _latency(st: BroadcastStats, labels: list[str], lv: list[str]) -> HistogramMetricFamily:
+    cumulative, running = [], 0
+    for bound, count in zip(LATENCY_BUCKETS, st.bucket_counts, strict=False):
+        running += count
+        cumulative.append((repr(bound), running))
+    cumulative.append(("+Inf", st.messages))
+    h = HistogramMetricFamily(
+        "neuron_serving_control_broadcast_seconds",
+        "Leader-side latency of one control broadcast (all frames)",
+        labels=labels,
+    )
+    h.add_metric(lv, cumulative, sum_value=st.latency_sum_s)
+    return h
 
 
 def render(collector: NodeCollector) -> bytes:

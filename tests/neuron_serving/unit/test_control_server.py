@@ -129,10 +129,8 @@ def test_join_timeout_lists_missing_ranks(leader):
     lead = leader(world_size=4)
     present = lead.follower(2)
     present.join()
-    t0 = time.monotonic()
     with pytest.raises(UnitJoinError, match=r"ranks \[1, 3\] did not join within 1 s"):
         lead.server.wait_for_followers(1.0)
-    assert time.monotonic() - t0 < 5
     assert present.channel is not None
 
 

@@ -61,8 +61,8 @@ def test_health_follows_node_state():
 
 
 def test_metrics_endpoint_reports_control_plane():
-    from neuron_serving.unit.broadcast import BroadcastStats
     from neuron_serving.unit.metrics import NodeCollector
+    from neuron_serving.unit.stats import BroadcastStats
 
     status = NodeStatus("unit-m", 0, 2)
     stats = BroadcastStats()

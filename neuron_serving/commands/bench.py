@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling")
+BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
             from neuron_serving.bench import routing
 
             rc |= routing.main(args.quick, args.model, args.json, args.repeats)
+        elif name == "load":
+            from neuron_serving.bench import load
+
+            rc |= load.main(args.quick, args.model, args.json, args.repeats)
         else:
             print(f"neuron-serving bench: '{name}' is not built yet (see issue 8)", file=sys.stderr)
             if args.name != "all":

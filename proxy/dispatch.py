@@ -9,6 +9,11 @@
   greedy decoding this yields the text an uninterrupted run gives, provided the
   tokenizer round-trips the generated text; with sampling it yields a valid, but
   different, continuation.
+- Versions: a job is served by one checkpoint version. A client may pin one
+  (``version``); otherwise the version of the unit that produces the first token
+  is fixed from then on, so a migration only goes to a unit of that version and
+  a response is never stitched from two versions (a rolling deploy runs v1 and v2
+  side by side). Before the first token, retries may go to any version.
 - Only unit faults count toward outlier ejection; a bad request (Triton said so)
   is not retried and is reported to the client as a 400.
 """
@@ -24,11 +29,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.config import RetryConfig
+from proxy.errors import APIError
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
 from proxy.registry import Registry, UnitState
 from proxy.routing import RouteRequest, RoutingPolicy
 from proxy.upstream import GenerationDelta, TritonUpstream, UpstreamError
+
+# Request header: pin a checkpoint version. Response header: the version that served it.
+VERSION_HEADER = "X-Model-Version"
+
+
+def pinned_version(registry: Registry, model: str, headers: Any) -> str | None:
+    """The version a request pins, if any; one that no unit of the model serves is
+    the client's mistake (404), not an outage (503)."""
+    version = headers.get(VERSION_HEADER)
+    if version is None:
+        return None
+    if version not in registry.versions(model):
+        served = sorted(v for v in registry.versions(model) if v)
+        raise APIError(
+            404,
+            f"model `{model}` is not served at version {version!r} (served: {served})",
+            param=VERSION_HEADER,
+            code="model_version_not_found",
+        )
+    return version
+
+
+def version_headers(job: GenerationJob) -> dict[str, str]:
+    return {VERSION_HEADER: job.version} if job.version else {}
 
 
 class NoRoutableUnit(Exception):
@@ -43,6 +73,9 @@ class GenerationJob:
     sampling: dict[str, Any]  # everything but max_tokens, in vllm_backend's JSON
     deadline: float  # loop.time()
     session_id: str | None = None
+    # Pinned checkpoint version (None: any); fixed to the serving unit's version
+    # once the first token has been produced.
+    version: str | None = None
     # Filled in as the job runs; read by the front end and by tests.
     units: list[str] = field(default_factory=list)
     attempts: int = 0
@@ -70,9 +103,13 @@ class Dispatcher:
         self._rng = random.Random()
 
     def pick(self, job: GenerationJob, tried: set[str]) -> UnitState:
-        eligible = self.outlier.eligible(self.registry.for_model(job.model), time.monotonic())
+        units = self.registry.for_model(job.model)
+        if job.version is not None:
+            units = [u for u in units if u.model_version == job.version]
+        eligible = self.outlier.eligible(units, time.monotonic())
         if not eligible.units:
-            raise NoRoutableUnit(f"no routable unit for model {job.model!r}")
+            at = "" if job.version is None else f" at version {job.version!r}"
+            raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at}")
         # Prefer units this job has not failed on; fall back to all (one unit, a blip).
         fresh = [u for u in eligible.units if u.unit_id not in tried] or eligible.units
         decision = self.policy.choose(RouteRequest(job.model, job.prompt, job.session_id), fresh)
@@ -132,6 +169,10 @@ class Dispatcher:
                     async for d in gen:
                         seg_tokens += bool(d.text)
                         seg_reported = max(seg_reported, d.completion_tokens or 0)
+                        if d.model_version is not None:
+                            self.registry.set_version(unit, d.model_version)
+                        if job.version is None and (d.text or d.finish_reason is not None):
+                            job.version = unit.model_version
                         if prompt_tokens is None and d.prompt_tokens is not None:
                             # A migrated attempt's prompt includes earlier output.
                             prompt_tokens = max(0, d.prompt_tokens - tokens_done)
@@ -159,9 +200,10 @@ class Dispatcher:
                     job.migrations += 1
                     if job.migrations > self.retry.max_migrations:
                         self.metrics.migrations.labels("exhausted").inc()
+                        on = "" if job.version is None else f" on version {job.version!r}"
                         raise UpstreamError(
                             f"unit failed mid-stream and {self.retry.max_migrations} "
-                            f"migrations were used: {e}",
+                            f"migrations{on} were used: {e}",
                             unit_fault=False,
                             retriable=False,
                         ) from e

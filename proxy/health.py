@@ -30,6 +30,9 @@ from proxy.upstream import TritonClientPool, grpc_channel_options
 
 log = logging.getLogger(__name__)
 
+# Besides every unhealthy -> healthy transition, the version is re-read this often.
+VERSION_REFRESH_PROBES = 20
+
 ProbeObserver = Callable[[UnitState, NodeState, bool, float], None]
 
 
@@ -149,6 +152,13 @@ class HealthChecker:
                 return False, "triton server not ready"
             if not await client.is_model_ready(spec.triton_model, client_timeout=timeout):
                 return False, f"model {spec.triton_model} not ready"
+            if not unit.leader.healthy or unit.leader.probes_total % VERSION_REFRESH_PROBES == 0:
+                # Before the leader (re)joins rotation: a recreated unit may serve
+                # another checkpoint version, and routing must know it first.
+                response = await client.get_model_config(spec.triton_model, client_timeout=timeout)
+                params = response.config.parameters
+                if "model_version" in params and params["model_version"].string_value:
+                    self._registry.set_version(unit, params["model_version"].string_value)
             return True, ""
 
         return probe

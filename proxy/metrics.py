@@ -114,7 +114,7 @@ class ProxyMetrics:
         ):
             g.clear()
         for u in registry.units.values():
-            self.unit_routable.labels(u.unit_id, u.spec.model, u.spec.model_version).set(
+            self.unit_routable.labels(u.unit_id, u.spec.model, u.model_version).set(
                 u.nodes_healthy()
             )
             self.unit_draining.labels(u.unit_id).set(u.draining)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from proxy.admission import Overloaded
-from proxy.dispatch import GenerationJob, NoRoutableUnit
+from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
 from proxy.errors import APIError, invalid, server_error
 from proxy.protocol import ParsedRequest, parse_chat, parse_completion
 from proxy.upstream import GenerationDelta, UpstreamError
@@ -73,8 +73,11 @@ def _sse(obj: Any) -> bytes:
 class Completion:
     """Shapes of one response (completion or chat) with a fixed id and creation time."""
 
-    def __init__(self, parsed: ParsedRequest) -> None:
+    def __init__(self, parsed: ParsedRequest, version: str | None = None) -> None:
         self.parsed = parsed
+        # OpenAI's field for "the backend configuration that served this": here the
+        # checkpoint version (null when the unit is unversioned).
+        self.fingerprint = version or None
         self.chat = parsed.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -85,6 +88,7 @@ class Completion:
             "object": obj,
             "created": self.created,
             "model": self.parsed.model,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
 
@@ -224,19 +228,24 @@ class OpenAIFrontEnd:
             sampling=parsed.sampling,
             deadline=start + proxy.config.timeouts.request_s,
             session_id=request.headers.get(proxy.config.routing.session_header),
+            version=pinned_version(proxy.registry, parsed.model, request.headers),
         )
         try:
             async with proxy.admission.slot():
                 gen = proxy.dispatcher.generate(job)
                 async with contextlib.aclosing(gen):
                     if parsed.stream:
-                        return await self._stream(request, parsed, gen, start)
-                    return await self._collect(parsed, gen, start)
+                        return await self._stream(request, parsed, job, gen, start)
+                    return await self._collect(parsed, job, gen, start)
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
             raise as_api_error(e) from None
 
     async def _collect(
-        self, parsed: ParsedRequest, gen: AsyncIterator[GenerationDelta], start: float
+        self,
+        parsed: ParsedRequest,
+        job: GenerationJob,
+        gen: AsyncIterator[GenerationDelta],
+        start: float,
     ) -> web.Response:
         parts: list[str] = []
         last = GenerationDelta("")
@@ -248,17 +257,18 @@ class OpenAIFrontEnd:
             parts.append(d.text)
             last = d
         self.proxy.metrics.e2e.observe(asyncio.get_running_loop().time() - start)
-        body = Completion(parsed).full(
+        body = Completion(parsed, job.version).full(
             "".join(parts),
             _openai_finish(last.finish_reason),
             _usage(last.prompt_tokens, last.completion_tokens),
         )
-        return web.json_response(body)
+        return web.json_response(body, headers=version_headers(job))
 
     async def _stream(
         self,
         request: web.Request,
         parsed: ParsedRequest,
+        job: GenerationJob,
         gen: AsyncIterator[GenerationDelta],
         start: float,
     ) -> web.StreamResponse:
@@ -267,12 +277,13 @@ class OpenAIFrontEnd:
         first = await anext(gen)  # failures up to here are plain HTTP errors
         now = loop.time()
         metrics.ttft.observe(now - start)
-        out = Completion(parsed)
+        out = Completion(parsed, job.version)  # fixed by the first token
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no",
+                **version_headers(job),
             }
         )
         await resp.prepare(request)

@@ -45,6 +45,12 @@ class NodeState:
 class UnitState:
     spec: UnitSpec
     nodes: list[NodeState]
+    # The checkpoint version the unit serves: starts as the config's, then what the
+    # leader announces (its model config's "model_version", read by the health
+    # checker each time the leader becomes healthy, i.e. after every restart, and by
+    # the dispatcher from each request's first response). Routing and response tags
+    # use this, so a unit recreated on a new version is never mislabelled.
+    model_version: str = ""
     draining: bool = False
     in_flight: int = 0
     # Outlier detection (written only by proxy.outlier).
@@ -87,7 +93,7 @@ def make_unit_state(spec: UnitSpec) -> UnitState:
         NodeState(f"{spec.unit_id}/follower-{rank}", "follower", addr)
         for rank, addr in enumerate(spec.followers, start=1)
     ]
-    return UnitState(spec=spec, nodes=nodes)
+    return UnitState(spec=spec, nodes=nodes, model_version=spec.model_version)
 
 
 Listener = Callable[[RegistryEvent, UnitState], None]
@@ -130,6 +136,14 @@ class Registry:
             unit.draining = draining
             self.record(unit_id, "drain" if draining else "undrain")
         return unit
+
+    def set_version(self, unit: UnitState, version: str) -> None:
+        if version and version != unit.model_version:
+            self.record(unit.unit_id, "version", f"{unit.model_version or '-'} -> {version}")
+            unit.model_version = version
+
+    def versions(self, model: str) -> set[str]:
+        return {u.model_version for u in self.for_model(model)}
 
     def get(self, unit_id: str) -> UnitState | None:
         return self.units.get(unit_id)

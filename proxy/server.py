@@ -101,7 +101,7 @@ class ProxyServer:
         return {
             "unit_id": unit.unit_id,
             "model": unit.spec.model,
-            "model_version": unit.spec.model_version,
+            "model_version": unit.model_version,
             "draining": unit.draining,
             "healthy": unit.nodes_healthy(),
             "in_flight": unit.in_flight,

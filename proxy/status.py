@@ -41,7 +41,7 @@ def _unit(u: UnitState, now: float) -> dict[str, Any]:
         "unit_id": u.unit_id,
         "state": state,
         "model": u.spec.model,
-        "model_version": u.spec.model_version,
+        "model_version": u.model_version,
         "leader_grpc": u.spec.leader_grpc,
         "leader_http": u.spec.leader_http,
         "draining": u.draining,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from proxy.admission import Overloaded
-from proxy.dispatch import GenerationJob, NoRoutableUnit
+from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
 from proxy.errors import APIError, invalid
 from proxy.openai_api import as_api_error, read_json
 from proxy.protocol import SAMPLING_FIELDS, int_param, parse_sampling
@@ -98,8 +98,16 @@ class TritonFrontEnd:
     async def generate_stream(self, request: web.Request) -> web.StreamResponse:
         return await self._handle(request, stream=True)
 
-    def _output(self, model: str, text: str, d: GenerationDelta | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"model_name": model, "model_version": "", "text_output": text}
+    def _output(
+        self, model: str, version: str | None, text: str, d: GenerationDelta | None
+    ) -> dict[str, Any]:
+        # model_version: the checkpoint version that served the request (Triton's own
+        # model version is always "1" here and says nothing).
+        out: dict[str, Any] = {
+            "model_name": model,
+            "model_version": version or "",
+            "text_output": text,
+        }
         if d is not None and d.finish_reason is not None:
             out["finish_reason"] = d.finish_reason
             out["prompt_tokens"] = d.prompt_tokens or 0
@@ -130,6 +138,7 @@ class TritonFrontEnd:
                 sampling=sampling,
                 deadline=asyncio.get_running_loop().time() + proxy.config.timeouts.request_s,
                 session_id=request.headers.get(proxy.config.routing.session_header),
+                version=pinned_version(proxy.registry, model, request.headers),
             )
             async with proxy.admission.slot():
                 gen = proxy.dispatcher.generate(job)
@@ -137,29 +146,38 @@ class TritonFrontEnd:
                     first = await anext(gen)
                     prefix = "" if exclude else prompt
                     if stream:
-                        return await self._stream(request, model, prefix, first, gen)
+                        return await self._stream(request, job, prefix, first, gen)
                     parts, last = [prefix, first.text], first
                     while last.finish_reason is None:
                         last = await anext(gen)
                         parts.append(last.text)
-                    return web.json_response(self._output(model, "".join(parts), last))
+                    return web.json_response(
+                        self._output(model, job.version, "".join(parts), last),
+                        headers=version_headers(job),
+                    )
         except APIError as e:
             return _triton_error(e)
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
             return _triton_error(as_api_error(e))
 
     async def _stream(
-        self, request: web.Request, model: str, prefix: str, first: GenerationDelta, gen
+        self, request: web.Request, job: GenerationJob, prefix: str, first: GenerationDelta, gen
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                **version_headers(job),
+            }
         )
         await resp.prepare(request)
         d: GenerationDelta = first
         text = prefix + d.text
         try:
             while True:
-                payload = json.dumps(self._output(model, text, d), ensure_ascii=False)
+                payload = json.dumps(
+                    self._output(job.model, job.version, text, d), ensure_ascii=False
+                )
                 await resp.write(f"data: {payload}\n\n".encode())
                 if d.finish_reason is not None:
                     break

@@ -81,6 +81,7 @@ class GenerationDelta:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    model_version: str | None = None  # the leader sends it with the first response
 
 
 class TritonClientPool:
@@ -143,11 +144,15 @@ def parse_response(result: Any) -> GenerationDelta:
     reason = None if reason in (None, "", "None", "null") else str(reason)
     prompt_tokens = _scalar(result, "prompt_tokens")
     completion_tokens = _scalar(result, "completion_tokens")
+    version = _scalar(result, "model_version")
     return GenerationDelta(
         text=text,
         finish_reason=reason,
         prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
         completion_tokens=None if completion_tokens is None else int(completion_tokens),
+        model_version=version.decode("utf-8", errors="replace")
+        if isinstance(version, bytes)
+        else version,
     )
 
 

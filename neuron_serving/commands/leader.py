@@ -46,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="seconds of idleness before a canary generation",
     )
+    p.add_argument(
+        "--model-version",
+        default="",
+        help="version named on every response (default: the checkpoint manifest's)",
+    )
     p.add_argument("--run-dir", default=None, help="where to render the model repository")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument(
@@ -93,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             drain_s=args.drain,
             log_verbose=args.log_verbose,
             model_overrides=overrides,
+            model_version=args.model_version,
         )
         leader = TritonLeader(settings)
     except (ValueError, FileNotFoundError) as e:

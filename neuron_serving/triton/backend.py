@@ -151,6 +151,7 @@ class LLMBackend:
             raise RequestError("text_input must hold exactly one string")
         stream = tensor("stream")
         exclude = tensor("exclude_input_in_output")
+        want_ids = tensor("return_token_ids")
         sampling = tensor("sampling_parameters")
         sampling_raw = sampling[0] if sampling is not None and sampling.size else None
         if sampling_raw is None:
@@ -164,6 +165,7 @@ class LLMBackend:
             else False,
             sampling_parameters=sampling_raw,
             max_model_len=self.config.max_model_len,
+            return_token_ids=bool(want_ids[0]) if want_ids is not None and want_ids.size else False,
         )
 
     async def _generate(self, request_id: str, req: GenerateRequest, stream: Stream) -> None:
@@ -187,7 +189,7 @@ class LLMBackend:
                 async for out in outputs:
                     if stream.cancelled:  # noticed before the task's future existed
                         raise asyncio.CancelledError
-                    produced = True
+                    first, produced = not produced, True
                     seq = out.outputs[0]
                     n = len(seq.token_ids)
                     completion_tokens = completion_tokens + n if req.stream else n
@@ -197,7 +199,13 @@ class LLMBackend:
                     finish = seq.finish_reason if out.finished else None
                     logprobs = _sampled_logprobs(seq) if "logprobs" in req.sampling else None
                     response = self._response(
-                        text, finish, len(prompt_ids), completion_tokens, logprobs
+                        text,
+                        finish,
+                        len(prompt_ids),
+                        completion_tokens,
+                        logprobs,
+                        token_ids=list(seq.token_ids) if req.return_token_ids else None,
+                        first=first,
                     )
                     self.responses.put(request_id, response, self.final if out.finished else 0)
             finally:
@@ -243,6 +251,9 @@ class LLMBackend:
         prompt_tokens: int,
         completion_tokens: int,
         logprobs: list[float] | None,
+        *,
+        token_ids: list[int] | None = None,
+        first: bool = False,
     ) -> Any:
         T = self.pb.Tensor
         tensors = [
@@ -255,6 +266,11 @@ class LLMBackend:
             tensors.append(
                 T("logprobs", np.array([json.dumps(logprobs).encode()], dtype=np.object_))
             )
+        if token_ids is not None:
+            tensors.append(T("token_ids", np.array(token_ids, dtype=np.int64)))
+        if first and self.config.model_version:
+            version = self.config.model_version.encode()
+            tensors.append(T("model_version", np.array([version], dtype=np.object_)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
     def _error(self, message: str, code: str) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ from typing import Any
 # vLLM's own executor for single-process development; "unit" is the project's
 # UnitExecutor. Switching is one model.json field (or `leader --executor`).
 EXECUTORS = ("unit", "uni", "mp")
+
+# Same rule as a checkpoint manifest's version (it is rendered into config.pbtxt).
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(slots=True)
@@ -58,6 +62,11 @@ class BackendConfig:
     # File written when initialize() has finished; the launcher uses it to notice a
     # tritonserver that abandoned the load anyway (see launcher.wait_ready). "" = off.
     init_marker: str = ""
+    # The checkpoint version this unit serves: the manifest's for a sharded
+    # checkpoint, else what `leader --model-version` says ("" = unversioned). Sent
+    # with every request's first response and published as the Triton model config
+    # parameter "model_version", which the proxy reads to route and tag responses.
+    model_version: str = ""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -77,6 +86,10 @@ class BackendConfig:
         for name in ("health_interval_s", "canary_interval_s", "canary_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.model_version and not VERSION_RE.match(self.model_version):
+            raise ValueError(
+                f"model_version must match {VERSION_RE.pattern}, got {self.model_version!r}"
+            )
         if not 0 <= self.vllm_metrics_port < 65536:
             raise ValueError(f"vllm_metrics_port must be in 0..65535, got {self.vllm_metrics_port}")
 

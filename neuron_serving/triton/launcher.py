@@ -69,6 +69,23 @@ LOAD_GRACE_S = 60.0
 UNRESPONSIVE_S = 15.0
 
 
+def served_version(model_dir: Path, requested: str) -> str:
+    """The version a leader announces: a sharded checkpoint names its own, and a
+    ``--model-version`` that contradicts it is refused (it would mislabel responses)."""
+    from neuron_serving.checkpoint.compat import is_sharded_checkpoint
+    from neuron_serving.checkpoint.manifest import Manifest
+
+    if not is_sharded_checkpoint(model_dir):
+        return requested
+    version = Manifest.read(model_dir).version
+    if requested and requested != version:
+        raise ValueError(
+            f"--model-version {requested!r} contradicts {model_dir}/manifest.json "
+            f"(version {version!r})"
+        )
+    return version
+
+
 def _die_with_parent() -> None:
     """Runs in the forked child before exec: SIGTERM it when the leader dies."""
     import ctypes
@@ -101,6 +118,8 @@ class LeaderSettings:
     log_verbose: int = 0
     # Extra model.json keys (max_model_len, kv_cache_bytes, executor, canary_*...).
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    # "" = the manifest's version for a sharded checkpoint, else unversioned.
+    model_version: str = ""
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -112,6 +131,7 @@ class LeaderSettings:
             raise ValueError(f"http, grpc and metrics ports must differ, got {ports}")
         if self.ready_timeout_s <= 0 or self.drain_s < 0 or self.stop_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
+        self.model_version = served_version(Path(self.model), self.model_version)
 
     @property
     def connect_host(self) -> str:
@@ -149,6 +169,7 @@ class TritonLeader:
             "control_host": s.control_host,
             "vllm_metrics_port": vllm_metrics_port,
             "init_marker": str(self._init_marker(run_dir)),
+            "model_version": s.model_version,
         }
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)

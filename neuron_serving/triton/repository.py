@@ -92,8 +92,17 @@ def render_model_repository(run_dir: Path, overrides: dict[str, Any]) -> Path:
     model_json = repo / MODEL_NAME / "1" / "model.json"
     settings = json.loads(model_json.read_text())
     settings.update(overrides)
-    BackendConfig.from_dict(settings)  # fail here, with the key's name, not inside the stub
+    config = BackendConfig.from_dict(settings)  # fail here, with the key's name
     model_json.write_text(json.dumps(settings, indent=2) + "\n")
+    if config.model_version:
+        # Readable by any Triton client (ModelConfig RPC / GET /v2/models/llm/config)
+        # without a request: the proxy learns a unit's version from it. VERSION_RE
+        # keeps the value safe to splice into the text protobuf.
+        with open(repo / MODEL_NAME / "config.pbtxt", "a", encoding="utf-8") as f:
+            f.write(
+                '\nparameters {\n  key: "model_version"\n'
+                f'  value {{ string_value: "{config.model_version}" }}\n}}\n'
+            )
     return repo
 
 

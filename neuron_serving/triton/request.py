@@ -54,6 +54,7 @@ class GenerateRequest:
     prompt: str
     stream: bool = False
     exclude_input_in_output: bool = False
+    return_token_ids: bool = False
     # Validated keyword arguments for vllm.SamplingParams (max_tokens always set).
     sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -173,11 +174,13 @@ def parse_request(
     exclude_input_in_output: bool | None = None,
     sampling_parameters: bytes | str | None = None,
     max_model_len: int,
+    return_token_ids: bool | None = None,
 ) -> GenerateRequest:
     return GenerateRequest(
         prompt=decode_prompt(text_input),
         stream=bool(stream),
         exclude_input_in_output=bool(exclude_input_in_output),
+        return_token_ids=bool(return_token_ids),
         sampling=parse_sampling_parameters(sampling_parameters, max_model_len),
     )
 

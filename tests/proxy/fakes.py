@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 WORDS = ["red", "green", "blue", "shoe", "cart", "price", "size", "brand", "sale", "ship", "end"]
@@ -51,20 +51,34 @@ class Behavior:
     stream_error: str = ""  # in-stream error for every request (e.g. a bad-request message)
     kill_after_tokens: int | None = None  # the whole server dies after this many tokens
     finish_separately: bool = False  # the finish reason comes in its own, empty, last response
+    # Checkpoint version: in the model config's parameters and in each request's first
+    # response, like neuron_serving's leader (None: an unversioned leader).
+    model_version: str | None = None
     prompts: list[str] = field(default_factory=list)
     started: int = 0
     cancelled: int = 0
     active: int = 0
 
 
-def _response(model: str, rid: str, text: str, finish: str, prompt_tokens: int, completion: int):
+def _response(
+    model: str,
+    rid: str,
+    text: str,
+    finish: str,
+    prompt_tokens: int,
+    completion: int,
+    version: str | None = None,
+):
     resp = service_pb2.ModelInferResponse(model_name=model, id=rid)
-    for name, dtype, arr in (
+    outputs = [
         ("text_output", "BYTES", np.array([text.encode()], dtype=np.object_)),
         ("finish_reason", "BYTES", np.array([finish.encode()], dtype=np.object_)),
         ("prompt_tokens", "INT32", np.array([prompt_tokens], dtype=np.int32)),
         ("completion_tokens", "INT32", np.array([completion], dtype=np.int32)),
-    ):
+    ]
+    if version is not None:
+        outputs.append(("model_version", "BYTES", np.array([version.encode()], dtype=np.object_)))
+    for name, dtype, arr in outputs:
         out = resp.outputs.add()
         out.name, out.datatype = name, dtype
         out.shape.append(1)
@@ -94,6 +108,12 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         b = self.owner.behavior
         return service_pb2.ModelReadyResponse(ready=b.model_ready and request.name == "llm")
 
+    async def ModelConfig(self, request, context):
+        config = model_config_pb2.ModelConfig(name=request.name, backend="python")
+        if self.owner.behavior.model_version is not None:
+            config.parameters["model_version"].string_value = self.owner.behavior.model_version
+        return service_pb2.ModelConfigResponse(config=config)
+
     async def ModelStreamInfer(self, request_iterator, context):
         b = self.owner.behavior
         async for req in request_iterator:
@@ -120,13 +140,20 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)
                     word = next_word(prompt + out)
+                    version = b.model_version if i == 0 else None
                     if word == "end" and not ignore_eos:
-                        yield _response("llm", req.id, "", "stop", len(prompt), i)
+                        yield _response("llm", req.id, "", "stop", len(prompt), i, version)
                         break
                     out += " " + word
                     last = i == max_tokens - 1 and not b.finish_separately
                     yield _response(
-                        "llm", req.id, " " + word, "length" if last else "", len(prompt), i + 1
+                        "llm",
+                        req.id,
+                        " " + word,
+                        "length" if last else "",
+                        len(prompt),
+                        i + 1,
+                        version,
                     )
                 else:
                     if b.finish_separately:

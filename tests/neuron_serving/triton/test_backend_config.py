@@ -74,3 +74,41 @@ def test_backend_dir_and_env(tmp_path: Path) -> None:
     assert str(install.libs) in env["LD_LIBRARY_PATH"]
     assert env["PYTHONPATH"].split(":")[0] == str(MODEL_REPOSITORY.parent)
     assert "site-packages" in env["PYTHONPATH"]
+
+
+def test_model_version_is_published_in_the_model_config(tmp_path: Path) -> None:
+    repo = render_model_repository(tmp_path, {"model": "/m", "model_version": "v2.1"})
+    pbtxt = (repo / "llm" / "config.pbtxt").read_text()
+    assert 'key: "model_version"' in pbtxt and 'string_value: "v2.1"' in pbtxt
+    # The parsed config is what tritonserver will see: exactly one such parameter.
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = text_format.Parse(pbtxt, model_config_pb2.ModelConfig())
+    assert cfg.parameters["model_version"].string_value == "v2.1"
+    # Unversioned: no parameter at all.
+    repo = render_model_repository(tmp_path / "b", {"model": "/m"})
+    assert (
+        "model_version"
+        not in text_format.Parse(
+            (repo / "llm" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+        ).parameters
+    )
+    # The value is spliced into protobuf text, so only the manifest's charset passes.
+    with pytest.raises(ValueError, match="model_version must match"):
+        render_model_repository(tmp_path / "c", {"model": "/m", "model_version": 'v"} x'})
+
+
+def test_leader_announces_the_manifest_version(tmp_path: Path) -> None:
+    from neuron_serving.triton.launcher import LeaderSettings
+    from tests.neuron_serving.checkpoint.synthetic import make_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    make_checkpoint(ckpt, tp=1, version="v7")
+    assert LeaderSettings(model=str(ckpt)).model_version == "v7"
+    with pytest.raises(ValueError, match="contradicts"):
+        LeaderSettings(model=str(ckpt), model_version="v8")
+    plain = tmp_path / "hf"
+    plain.mkdir()
+    assert LeaderSettings(model=str(plain), model_version="exp-1").model_version == "exp-1"
+    assert LeaderSettings(model=str(plain)).model_version == ""

@@ -19,6 +19,9 @@ on disk. Invariants:
   and, inside an unfinished multipart upload, parts whose ETag equals the local
   part's MD5; fetch skips files already present and verified and continues a
   partial download with ranged GETs pinned to the object's ETag (``If-Match``).
+- **Per rank**: ``fetch(..., rank=R)`` downloads only rank R's shards plus the
+  config and tokenizer files and the manifest (all a follower host needs), then
+  verifies just those.
 """
 
 from __future__ import annotations
@@ -291,7 +294,7 @@ class S3Store:
         return upload_id, parts
 
     # -- fetch --------------------------------------------------------------
-    def fetch(self, loc: S3Location, directory: Path) -> TransferResult:
+    def fetch(self, loc: S3Location, directory: Path, rank: int | None = None) -> TransferResult:
         raw = self._get_bytes(loc, MANIFEST_NAME)
         if raw is None:
             raise StoreError(
@@ -302,18 +305,31 @@ class S3Store:
             manifest = Manifest.from_json(raw)
         except ValueError as e:
             raise StoreError(f"{loc}/{MANIFEST_NAME}: {e}") from e
+        ranks = None
+        if rank is not None:
+            if rank not in manifest.rank_files:
+                raise StoreError(
+                    f"{loc}: version {manifest.version} is tp={manifest.tp_degree}; no rank {rank}"
+                )
+            ranks = [rank]
+        wanted = set(manifest.files)
+        if ranks is not None:
+            wanted = set(manifest.rank_files[rank]) | set(manifest.config_files)
+            wanted |= set(manifest.tokenizer_files)
         result = TransferResult("fetch", str(loc), manifest.version)
         directory.mkdir(parents=True, exist_ok=True)
         local = directory / MANIFEST_NAME
         if local.is_file():
             if local.read_bytes() != raw:
                 raise StoreError(f"{directory} already holds another version's manifest")
-            report = verify(directory)
+            report = verify(directory, ranks=ranks)
             if report.ok:
                 result.already_complete = True
                 return result
         partial = directory / PARTIAL_DIR
         for name, entry in sorted(manifest.files.items()):
+            if name not in wanted:
+                continue
             target = directory / name
             if target.is_file() and target.stat().st_size == entry.size:
                 if sha256_file(target) == entry.sha256:
@@ -325,7 +341,7 @@ class S3Store:
         tmp.write_bytes(raw)
         tmp.replace(local)
         shutil.rmtree(partial, ignore_errors=True)
-        report = verify(directory)
+        report = verify(directory, ranks=ranks)
         if not report.ok:
             raise StoreError(f"fetched version fails verify:\n{report.render()}")
         return result

@@ -13,6 +13,9 @@ Checks, in order, each problem naming the file it is about:
    head counts divide by the tp degree, every shard's tensors have the
    manifest's dtype, all ranks hold the same parameter names, and the attention
    projection of rank 0 has the row count of a tp-degree slice.
+
+``ranks`` limits checks 2 and 4 to those ranks' shard files (plus config and
+tokenizer): a follower host fetched with ``fetch --rank R`` holds only its own.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     checked_files: int = 0
     checked_bytes: int = 0
+    ranks: list[int] | None = None  # None: every rank
 
     @property
     def ok(self) -> bool:
@@ -58,9 +62,10 @@ class VerifyReport:
         if self.ok:
             m = self.manifest
             assert m is not None
+            only = "" if self.ranks is None else f" (rank {', '.join(map(str, self.ranks))} only)"
             return (
                 f"OK {self.directory}: {m.model_name} {m.version} tp={m.tp_degree} "
-                f"{m.dtype}, {self.checked_files} files, {self.checked_bytes} bytes verified"
+                f"{m.dtype}, {self.checked_files} files, {self.checked_bytes} bytes verified{only}"
             )
         lines = [f"FAILED {self.directory}: {len(self.problems)} problem(s)"]
         lines += [f"  {p}" for p in self.problems]
@@ -84,8 +89,8 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def verify(directory: Path, *, hashes: bool = True) -> VerifyReport:
-    report = VerifyReport(str(directory))
+def verify(directory: Path, *, hashes: bool = True, ranks: list[int] | None = None) -> VerifyReport:
+    report = VerifyReport(str(directory), ranks=sorted(ranks) if ranks is not None else None)
     if not (directory / MANIFEST_NAME).is_file():
         report.add(MANIFEST_NAME, "missing: incomplete or not a checkpoint version")
         return report
@@ -95,6 +100,11 @@ def verify(directory: Path, *, hashes: bool = True) -> VerifyReport:
         report.add(MANIFEST_NAME, f"invalid: {e}")
         return report
     report.manifest = manifest
+    if report.ranks is not None:
+        bad = [r for r in report.ranks if r not in manifest.rank_files]
+        if bad:
+            report.add(MANIFEST_NAME, f"no rank {bad[0]} in a tp={manifest.tp_degree} version")
+            return report
     intact = _check_files(directory, manifest, report, hashes)
     _check_completeness(directory, manifest, report)
     _check_config(directory, manifest, report, intact)
@@ -104,6 +114,8 @@ def verify(directory: Path, *, hashes: bool = True) -> VerifyReport:
 def _check_files(directory: Path, m: Manifest, report: VerifyReport, hashes: bool) -> set[str]:
     intact = set()
     for name, entry in sorted(m.files.items()):
+        if name not in _in_scope(m, report.ranks):
+            continue
         path = directory / name
         if not path.is_file():
             report.add(name, "missing")
@@ -124,6 +136,15 @@ def _check_files(directory: Path, m: Manifest, report: VerifyReport, hashes: boo
         report.checked_bytes += size
         intact.add(name)
     return intact
+
+
+def _in_scope(m: Manifest, ranks: list[int] | None) -> set[str]:
+    if ranks is None:
+        return set(m.files)
+    names = set(m.config_files) | set(m.tokenizer_files)
+    for r in ranks:
+        names |= set(m.rank_files[r])
+    return names
 
 
 def _check_completeness(directory: Path, m: Manifest, report: VerifyReport) -> None:
@@ -159,7 +180,10 @@ def _check_config(directory: Path, m: Manifest, report: VerifyReport, intact: se
     want = _ST_DTYPES[m.dtype]
     keys_by_rank: dict[int, set[str]] = {}
     qkv_rows: int | None = None
+    qkv_rank = 0
     for rank, names in sorted(m.rank_files.items()):
+        if report.ranks is not None and rank not in report.ranks:
+            continue
         keys: set[str] = set()
         for name in names:
             if name not in intact:
@@ -174,8 +198,8 @@ def _check_config(directory: Path, m: Manifest, report: VerifyReport, intact: se
                 report.add(name, f"tensor dtypes {bad}, manifest says {m.dtype} ({want})")
             keys |= set(header)
             for key, t in header.items():
-                if rank == 0 and key.endswith("layers.0.self_attn.qkv_proj.weight"):
-                    qkv_rows = t["shape"][0]
+                if qkv_rows is None and key.endswith("layers.0.self_attn.qkv_proj.weight"):
+                    qkv_rows, qkv_rank = t["shape"][0], rank
         if all(n in intact for n in names):
             keys_by_rank[rank] = keys
     if keys_by_rank:
@@ -187,12 +211,13 @@ def _check_config(directory: Path, m: Manifest, report: VerifyReport, intact: se
                     m.rank_files[rank][0],
                     f"rank {rank} holds other parameters than rank {ref_rank} (e.g. {diff})",
                 )
-    if 0 in keys_by_rank:
-        _check_llama_layers(config, m, keys_by_rank[0], report)
+    if keys_by_rank:
+        first = min(keys_by_rank)
+        _check_llama_layers(config, m, keys_by_rank[first], report, first)
     expected = _expected_qkv_rows(config, tp)
     if qkv_rows is not None and expected is not None and qkv_rows != expected:
         report.add(
-            m.rank_files[0][0],
+            m.rank_files[qkv_rank][0],
             f"qkv_proj has {qkv_rows} rows, a tp={tp} slice of this config has {expected}: "
             "shards were made for another tp degree",
         )
@@ -208,7 +233,7 @@ _LLAMA_LAYER_PARAMS = (
 
 
 def _check_llama_layers(
-    config: dict[str, Any], m: Manifest, keys: set[str], report: VerifyReport
+    config: dict[str, Any], m: Manifest, keys: set[str], report: VerifyReport, rank: int = 0
 ) -> None:
     """Every decoder layer's linear weights are present (shards saved from a serving
     CPU engine lack them: vLLM swaps them for packed kernels after loading)."""
@@ -218,7 +243,9 @@ def _check_llama_layers(
     if not any(".self_attn.qkv_proj." in k for k in keys) and not any(
         ".self_attn.q_proj." in k for k in keys
     ):
-        report.add(m.rank_files[0][0], "no attention projection weights at all: shard incomplete")
+        report.add(
+            m.rank_files[rank][0], "no attention projection weights at all: shard incomplete"
+        )
         return
     if not any(".self_attn.qkv_proj." in k for k in keys):
         return  # not vLLM's fused Llama naming: nothing more to check by name
@@ -230,7 +257,7 @@ def _check_llama_layers(
     ]
     if missing:
         report.add(
-            m.rank_files[0][0],
+            m.rank_files[rank][0],
             f"{len(missing)} layer weights missing (e.g. {missing[:2]}): shard incomplete",
         )
 

@@ -34,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v = cmds.add_parser("verify", help="check hashes, completeness and config of a version")
     v.add_argument("dir")
     v.add_argument("--no-hash", action="store_true", help="sizes and structure only")
+    v.add_argument("--rank", type=int, default=None, help="check only this rank's shards")
     v.set_defaults(func=run_verify)
 
     pub = cmds.add_parser("publish", help="upload a verified version to s3://BUCKET/PREFIX")
@@ -45,6 +46,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     f = cmds.add_parser("fetch", help="download a published version and verify it")
     f.add_argument("url", metavar="s3://BUCKET/PREFIX")
     f.add_argument("dir")
+    f.add_argument(
+        "--rank",
+        type=int,
+        default=None,
+        help="only this rank's shards (+ config, tokenizer, manifest): a follower host",
+    )
     _transfer_args(f)
     f.set_defaults(func=run_fetch)
 
@@ -109,7 +116,8 @@ def run_shard(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from neuron_serving.checkpoint.verify import verify
 
-    report = verify(Path(args.dir), hashes=not args.no_hash)
+    ranks = None if args.rank is None else [args.rank]
+    report = verify(Path(args.dir), hashes=not args.no_hash, ranks=ranks)
     print(report.render(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
 
@@ -139,7 +147,7 @@ def run_fetch(args: argparse.Namespace) -> int:
 
     try:
         loc = parse_s3_url(args.url)
-        result = _store(args).fetch(loc, Path(args.dir))
+        result = _store(args).fetch(loc, Path(args.dir), rank=args.rank)
     except (StoreError, ValueError) as e:
         print(f"{PROG} fetch: {e}", file=sys.stderr)
         return 1

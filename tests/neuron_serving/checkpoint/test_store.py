@@ -171,3 +171,30 @@ def test_cli_publish_fetch_verify(ckpt, bucket, tmp_path, capsys):
     assert cli.main(["checkpoint", "verify", str(out)]) == 0
     assert cli.main(["checkpoint", "fetch", f"s3://{bucket}/cli/v2", str(tmp_path / "x")]) == 1
     assert "no manifest.json" in capsys.readouterr().err
+
+
+def test_fetch_one_rank_for_a_follower_host(ckpt, bucket, tmp_path, capsys):
+    from neuron_serving.checkpoint.compat import check_follower, manifest_identity
+    from neuron_serving.checkpoint.manifest import Manifest
+
+    url = f"s3://{bucket}/demo/v1"
+    assert cli.main(["checkpoint", "publish", str(ckpt), url, "--part-size", str(PART)]) == 0
+    out = tmp_path / "host1"
+    fetch = ["checkpoint", "fetch", url, str(out), "--rank", "1", "--part-size", str(PART)]
+    assert cli.main(fetch) == 0
+    m = Manifest.read(out)
+    want = set(m.rank_files[1]) | set(m.config_files) | set(m.tokenizer_files) | {"manifest.json"}
+    assert {p.name for p in out.iterdir()} == want  # no rank-0 shard crossed the wire
+    capsys.readouterr()
+    assert cli.main(["checkpoint", "verify", str(out), "--rank", "1"]) == 0
+    assert "(rank 1 only)" in capsys.readouterr().out
+    assert cli.main(["checkpoint", "verify", str(out)]) == 1  # the whole version is not here
+    # What the follower's join check (hook 2) accepts for rank 1.
+    assert check_follower(out, *manifest_identity(ckpt), 1) is not None
+    # Idempotent; a damaged rank file is re-fetched; a rank outside tp is refused.
+    assert _store().fetch(parse_s3_url(url), out, rank=1).already_complete
+    (out / m.rank_files[1][0]).write_bytes(b"x")
+    again = _store().fetch(parse_s3_url(url), out, rank=1)
+    assert again.files_transferred == [m.rank_files[1][0]]
+    with pytest.raises(StoreError, match="no rank 2"):
+        _store().fetch(parse_s3_url(url), tmp_path / "h2", rank=2)

@@ -6,12 +6,15 @@ either fail deep inside vLLM's loader ("Missing keys", shape warnings) or, worse
 load mismatched slices. So a unit refuses it up front with an error that says
 what was found and what to do.
 
-Not wired into the unit yet (``neuron_serving/unit`` is another change); the hooks
-it needs are described in README.md ("Loading in a unit").
+Wired into the unit at two points (README.md, "Loading in a unit"): the leader
+checks its shape (``check_unit``, from ``unit/engine.py``) before waiting for
+followers; each follower checks, at join, that its host holds the version the
+leader loads and its own rank's files (``check_follower``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,71 @@ def rank_files_present(model_dir: Path, manifest: Manifest, rank: int) -> list[s
                 f"{name}: {path.stat().st_size} bytes, expected {manifest.files[name].size}"
             )
     return problems
+
+
+def manifest_identity(model_dir: Path) -> tuple[str, str]:
+    """(version, sha256 of manifest.json) of a sharded checkpoint directory;
+    ("", "") when ``model_dir`` is not one (a Hugging Face directory or hub name)."""
+    path = Path(model_dir) / MANIFEST_NAME
+    if not path.is_file():
+        return "", ""
+    raw = path.read_bytes()
+    try:
+        version = Manifest.from_json(raw).version
+    except ValueError as e:
+        raise CheckpointMismatch(f"{path}: {e}") from e
+    return version, hashlib.sha256(raw).hexdigest()
+
+
+def check_follower(
+    model_dir: Path, version: str, manifest_sha256: str, rank: int, host: str = "this host"
+) -> Manifest | None:
+    """A follower's check before it joins: its local ``model_dir`` holds the same
+    version as the leader's (same manifest bytes), and rank ``rank``'s shard and
+    config files with the manifest's sizes. Raises ``CheckpointMismatch`` naming
+    both versions, or the file. ``version == ""``: the leader does not load a
+    sharded checkpoint, and neither may this host."""
+    model_dir = Path(model_dir)
+    local_version, local_sha = manifest_identity(model_dir)
+    where = f"{host}:{model_dir}"
+    if not version:
+        if local_version:
+            raise CheckpointMismatch(
+                f"checkpoint version skew: the leader's model directory is not a sharded "
+                f"checkpoint, but {where} holds version {local_version}"
+            )
+        return None
+    if not local_version:
+        raise CheckpointMismatch(
+            f"checkpoint version skew: the leader loads version {version}, but {where} has "
+            f"no {MANIFEST_NAME} (not fetched, or the fetch did not finish); fetch it: "
+            f"neuron-serving checkpoint fetch --rank {rank} s3://... {model_dir}"
+        )
+    if local_sha != manifest_sha256:
+        same = (
+            " (same name, other content: a version was rewritten)"
+            if local_version == version
+            else ""
+        )
+        raise CheckpointMismatch(
+            f"checkpoint version skew: the leader loads version {version} (manifest sha256 "
+            f"{manifest_sha256[:12]}), {where} holds version {local_version} (manifest sha256 "
+            f"{local_sha[:12]}){same}; fetch version {version} on this host"
+        )
+    manifest = Manifest.read(model_dir)
+    if rank not in manifest.rank_files:
+        raise CheckpointMismatch(
+            f"checkpoint {manifest.model_name} {version} has ranks 0..{manifest.tp_degree - 1}, "
+            f"not rank {rank}"
+        )
+    problems = rank_files_present(model_dir, manifest, rank)
+    if problems:
+        raise CheckpointMismatch(
+            f"rank {rank}'s files of checkpoint {manifest.model_name} {version} are incomplete "
+            f"on {where}: {'; '.join(problems)} (partial fetch? re-run neuron-serving "
+            f"checkpoint fetch --rank {rank})"
+        )
+    return manifest
 
 
 def engine_overrides(manifest: Manifest) -> dict[str, Any]:

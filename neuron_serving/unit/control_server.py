@@ -28,9 +28,11 @@ from neuron_serving.unit.config import UnitConfig
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
+    CheckpointRef,
     Failure,
     Heartbeat,
     Hello,
+    Joined,
     Reject,
     Reply,
     Shutdown,
@@ -71,8 +73,12 @@ class ControlServer:
         versions: dict[str, str],
         on_failure: Callable[[int, str], None],
         leader_state: Callable[[], str] = lambda: "ready",
+        checkpoint: CheckpointRef | None = None,
     ) -> None:
         self.leader_state = leader_state
+        self.checkpoint = checkpoint
+        # A follower that cannot serve this unit's checkpoint fails the join at once.
+        self.join_error: str | None = None
         self.unit = unit
         self.world_size = world_size
         self.token = token
@@ -149,6 +155,7 @@ class ControlServer:
                     startup_heartbeat_timeout_s=self.unit.startup_heartbeat_timeout_s,
                     broadcast_inline_bytes=self.unit.broadcast_inline_bytes,
                     device=self.unit.device,
+                    checkpoint=self.checkpoint,
                     mac=auth.mac(
                         self.token,
                         b"welcome",
@@ -158,6 +165,14 @@ class ControlServer:
                     ),
                 )
             )
+            # The follower checks its local checkpoint against Welcome.checkpoint.
+            ack = ch.recv(timeout=HANDSHAKE_TIMEOUT_S)
+            if isinstance(ack, Failure):
+                self._join_failed(link, ack.reason)
+                ch.close()
+                return
+            if not isinstance(ack, Joined):
+                raise ChannelClosed(f"expected joined, got {type(ack).__name__}")
         except (ChannelClosed, TimeoutError, OSError, ValueError) as e:
             logger.warning("join handshake with %s failed: %s", ch.peer, e)
             ch.close()
@@ -204,11 +219,21 @@ class ControlServer:
                 )
         return None
 
+    def _join_failed(self, link: FollowerLink, reason: str) -> None:
+        msg = f"{link.describe()} cannot join unit {self.unit.unit_id}: {reason}"
+        logger.error("%s", msg)
+        with self._lock:
+            self.rejections.append(msg)
+            self.join_error = self.join_error or msg
+            self._lock.notify_all()
+
     def wait_for_followers(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         want = set(range(1, self.world_size))
         with self._lock:
             while not want <= set(self.links):
+                if self.join_error:
+                    raise UnitJoinError(self.join_error)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = sorted(want - set(self.links))

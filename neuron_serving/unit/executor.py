@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from vllm.platforms import current_platform
@@ -41,6 +42,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.serial_utils import run_method
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+from neuron_serving.checkpoint.compat import manifest_identity
 from neuron_serving.devices.base import RankPlacement, get_backend
 from neuron_serving.unit import auth
 from neuron_serving.unit.broadcast import (
@@ -54,7 +56,8 @@ from neuron_serving.unit.calls import encode_call, method_name
 from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 from neuron_serving.unit.control_server import ControlServer
 from neuron_serving.unit.health import HealthServer
-from neuron_serving.unit.messages import Start
+from neuron_serving.unit.load_io import LoadStats, measured_load_model
+from neuron_serving.unit.messages import CheckpointRef, Start
 from neuron_serving.unit.metrics import NodeCollector
 from neuron_serving.unit.state import NodeState, NodeStatus
 from neuron_serving.versions import runtime_versions
@@ -95,9 +98,14 @@ class UnitExecutor(Executor):
         self.broadcast: ControlBroadcast | None = None
         self.driver_worker: WorkerWrapperBase | None = None
         self.health: HealthServer | None = None
+        # Per rank: wall time and bytes read by load_model (load_io.py).
+        self.load_stats: list[LoadStats] = []
         if self.unit.health_port:
             collector = NodeCollector(
-                self.status, stats=lambda: self.control_stats, heartbeat_ages=self._heartbeat_ages
+                self.status,
+                stats=lambda: self.control_stats,
+                heartbeat_ages=self._heartbeat_ages,
+                load_stats=lambda: self.load_stats,
             )
             self.health = HealthServer(
                 self.status, self.unit.health_host, self.unit.health_port, collector=collector
@@ -122,6 +130,7 @@ class UnitExecutor(Executor):
             runtime_versions(),
             self._on_rank_failure,
             leader_state=lambda: str(self.status.state),
+            checkpoint=self._checkpoint_ref(),
         )
         self.server.listen()
         logger.info(
@@ -156,6 +165,13 @@ class UnitExecutor(Executor):
         self.broadcast = ControlBroadcast(group, 0, key, self.unit.broadcast_inline_bytes)
         threading.Thread(target=self._keepalive_loop, name="unit-keepalive", daemon=True).start()
 
+    def _checkpoint_ref(self) -> CheckpointRef:
+        # Followers check their host's copy against it before joining (hook 2,
+        # checkpoint/README.md): same version and manifest, their rank's files.
+        model = self.vllm_config.model_config.model
+        version, sha = manifest_identity(Path(model))
+        return CheckpointRef(model=model, version=version, manifest_sha256=sha)
+
     def _dist_init_method(self) -> str:
         return f"tcp://{self.unit.control_host}:{self.unit.dist_port}"
 
@@ -176,7 +192,10 @@ class UnitExecutor(Executor):
         ]
         self._call("init_worker", (all_kwargs,), {}, gather=True)
         self._call("init_device", (), {}, gather=True)
-        self._call("load_model", (), {}, gather=True)
+        # Every rank's load_model, measured on that rank (wall time, /proc/self/io).
+        self.load_stats = self._call(measured_load_model, (), {}, gather=True)
+        for st in self.load_stats:
+            logger.info("unit %s: %s", self.unit.unit_id, st.render())
         current_platform.update_block_size_for_backend(self.vllm_config)
 
     # -- calls --------------------------------------------------------------

@@ -37,6 +37,7 @@ from neuron_serving.unit.messages import (
     Failure,
     Heartbeat,
     Hello,
+    Joined,
     Reject,
     Reply,
     Shutdown,
@@ -53,6 +54,11 @@ EXIT_OK, EXIT_FAILED, EXIT_LEADER_LOST = 0, 1, 2
 
 class FollowerRejected(RuntimeError):
     """The leader refused this follower; the message names the field."""
+
+
+class CheckpointRejected(FollowerRejected):
+    """This host cannot serve the checkpoint the leader loads (another version,
+    or this rank's files missing); the leader is told why and fails its join."""
 
 
 @dataclass(slots=True)
@@ -186,7 +192,43 @@ class Follower:
             raise auth.AuthError(
                 "token: the leader could not prove it holds the unit token; refusing to trust it"
             )
+        problem = self._checkpoint_problem(answer)
+        if problem:
+            ch.send(Failure(problem), timeout=10.0)
+            raise CheckpointRejected(problem)
+        ch.send(Joined(), timeout=10.0)
         return answer
+
+    def _checkpoint_problem(self, welcome: Welcome) -> str:
+        """Hook 2 of checkpoint loading: before any weight is read (before torch is
+        even imported), this host must hold the leader's checkpoint version and
+        this rank's files. Followers learn the model path only from the leader."""
+        ref = welcome.checkpoint
+        if ref is None:
+            return ""
+        from pathlib import Path
+
+        from neuron_serving.checkpoint.compat import CheckpointMismatch, check_follower
+
+        try:
+            manifest = check_follower(
+                Path(ref.model),
+                ref.version,
+                ref.manifest_sha256,
+                self.cfg.rank,
+                socket.gethostname(),
+            )
+        except (CheckpointMismatch, OSError) as e:
+            return f"rank {self.cfg.rank}: {e}"
+        if manifest is not None:
+            logger.info(
+                "rank %d: checkpoint %s %s present (%d bytes of rank files)",
+                self.cfg.rank,
+                manifest.model_name,
+                manifest.version,
+                manifest.rank_bytes(self.cfg.rank),
+            )
+        return ""
 
     # -- background threads ---------------------------------------------------
     def start_background(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 
 # Bump when a message changes incompatibly; checked first in the handshake.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Welcome.checkpoint, Joined
 
 
 class Challenge(msgspec.Struct, tag="challenge"):
@@ -36,8 +36,22 @@ class Hello(msgspec.Struct, tag="hello"):
     mac: bytes  # HMAC(token, "hello", leader nonce, follower nonce, rank)
 
 
+class CheckpointRef(msgspec.Struct):
+    """The weights the leader loads: its model path (followers load the same path)
+    and, when that directory is a sharded checkpoint version, the version name and
+    the sha256 of its manifest.json (both empty otherwise)."""
+
+    model: str
+    version: str = ""
+    manifest_sha256: str = ""
+
+
 class Welcome(msgspec.Struct, tag="welcome"):
-    """Leader -> follower: accepted; proof that the leader holds the token too."""
+    """Leader -> follower: accepted; proof that the leader holds the token too.
+
+    The follower answers ``Joined`` once its local checkpoint matches
+    ``checkpoint`` (same version and manifest, its rank's files present), or
+    ``Failure`` naming the difference; only then does the leader count it."""
 
     world_size: int
     unit_id: str
@@ -48,6 +62,11 @@ class Welcome(msgspec.Struct, tag="welcome"):
     broadcast_inline_bytes: int
     device: str
     mac: bytes  # HMAC(token, "welcome", follower nonce, session nonce, rank)
+    checkpoint: CheckpointRef | None = None
+
+
+class Joined(msgspec.Struct, tag="joined"):
+    """Follower -> leader, after ``Welcome``: checked and ready to start."""
 
 
 class Reject(msgspec.Struct, tag="reject"):
@@ -90,7 +109,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 ControlMessage = (
-    Challenge | Hello | Welcome | Reject | Start | Heartbeat | Reply | Failure | Shutdown
+    Challenge | Hello | Welcome | Joined | Reject | Start | Heartbeat | Reply | Failure | Shutdown
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.state import NodeState, NodeStatus
 from neuron_serving.unit.stats import LATENCY_BUCKETS, BroadcastStats
 
@@ -45,10 +46,12 @@ class NodeCollector(Collector):
         status: NodeStatus,
         stats: Callable[[], BroadcastStats | None] = lambda: None,
         heartbeat_ages: Callable[[], dict[int, float]] = dict,
+        load_stats: Callable[[], list[LoadStats]] = list,
     ) -> None:
         self.status = status
         self.stats = stats
         self.heartbeat_ages = heartbeat_ages
+        self.load_stats = load_stats
 
     def collect(self) -> Iterable:
         labels = ["unit_id", "rank"]
@@ -85,6 +88,28 @@ class NodeCollector(Collector):
         for rank, seconds in sorted(self.heartbeat_ages().items()):
             beats.add_metric([*lv, str(rank)], seconds)
         yield beats
+        yield from _load(self.load_stats(), labels, lv)
+
+
+def _load(stats: list[LoadStats], labels: list[str], lv: list[str]) -> Iterable:
+    """Each rank's weight load (the leader gathers every rank's at startup)."""
+    seconds = GaugeMetricFamily(
+        "neuron_serving_model_load_seconds",
+        "Wall time of each rank's load_model",
+        labels=[*labels, "load_rank"],
+    )
+    nbytes = GaugeMetricFamily(
+        "neuron_serving_model_load_bytes",
+        "Bytes each rank's load_model read (/proc/self/io: rchar = read syscalls incl. "
+        "page-cache hits; read_bytes = fetched from storage)",
+        labels=[*labels, "load_rank", "counter"],
+    )
+    for st in stats:
+        seconds.add_metric([*lv, str(st.rank)], st.seconds)
+        nbytes.add_metric([*lv, str(st.rank), "rchar"], st.rchar)
+        nbytes.add_metric([*lv, str(st.rank), "read_bytes"], st.read_bytes)
+    yield seconds
+    yield nbytes
 
 
 def _latency(st: BroadcastStats, labels: list[str], lv: list[str]) -> HistogramMetricFamily:

@@ -25,6 +25,7 @@ from neuron_serving.unit.broadcast import (
 from neuron_serving.unit.calls import decode_call, method_name
 from neuron_serving.unit.executor import GROUP_TIMEOUT_S
 from neuron_serving.unit.follower import EXIT_FAILED, EXIT_OK, Follower
+from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.state import NodeState
 
 logger = logging.getLogger("neuron_serving.follower")
@@ -94,6 +95,8 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
             return EXIT_FAILED
         if gather:
             follower.reply(seq, ok=True, result=result)
+        if isinstance(result, LoadStats):
+            logger.info("%s", result.render())
         if name == "execute_model":
             status.step_done()
         elif name == "compile_or_warm_up_model":

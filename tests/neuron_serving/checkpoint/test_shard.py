@@ -4,6 +4,7 @@ follower process started by the command itself. One run per module (about a minu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,10 @@ def test_tp2_unit_loads_its_shards_and_reproduces_the_canaries(sharded, tmp_path
         assert [r["token_ids"] for r in records] == [c.token_ids for c in m.canaries]
         # vLLM's sharded-state loader ran on both ranks (each reads only its own files).
         assert "'load_format': 'sharded_state'" in leader.stderr()
+        # Hook 2: the follower checked its rank's files; hook 3: it measured its load.
+        err = follower.stderr()
+        assert f"checkpoint model v1 present ({m.rank_bytes(1)} bytes of rank files)" in err
+        assert re.search(r"rank 1 \(.*\): load_model [\d.]+ s, rchar [\d.]+ MB", err), err[-2000:]
     finally:
         leader.stop()
         follower.stop()

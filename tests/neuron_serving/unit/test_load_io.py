@@ -1,0 +1,62 @@
+"""Hook 3 of checkpoint loading: each rank's load_model measured (time, /proc/self/io)
+and served as gauges on the node's /metrics."""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+
+from neuron_serving.unit.health import HealthServer
+from neuron_serving.unit.load_io import LoadStats, measured_load_model, read_proc_io
+from neuron_serving.unit.metrics import NodeCollector
+from neuron_serving.unit.state import NodeStatus
+from tests.procs import free_port_block
+
+
+class FileReadingWorker:
+    """Stands in for vLLM's WorkerWrapperBase: load_model reads a weights file."""
+
+    rpc_rank = 1
+
+    def __init__(self, path):
+        self.path = path
+
+    def load_model(self):
+        with open(self.path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+
+def test_measured_load_model_counts_bytes_read(tmp_path):
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(os.urandom(3 << 20))
+    assert {"rchar", "read_bytes"} <= set(read_proc_io())
+    st = measured_load_model(FileReadingWorker(weights))
+    assert st.rank == 1 and st.seconds > 0
+    # rchar counts page-cache hits too (the file was just written: all cached).
+    assert 3 << 20 <= st.rchar < (3 << 20) + (1 << 20)
+    assert st.read_bytes >= 0
+    assert "rank 1" in st.render() and "rchar 3.1 MB" in st.render()
+
+
+def test_read_proc_io_tolerates_a_kernel_without_it(tmp_path):
+    assert read_proc_io(str(tmp_path / "absent")) == {}
+
+
+def test_load_gauges_on_metrics():
+    status = NodeStatus("unit-l", 0, 2)
+    stats = [LoadStats(0, "h0", 1.5, 5_500_000, 4096), LoadStats(1, "h1", 1.25, 5_400_000, 0)]
+    collector = NodeCollector(status, load_stats=lambda: stats)
+    server = HealthServer(status, "127.0.0.1", free_port_block(), collector=collector)
+    server.start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port + 1}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    finally:
+        server.stop()
+    assert 'neuron_serving_model_load_seconds{load_rank="1",rank="0",unit_id="unit-l"} 1.25' in text
+    assert (
+        'neuron_serving_model_load_bytes{counter="rchar",load_rank="0",rank="0",unit_id="unit-l"} '
+        "5.5e+06" in text
+    )
+    assert 'counter="read_bytes",load_rank="1"' in text

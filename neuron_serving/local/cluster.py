@@ -5,6 +5,8 @@
     wait_ready  until the proxy and every unit were ready once; a unit failing
                 ``max_start_failures`` times before its first ready aborts start-up
     (serving)   write_state() keeps supervisor.json fresh for `neuron-serving status`
+    control     supervisor.sock (control.py): `deploy` recreates a unit on another
+                model directory through it (admin token required)
     shutdown()  drain through the proxy admin API (stop admitting, wait for in-flight
                 up to drain_timeout_s), then stop every unit in parallel, then the
                 proxy; finally check the process table: nothing of ours may remain.
@@ -26,6 +28,7 @@ from typing import Any
 
 from neuron_serving.local import plan
 from neuron_serving.local.backoff import RestartBackoff
+from neuron_serving.local.control import SOCKET_NAME, ControlServer
 from neuron_serving.local.probe import admin_call, get_json, http_status
 from neuron_serving.local.process import ProcessSpec
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
@@ -70,6 +73,11 @@ class ClusterSupervisor:
         self.units: list[UnitSupervisor] = []
         self.started_at: float | None = None
         self.stopping = threading.Event()
+        # Model directory of each unit: the cluster's, until a deploy recreates it.
+        self.unit_models: dict[str, Path] = {}
+        self.control: ControlServer | None = None
+        self._token_file: Path | None = None
+        self._recreate_lock = threading.Lock()
 
     # ---- start ---------------------------------------------------------------------
 
@@ -85,6 +93,8 @@ class ClusterSupervisor:
         check_ports_free(spec.host, spec.all_ports())
         token_file = spec.run_dir / "unit-token"
         write_secret(token_file)
+        self._token_file = token_file
+        self.unit_models = {spec.unit_id(i): spec.model_dir for i in range(spec.units)}
         config_path, self.admin_token = write_proxy_config(spec)
         logs = spec.run_dir / "logs"
         self.proxy = UnitSupervisor(
@@ -130,6 +140,8 @@ class ClusterSupervisor:
         self.proxy.start()
         for u in self.units:
             u.start()
+        self.control = ControlServer(self, self.spec.run_dir / SOCKET_NAME, self.admin_token)
+        self.control.start()
         self.write_state()
 
     def wait_ready(self, timeout_s: float) -> float:
@@ -160,6 +172,39 @@ class ClusterSupervisor:
 
     # ---- serving -------------------------------------------------------------------
 
+    def units_view(self) -> dict[str, Any]:
+        """The control API's GET /units: what a deploy needs to plan and to wait."""
+        return {
+            "tp": self.spec.tp,
+            "device": "cpu",
+            "stopping": self.stopping.is_set(),
+            "units": [self._unit_snapshot(u) for u in self.units],
+        }
+
+    def _unit_snapshot(self, u: UnitSupervisor) -> dict[str, Any]:
+        index = self.units.index(u)
+        return {
+            **u.snapshot(),
+            "model_dir": str(self.unit_models.get(u.unit_id, self.spec.model_dir)),
+            "leader_http": f"http://127.0.0.1:{self.spec.unit_ports(index).http}",
+        }
+
+    def recreate_unit(self, unit_id: str, model_dir: Path) -> int:
+        """Recreate one unit on ``model_dir``; returns the generation that will serve it.
+        KeyError for an unknown unit, RuntimeError while shutting down."""
+        if self.stopping.is_set():
+            raise RuntimeError("the cluster is shutting down")
+        index = next((i for i, u in enumerate(self.units) if u.unit_id == unit_id), None)
+        if index is None:
+            raise KeyError(unit_id)
+        assert self._token_file is not None
+        with self._recreate_lock:
+            procs = plan.unit_processes(self.spec, index, self._token_file, Path(model_dir))
+            generation = self.units[index].recreate(procs)
+            self.unit_models[unit_id] = Path(model_dir)
+        self.on_event(f"{unit_id} will be recreated on {model_dir}")
+        return generation
+
     def snapshot(self) -> dict[str, Any]:
         spec = self.spec
         return {
@@ -176,7 +221,7 @@ class ClusterSupervisor:
             "proxy_url": spec.proxy_url,
             "admin_url": spec.admin_url,
             "proxy": self.proxy.snapshot() if self.proxy else None,
-            "units": [u.snapshot() for u in self.units],
+            "units": [self._unit_snapshot(u) for u in self.units],
         }
 
     def write_state(self) -> None:
@@ -216,6 +261,8 @@ class ClusterSupervisor:
     def shutdown(self, drain: bool = True) -> list[int]:
         """Drain, stop everything, and return the pids that survived (should be [])."""
         self.stopping.set()
+        if self.control is not None:
+            self.control.stop()
         if drain and self.proxy is not None and self.proxy.phase == UnitPhase.READY:
             self.on_event(f"draining (up to {self.spec.drain_timeout_s:.0f} s) ...")
             left, took = self.drain(self.spec.drain_timeout_s)

@@ -39,7 +39,10 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def unit_processes(spec: ClusterSpec, index: int, token_file: Path) -> list[ProcessSpec]:
+def unit_processes(
+    spec: ClusterSpec, index: int, token_file: Path, model_dir: Path | None = None
+) -> list[ProcessSpec]:
+    """``model_dir`` overrides the cluster's model for this unit (a deploy's version)."""
     unit_id = spec.unit_id(index)
     ports = spec.unit_ports(index)
     env = child_env(
@@ -55,7 +58,7 @@ def unit_processes(spec: ClusterSpec, index: int, token_file: Path) -> list[Proc
         cli(
             "leader",
             "--model",
-            str(spec.model_dir),
+            str(model_dir or spec.model_dir),
             "--tp",
             str(spec.tp),
             "--control-port",

@@ -13,6 +13,8 @@ reads ``snapshot()`` (under the lock) or calls ``stop()``.
        any exit / not ready in time -> record failure -> tear down (TERM, then KILL)
        -> wait backoff -> launch all again
     stop() -> tear down -> STOPPED
+    recreate(new processes) -> tear down -> launch the new processes at once
+       (a planned replacement, e.g. a deploy: no backoff, not counted as a failure)
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ _POLL_S = 0.2
 _READY_PROBE_S = 0.5
 _PROGRESS_PROBE_S = 1.0
 _TAIL_LINES = 25
+
+
+class _Recreate:
+    """What ``_watch`` returns when a planned recreation was requested."""
+
+
+_RECREATE = _Recreate()
 
 
 class UnitPhase(enum.StrEnum):
@@ -100,6 +109,12 @@ class UnitSupervisor:
         self.next_start_at: float | None = None
         self.node_states: dict[str, str] = {}
         self.ever_ready = threading.Event()
+        # Incarnation number, +1 at every launch: "ready at generation > g" tells a
+        # caller that the group it asked to recreate is the one that became ready.
+        self.generation = 0
+        self.recreations = 0
+        self._recreate_with: list[ProcessSpec] | None = None
+        self._recreate = threading.Event()
 
     @property
     def unit_id(self) -> str:
@@ -127,6 +142,22 @@ class UnitSupervisor:
                 for p in self.procs:
                     p.kill_tree()
 
+    def recreate(self, processes: list[ProcessSpec] | None = None) -> int:
+        """Replace the group with ``processes`` (default: the same ones), now.
+
+        Returns the generation the new group will have; it is ready when ``phase``
+        is READY and ``generation`` is at least that. The replacement also becomes
+        the group's plan for later crash recoveries."""
+        if self._thread is None or self._stop.is_set():
+            raise RuntimeError(f"{self.unit_id} is not running")
+        with self._lock:
+            if processes is not None:
+                UnitPlan(self.unit_id, processes, self.plan.log_dir, self.plan.ready)  # validate
+            self._recreate_with = processes
+            target = self.generation + 1
+        self._recreate.set()
+        return target
+
     def wait_phase(self, phase: UnitPhase, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -141,6 +172,8 @@ class UnitSupervisor:
             return {
                 "unit_id": self.unit_id,
                 "phase": str(self.phase),
+                "generation": self.generation,
+                "recreations": self.recreations,
                 "restarts": self.restarts,
                 "launched_at": self.launched_at,
                 "ready_at": self.ready_at,
@@ -180,6 +213,9 @@ class UnitSupervisor:
                 failure = self._watch()
                 if failure is None:
                     break  # stop requested
+                if failure is _RECREATE:
+                    self._replace()
+                    continue
                 up_for = time.time() - (self.ready_at or time.time())
                 delay = self.plan.backoff.failed(up_for)
                 with self._lock:
@@ -193,8 +229,10 @@ class UnitSupervisor:
                     f"{self.unit_id} failed: {failure.reason}; recreating the whole unit "
                     f"in {delay:.1f} s (restart {self.restarts})"
                 )
-                if self._stop.wait(delay):
+                if self._backoff_wait(delay):
                     break
+                if self._recreate.is_set():  # asked for during the backoff: new plan now
+                    self._replace()
         except Exception:
             log.exception("%s: supervisor thread crashed; stopping the group", self.unit_id)
         finally:
@@ -202,8 +240,33 @@ class UnitSupervisor:
             self._teardown(self.plan.stop_timeout_s)
             self._set(phase=UnitPhase.STOPPED)
 
+    def _backoff_wait(self, delay: float) -> bool:
+        """Sleep ``delay`` unless stopped (True) or asked to recreate (False, early)."""
+        deadline = time.monotonic() + delay
+        while not self._recreate.is_set():
+            if self._stop.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                break
+        return self._stop.is_set()
+
+    def _replace(self) -> None:
+        """Planned recreation: graceful stop, swap in the new processes, no backoff."""
+        with self._lock:
+            new, self._recreate_with = self._recreate_with, None
+            self._recreate.clear()
+            self.phase = UnitPhase.STOPPING
+            self.recreations += 1
+        self._on_event(f"{self.unit_id} recreating (planned)")
+        self._teardown(self.plan.stop_timeout_s)
+        if new is not None:
+            self.plan.processes = new
+            self.procs = [ManagedProcess(spec, self.plan.log_dir) for spec in new]
+        self.plan.backoff.consecutive = 0
+
     def _launch(self) -> None:
         self._set(
+            generation=self.generation + 1,
             phase=UnitPhase.STARTING,
             launched_at=time.time(),
             ready_at=None,
@@ -220,11 +283,13 @@ class UnitSupervisor:
             f"{self.unit_id} starting: " + ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         )
 
-    def _watch(self) -> UnitFailure | None:
+    def _watch(self) -> UnitFailure | _Recreate | None:
         assert self.launched_at is not None
         launched = time.monotonic()
         next_ready = next_progress = 0.0
         while not self._stop.wait(_POLL_S):
+            if self._recreate.is_set():
+                return _RECREATE
             for p in self.procs:
                 rc = p.poll()
                 if rc is not None:

@@ -163,3 +163,53 @@ def test_spec_rejects_bad_names() -> None:
         ProcessSpec("a/b", ("true",))
     with pytest.raises(ValueError):
         ProcessSpec("x", ())
+
+
+def _touch_and_sleep(marker: Path, tag: str) -> str:
+    return (
+        f"import pathlib, time; pathlib.Path({str(marker)!r}).write_text({tag!r}); time.sleep(60)"
+    )
+
+
+def test_planned_recreate_swaps_processes_without_backoff(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    events: list[str] = []
+    sup = UnitSupervisor(
+        make_plan(
+            tmp_path,
+            [py("leader", _touch_and_sleep(ready, "v1")), py("follower-1", SLEEP)],
+            # A long backoff: a planned recreate must not wait for it.
+            backoff=RestartBackoff(30.0, 60.0, 60.0),
+        ),
+        events.append,
+    )
+    sup.start()
+    try:
+        assert sup.wait_phase(UnitPhase.READY, 20), events
+        old = [p.pid for p in sup.procs]
+        ready.unlink()
+        target = sup.recreate(
+            [py("leader", _touch_and_sleep(ready, "v2")), py("follower-1", SLEEP)]
+        )
+        assert target == 2
+        wait_for(
+            lambda: sup.generation >= target and sup.phase == UnitPhase.READY, 20, what="v2 ready"
+        )
+        assert ready.read_text() == "v2"
+        assert all(not alive(pid) for pid in old)
+        snap = sup.snapshot()
+        assert snap["restarts"] == 0 and snap["recreations"] == 1 and snap["generation"] == 2
+        assert snap["last_failure"] is None
+        # The new processes are the plan from now on: a crash recreates v2, not v1.
+        ready.unlink()
+        os.kill(sup.procs[1].pid, signal.SIGKILL)
+        wait_for(lambda: sup.restarts == 1, 10, what="crash noticed")
+        # Asking for a recreate during the (30 s) backoff starts at once.
+        sup.recreate()
+        wait_for(lambda: sup.phase == UnitPhase.READY, 20, what="ready after the crash")
+        assert ready.read_text() == "v2"
+    finally:
+        sup.stop()
+    assert sup.pids() == []
+    with pytest.raises(RuntimeError, match="not running"):
+        sup.recreate()

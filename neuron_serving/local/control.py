@@ -1,0 +1,209 @@
+"""The supervisor's control API: what `neuron-serving deploy` uses to recreate a unit.
+
+A running `neuron-serving up` serves a small HTTP API on a Unix socket in its run
+directory (``supervisor.sock``):
+
+    GET  /units                       every unit: phase, generation, model dir, restarts
+    POST /units/{unit_id}/recreate    {"model_dir": DIR} -> {"generation": G, ...}
+                                      (planned: graceful stop, start on DIR, no backoff;
+                                      ready when phase is "ready" at generation >= G)
+
+Who may call it: the socket lives in the 0700 run directory and is itself 0600, so
+only the user running `up` can connect; every request must also carry the proxy's
+admin token (``Authorization: Bearer``), compared in constant time, the same
+credential that drains units. A Unix socket rather than a loopback port: nothing
+else on the machine can even reach it, and no port has to be allocated.
+
+The server is aiohttp on its own thread and event loop (the supervisor itself is
+threads). The client is the standard library's ``http.client`` over ``AF_UNIX``,
+so `deploy` starts fast and needs no event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import http.client
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+SOCKET_NAME = "supervisor.sock"
+
+
+class Recreatable(Protocol):
+    """What the API needs from the cluster (ClusterSupervisor implements it)."""
+
+    def units_view(self) -> dict[str, Any]: ...
+
+    def recreate_unit(self, unit_id: str, model_dir: Path) -> int: ...
+
+
+class ControlServer:
+    def __init__(self, cluster: Recreatable, socket_path: Path, token: str) -> None:
+        if not token:
+            raise ValueError("the control API needs a token")
+        self.cluster = cluster
+        self.socket_path = Path(socket_path)
+        self._token = token.encode()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._runner: Any = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread = threading.Thread(target=self._run, name="supervisor-control", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s):
+            raise RuntimeError(f"control API did not start within {timeout_s} s")
+        if self._error is not None:
+            raise RuntimeError(f"control API failed to start: {self._error}") from self._error
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(), loop)
+            try:
+                fut.result(timeout_s)
+            except Exception:  # noqa: BLE001 - stopping must not raise
+                pass
+            loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.socket_path.unlink(missing_ok=True)
+
+    async def _shutdown(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._serve())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._started.set()
+            loop.close()
+            return
+        self._started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), self._token
+            ):
+                return web.json_response({"error": "missing or invalid bearer token"}, status=401)
+            return await handler(request)
+
+        async def units(request: web.Request) -> web.Response:
+            return web.json_response(self.cluster.units_view())
+
+        async def recreate(request: web.Request) -> web.Response:
+            unit_id = request.match_info["unit_id"]
+            try:
+                body = await request.json()
+            except ValueError:
+                return web.json_response({"error": "body must be JSON"}, status=400)
+            model_dir = body.get("model_dir") if isinstance(body, dict) else None
+            if not isinstance(model_dir, str) or not Path(model_dir).is_absolute():
+                return web.json_response(
+                    {"error": "'model_dir' must be an absolute path"}, status=400
+                )
+            if not Path(model_dir).is_dir():
+                return web.json_response({"error": f"{model_dir} is not a directory"}, status=400)
+            try:
+                generation = self.cluster.recreate_unit(unit_id, Path(model_dir))
+            except KeyError:
+                return web.json_response({"error": f"unit {unit_id!r} not found"}, status=404)
+            except RuntimeError as e:
+                return web.json_response({"error": str(e)}, status=409)
+            return web.json_response(
+                {"unit_id": unit_id, "generation": generation, "model_dir": model_dir},
+                status=202,
+            )
+
+        app = web.Application(middlewares=[auth], client_max_size=64 << 10)
+        app.add_routes([web.get("/units", units), web.post("/units/{unit_id}/recreate", recreate)])
+        self.socket_path.unlink(missing_ok=True)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        old = os.umask(0o177)  # the socket is created 0600: no window with wider access
+        try:
+            await web.UnixSite(runner, str(self.socket_path)).start()
+        finally:
+            os.umask(old)
+        self._runner = runner
+
+
+class ControlError(RuntimeError):
+    pass
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class ControlClient:
+    """Blocking client of a ControlServer; every call bounded by ``timeout_s``."""
+
+    def __init__(self, socket_path: Path, token: str, timeout_s: float = 10.0) -> None:
+        self.socket_path = Path(socket_path)
+        self._token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        conn = _UnixConnection(self.socket_path, self.timeout_s)
+        try:
+            data = None if body is None else json.dumps(body).encode()
+            headers = {"Authorization": f"Bearer {self._token}"}
+            if data is not None:
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise ControlError(
+                f"supervisor control API at {self.socket_path} unreachable: {e} "
+                "(is `neuron-serving up` running for this proxy?)"
+            ) from e
+        finally:
+            conn.close()
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            payload = {"error": raw.decode(errors="replace")}
+        if resp.status >= 300:
+            raise ControlError(f"{method} {path}: {resp.status} {payload.get('error', payload)}")
+        return payload
+
+    def units(self) -> dict[str, Any]:
+        return self._call("GET", "/units")
+
+    def recreate(self, unit_id: str, model_dir: Path) -> int:
+        body = {"model_dir": str(Path(model_dir).resolve())}
+        return int(self._call("POST", f"/units/{unit_id}/recreate", body)["generation"])

@@ -18,20 +18,19 @@ cancels the gRPC call, which makes Triton cancel the request in vLLM.
 from __future__ import annotations
 
 import asyncio
-import json
+import struct
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
-import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import service_pb2
 
 from proxy.config import TimeoutConfig, UnitSpec
+from proxy.leader_client import TritonClientPool, build_request, grpc_channel_options
 
-_MAX_MESSAGE = 2**31 - 1
+__all__ = ["TritonClientPool", "grpc_channel_options"]  # re-exported: callers import them here
 
 # In-stream error messages that mean "this unit cannot serve now" (retry elsewhere),
 # as opposed to "this request is bad" (tell the client). A stream error carries only
@@ -42,18 +41,6 @@ _UNIT_FAULT_PHRASES = (
     "not ready", "unavailable", "shutting down", "unknown model", "not found",
     "cancelled", "generation failed", "internal",
 )  # fmt: skip
-
-
-def grpc_channel_options() -> list[tuple[str, Any]]:
-    # gRPC's default reconnect backoff grows to 120 s: a leader that restarts would stay
-    # unreachable (and unhealthy) long after it is back. Cap it near the probe interval.
-    return [
-        ("grpc.max_send_message_length", _MAX_MESSAGE),
-        ("grpc.max_receive_message_length", _MAX_MESSAGE),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
-    ]
 
 
 class UpstreamError(Exception):
@@ -84,75 +71,80 @@ class GenerationDelta:
     model_version: str | None = None  # the leader sends it with the first response
 
 
-class TritonClientPool:
-    """One ``InferenceServerClient`` (one HTTP/2 channel) per leader address, shared by
-    probes and generations: gRPC multiplexes calls, and sharing means a probe sees the
-    same connection state as traffic."""
-
-    def __init__(self) -> None:
-        self._clients: dict[str, grpcaio.InferenceServerClient] = {}
-
-    def get(self, addr: str) -> grpcaio.InferenceServerClient:
-        client = self._clients.get(addr)
-        if client is None:
-            client = grpcaio.InferenceServerClient(addr, channel_args=grpc_channel_options())
-            self._clients[addr] = client
-        return client
-
-    def addrs(self) -> list[str]:
-        return sorted(self._clients)
-
-    async def discard(self, addr: str) -> None:
-        client = self._clients.pop(addr, None)
-        if client is not None:
-            await client.close()
-
-    async def close(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.close()
+# First element of a raw little-endian tensor, by Triton datatype (BYTES apart).
+_NUMERIC = {
+    dt: struct.Struct(fmt)
+    for dt, fmt in (
+        ("BOOL", "<?"), ("INT8", "<b"), ("UINT8", "<B"), ("INT16", "<h"), ("UINT16", "<H"),
+        ("INT32", "<i"), ("UINT32", "<I"), ("INT64", "<q"), ("UINT64", "<Q"),
+        ("FP32", "<f"), ("FP64", "<d"),
+    )
+}  # fmt: skip
+_U32 = _NUMERIC["UINT32"]
+_CONTENTS = {
+    "BYTES": "bytes_contents", "BOOL": "bool_contents", "INT8": "int_contents",
+    "INT16": "int_contents", "INT32": "int_contents", "UINT8": "uint_contents",
+    "UINT16": "uint_contents", "UINT32": "uint_contents", "INT64": "int64_contents",
+    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+}  # fmt: skip
+_WANTED = frozenset(
+    ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "model_version")
+)
 
 
-def build_inputs(prompt: str, sampling: dict[str, Any]) -> list[grpcclient.InferInput]:
-    def tensor(name: str, dtype: str, value: Any) -> grpcclient.InferInput:
-        arr = np.array([value], dtype=np.object_ if dtype == "BYTES" else bool)
-        t = grpcclient.InferInput(name, [1], dtype)
-        t.set_data_from_numpy(arr)
-        return t
-
-    return [
-        tensor("text_input", "BYTES", prompt.encode("utf-8")),
-        tensor("stream", "BOOL", True),
-        tensor("sampling_parameters", "BYTES", json.dumps(sampling).encode("utf-8")),
-        tensor("exclude_input_in_output", "BOOL", True),
-    ]
-
-
-def _scalar(result: Any, name: str) -> Any:
-    arr = result.as_numpy(name)
-    if arr is None or arr.size == 0:
+def _first_raw(datatype: str, raw: bytes) -> Any:
+    """Element 0 of a tensor in Triton's raw layout; None for an empty tensor."""
+    if not raw:
         return None
-    return arr.reshape(-1)[0]
+    if datatype == "BYTES":  # each element: u32 length, then the bytes
+        (n,) = _U32.unpack_from(raw)
+        if n + 4 > len(raw):
+            raise ValueError(f"BYTES element of {n} bytes in a {len(raw)}-byte tensor")
+        return raw[4 : 4 + n]
+    fmt = _NUMERIC.get(datatype)
+    if fmt is None:
+        raise ValueError(f"unsupported datatype {datatype!r}")
+    return fmt.unpack_from(raw)[0]
 
 
-def parse_response(result: Any) -> GenerationDelta:
-    raw = _scalar(result, "text_output")
-    text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else str(raw or "")
-    reason = _scalar(result, "finish_reason")
-    if isinstance(reason, bytes):
-        reason = reason.decode("utf-8", errors="replace")
-    reason = None if reason in (None, "", "None", "null") else str(reason)
-    prompt_tokens = _scalar(result, "prompt_tokens")
-    completion_tokens = _scalar(result, "completion_tokens")
-    version = _scalar(result, "model_version")
+def _first_typed(tensor: Any) -> Any:
+    """Element 0 of a tensor sent in ``contents`` rather than raw (not what Triton does,
+    but legal in the protocol)."""
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:
+        raise ValueError(f"unsupported datatype {tensor.datatype!r}")
+    values = getattr(tensor.contents, field)
+    return values[0] if len(values) else None
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta:
+    """One leader response -> a delta, reading the first element of each output we use
+    straight from the protobuf (outputs and ``raw_output_contents`` pair up by index,
+    as in tritonclient's ``InferResult``); other outputs are skipped undecoded."""
+    raws = response.raw_output_contents
+    n_raw = len(raws)
+    values: dict[str, Any] = {}
+    for i, tensor in enumerate(response.outputs):
+        name = tensor.name
+        if name in _WANTED:
+            values[name] = (
+                _first_raw(tensor.datatype, raws[i]) if i < n_raw else _first_typed(tensor)
+            )
+    reason = _text(values.get("finish_reason"))
+    prompt_tokens = values.get("prompt_tokens")
+    completion_tokens = values.get("completion_tokens")
     return GenerationDelta(
-        text=text,
-        finish_reason=reason,
+        text=_text(values.get("text_output")) or "",
+        finish_reason=None if reason in (None, "", "None", "null") else reason,
         prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
         completion_tokens=None if completion_tokens is None else int(completion_tokens),
-        model_version=version.decode("utf-8", errors="replace")
-        if isinstance(version, bytes)
-        else version,
+        model_version=_text(values.get("model_version")),
     )
 
 
@@ -194,34 +186,22 @@ class TritonUpstream:
         if remaining <= 0:
             raise DeadlineExceeded()
         client = self.clients.get(unit.leader_grpc)
-        request = {
-            "model_name": unit.triton_model,
-            "inputs": build_inputs(prompt, sampling),
-            "request_id": uuid.uuid4().hex,
-        }
-        finished = asyncio.Event()
-
-        async def requests() -> AsyncIterator[dict[str, Any]]:
-            yield request
-            # Keep our half of the stream open until we are done reading: closing it
-            # early is legal gRPC but some servers end the stream on half-close.
-            await finished.wait()
-
-        call = client.stream_infer(requests(), stream_timeout=remaining)
+        request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling)
+        # Reader/writer style: one write, then reads. Our half of the stream stays open
+        # until we are done reading: closing it early is legal gRPC but some servers end
+        # the stream on half-close. The call is cancelled on the way out, which makes
+        # Triton cancel the request in vLLM if it is still running.
+        call = client.stream_infer(timeout=remaining)
         budget = self.timeouts.first_token_s
         try:
             while True:
-                remaining = deadline - loop.time()
-                wait = min(budget, remaining)
+                wait = min(budget, deadline - loop.time())
                 try:
                     async with asyncio.timeout(max(wait, 0.0)):
-                        result, error = await call.__anext__()
-                except StopAsyncIteration:
-                    raise UpstreamError(
-                        "upstream stream ended before a finish reason",
-                        unit_fault=True,
-                        retriable=True,
-                    ) from None
+                        if request is not None:
+                            await call.write(request)
+                            request = None
+                        response = await call.read()
                 except TimeoutError:
                     if loop.time() >= deadline:
                         raise DeadlineExceeded() from None
@@ -230,11 +210,17 @@ class TritonUpstream:
                     ) from None
                 except grpc.aio.AioRpcError as e:
                     raise classify_rpc_error(e) from None
-                if error is not None:
-                    raise classify_stream_error(str(error.message() or error))
+                if response is grpc.aio.EOF:
+                    raise UpstreamError(
+                        "upstream stream ended before a finish reason",
+                        unit_fault=True,
+                        retriable=True,
+                    )
+                if response.error_message:
+                    raise classify_stream_error(response.error_message)
                 budget = self.timeouts.inter_token_s
                 try:
-                    delta = parse_response(result)
+                    delta = decode_response(response.infer_response)
                 except Exception as e:  # a leader that breaks the tensor contract is broken
                     raise UpstreamError(
                         f"malformed upstream response: {type(e).__name__}: {e}",
@@ -245,5 +231,4 @@ class TritonUpstream:
                 if delta.finish_reason is not None:
                     return
         finally:
-            finished.set()
             call.cancel()

@@ -18,6 +18,7 @@ cancels the gRPC call, which makes Triton cancel the request in vLLM.
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 import uuid
 from collections.abc import AsyncIterator
@@ -167,6 +168,64 @@ def classify_stream_error(message: str) -> UpstreamError:
     return UpstreamError(message, unit_fault=False, retriable=False, status=400)
 
 
+class _Watchdog:
+    """The silence and deadline bounds of one stream's reads, without a timer per read.
+
+    ``asyncio.timeout`` around every read schedules and cancels a timer per token. Here
+    one timer per stream wakes up at most once per budget: a read only records when it
+    must end (``waiting``/``idle``); when the timer fires it cancels the task if a read
+    is overdue, else re-arms for the current read's end. Cancellation only happens while
+    the task is suspended in the read (``expires`` is set right before the await and
+    cleared right after it in the same step), as with ``asyncio.timeout``.
+    """
+
+    __slots__ = ("_loop", "_deadline", "_task", "_expires", "_budget", "_handle", "_at", "fired")
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, deadline: float, task: asyncio.Task | None
+    ) -> None:
+        self._loop = loop
+        self._deadline = deadline
+        self._task = task
+        self._expires = math.inf  # end of the current read; inf between reads
+        self._budget = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._at = math.inf  # when the timer fires
+        self.fired = False
+
+    def waiting(self, budget: float) -> None:
+        self._budget = budget
+        self._expires = expires = min(self._loop.time() + budget, self._deadline)
+        if expires < self._at:  # first read, or a shorter budget than the timer's
+            self._arm(expires)
+
+    def idle(self) -> None:
+        self._expires = math.inf
+
+    def _arm(self, at: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._at = at
+        self._handle = self._loop.call_at(at, self._fire)
+
+    def _fire(self) -> None:
+        self._handle, self._at = None, math.inf
+        now = self._loop.time()
+        if now >= self._expires:
+            self.fired = True
+            if self._task is not None:
+                self._task.cancel()
+        elif self._expires < math.inf:
+            self._arm(self._expires)
+        else:  # between reads (the caller is busy): look again one budget later
+            self._arm(now + max(self._budget, 0.001))
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class TritonUpstream:
     def __init__(self, clients: TritonClientPool, timeouts: TimeoutConfig) -> None:
         self.clients = clients
@@ -192,17 +251,21 @@ class TritonUpstream:
         # the stream on half-close. The call is cancelled on the way out, which makes
         # Triton cancel the request in vLLM if it is still running.
         call = client.stream_infer(timeout=remaining)
+        task = asyncio.current_task()
+        watchdog = _Watchdog(loop, deadline, task)
         budget = self.timeouts.first_token_s
         try:
             while True:
-                wait = min(budget, deadline - loop.time())
                 try:
-                    async with asyncio.timeout(max(wait, 0.0)):
-                        if request is not None:
-                            await call.write(request)
-                            request = None
-                        response = await call.read()
-                except TimeoutError:
+                    watchdog.waiting(budget)
+                    if request is not None:
+                        await call.write(request)
+                        request = None
+                    response = await call.read()
+                    watchdog.idle()
+                except asyncio.CancelledError:
+                    if not watchdog.fired or task is None or task.uncancel() > 0:
+                        raise  # our caller's cancellation, not a timeout
                     if loop.time() >= deadline:
                         raise DeadlineExceeded() from None
                     raise UpstreamError(
@@ -231,4 +294,5 @@ class TritonUpstream:
                 if delta.finish_reason is not None:
                     return
         finally:
+            watchdog.close()
             call.cancel()

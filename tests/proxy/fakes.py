@@ -50,6 +50,7 @@ class Behavior:
     fail_next: int = 0  # the next N requests fail with gRPC UNAVAILABLE before any token
     stream_error: str = ""  # in-stream error for every request (e.g. a bad-request message)
     kill_after_tokens: int | None = None  # the whole server dies after this many tokens
+    stall_after_tokens: int | None = None  # the stream goes silent (not closed) after N
     finish_separately: bool = False  # the finish reason comes in its own, empty, last response
     # Checkpoint version: in the model config's parameters and in each request's first
     # response, like neuron_serving's leader (None: an unversioned leader).
@@ -137,6 +138,8 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if b.kill_after_tokens is not None and i >= b.kill_after_tokens:
                         asyncio.get_running_loop().create_task(self.owner.kill())
                         await asyncio.sleep(3600)  # the server dies under us
+                    if b.stall_after_tokens is not None and i >= b.stall_after_tokens:
+                        await asyncio.sleep(3600)  # cancelled when the client gives up
                     if b.token_delay_s:
                         await asyncio.sleep(b.token_delay_s)
                     word = next_word(prompt + out)

@@ -120,3 +120,52 @@ async def test_leader_error_messages_are_classified(triton, upstream, message, u
     with pytest.raises(UpstreamError) as e:
         await collect(upstream, triton.addr, "x", {"max_tokens": 2})
     assert e.value.unit_fault is unit_fault and e.value.retriable is unit_fault
+
+
+async def _consume(up, addr, sampling, timeout=5.0, pause_s=0.0, out=None):
+    deadline = asyncio.get_running_loop().time() + timeout
+    gen = up.generate(spec(addr), "x", sampling, deadline)
+    async with contextlib.aclosing(gen):
+        async for d in gen:
+            if out is not None:
+                out.append(d)
+            await asyncio.sleep(pause_s)  # a slow client: not the upstream's silence
+
+
+async def test_a_slow_consumer_is_not_upstream_silence(triton):
+    pool = TritonClientPool()
+    up = TritonUpstream(pool, TimeoutConfig(first_token_s=0.2, inter_token_s=0.1))
+    try:
+        got: list = []
+        await _consume(up, triton.addr, {"max_tokens": 3, "ignore_eos": True}, pause_s=0.3, out=got)
+        assert len(got) == 3 and got[-1].finish_reason == "length"
+    finally:
+        await pool.close()
+
+
+async def test_silence_after_the_first_token_uses_the_shorter_budget(triton):
+    # first_token_s is long; once a token arrived, inter_token_s (short) must apply.
+    triton.behavior.stall_after_tokens = 1
+    pool = TritonClientPool()
+    up = TritonUpstream(pool, TimeoutConfig(first_token_s=30.0, inter_token_s=0.2))
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        got: list = []
+        with pytest.raises(UpstreamError) as e:
+            await _consume(up, triton.addr, {"max_tokens": 5}, timeout=20, out=got)
+        assert len(got) == 1 and "silent for 0.2s" in str(e.value) and e.value.unit_fault
+        assert loop.time() - start < 5
+        await wait_until(lambda: triton.behavior.cancelled == 1)
+    finally:
+        await pool.close()
+
+
+async def test_caller_cancellation_is_not_turned_into_an_upstream_error(triton, upstream):
+    triton.behavior.token_delay_s = 0.5
+    task = asyncio.create_task(_consume(upstream, triton.addr, {"max_tokens": 5}))
+    await wait_until(lambda: triton.behavior.active == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: triton.behavior.cancelled == 1 and triton.behavior.active == 0)

@@ -27,6 +27,7 @@ from proxy.admission import Overloaded
 from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
 from proxy.errors import APIError, invalid, server_error
 from proxy.protocol import ParsedRequest, parse_chat, parse_completion
+from proxy.sse import TextTemplate
 from proxy.upstream import GenerationDelta, UpstreamError
 
 if TYPE_CHECKING:
@@ -289,11 +290,13 @@ class OpenAIFrontEnd:
         await resp.prepare(request)
         if out.chat:
             await resp.write(_sse(out.chunk("", None, role=True)))
+        # Every text chunk differs only in its text: render the envelope once.
+        text_chunk = TextTemplate(lambda t: _sse(out.chunk(t, None)))
         delta: GenerationDelta | None = first
         try:
             while delta is not None:
                 if delta.text:
-                    await resp.write(_sse(out.chunk(delta.text, None)))
+                    await resp.write(text_chunk(delta.text))
                 if delta.finish_reason is not None:
                     finish = _openai_finish(delta.finish_reason)
                     await resp.write(_sse(out.chunk(None if out.chat else "", finish)))

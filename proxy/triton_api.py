@@ -27,6 +27,7 @@ from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, versio
 from proxy.errors import APIError, invalid
 from proxy.openai_api import as_api_error, read_json
 from proxy.protocol import SAMPLING_FIELDS, int_param, parse_sampling
+from proxy.sse import TextTemplate
 from proxy.upstream import GenerationDelta, UpstreamError
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ _INPUTS = {
     "id",
 }
 _PARAMETERS = SAMPLING_FIELDS | {"max_tokens", "stream"}
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
 def _triton_error(e: APIError) -> web.Response:
@@ -171,16 +176,16 @@ class TritonFrontEnd:
             }
         )
         await resp.prepare(request)
+        # Every chunk but the last differs only in its text: render the envelope once.
+        chunk = TextTemplate(lambda t: _sse(self._output(job.model, job.version, t, None)))
         d: GenerationDelta = first
         text = prefix + d.text
         try:
             while True:
-                payload = json.dumps(
-                    self._output(job.model, job.version, text, d), ensure_ascii=False
-                )
-                await resp.write(f"data: {payload}\n\n".encode())
                 if d.finish_reason is not None:
+                    await resp.write(_sse(self._output(job.model, job.version, text, d)))
                     break
+                await resp.write(chunk(text))
                 d = await anext(gen)
                 text = d.text
         except (NoRoutableUnit, UpstreamError) as e:

@@ -9,22 +9,29 @@ registry at scrape time rather than on every probe.
 
 from __future__ import annotations
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.registry import Registry
 
 # Seconds; LLM latencies span 10 ms (a token) to minutes (a long generation).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Key on the aiohttp request under which a front end records the serving unit's id.
+REQUEST_UNIT = web.RequestKey("proxy_unit", str)
+
 _PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # unit: the unit that served the request's (first) token, "" if none did (a bad
+        # request, overload, no routable unit). Set by the front ends on the aiohttp
+        # request (REQUEST_UNIT) and read when the response is counted.
         self.requests = Counter(
             "proxy_requests",
-            "Client requests by endpoint and HTTP status",
-            ["endpoint", "code"],
+            "Client requests by endpoint, HTTP status and serving unit",
+            ["endpoint", "code", "unit"],
             registry=r,
         )
         self.upstream_attempts = Counter(
@@ -35,7 +42,8 @@ class ProxyMetrics:
         )
         self.ttft = Histogram(
             "proxy_time_to_first_token_seconds",
-            "Time to first token",
+            "Time to first token by the unit that produced it",
+            ["unit"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -102,6 +110,12 @@ class ProxyMetrics:
         )
         self.queued = Gauge("proxy_admission_queued", "Requests waiting for admission", registry=r)
         self.active = Gauge("proxy_admission_active", "Requests admitted and running", registry=r)
+
+    def first_token(self, request: web.Request, unit: str, ttft_s: float) -> None:
+        """Once per request, when its first token is ready: TTFT by unit, and the unit
+        for the request counter (which the server's middleware increments at the end)."""
+        request[REQUEST_UNIT] = unit
+        self.ttft.labels(unit).observe(ttft_s)
 
     def refresh(self, registry: Registry, now: float, queued: int, active: int) -> None:
         # Units come and go: rebuild the per-unit series so removed units disappear.

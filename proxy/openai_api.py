@@ -237,12 +237,13 @@ class OpenAIFrontEnd:
                 async with contextlib.aclosing(gen):
                     if parsed.stream:
                         return await self._stream(request, parsed, job, gen, start)
-                    return await self._collect(parsed, job, gen, start)
+                    return await self._collect(request, parsed, job, gen, start)
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
             raise as_api_error(e) from None
 
     async def _collect(
         self,
+        request: web.Request,
         parsed: ParsedRequest,
         job: GenerationJob,
         gen: AsyncIterator[GenerationDelta],
@@ -253,7 +254,8 @@ class OpenAIFrontEnd:
         first = True
         async for d in gen:
             if first:
-                self.proxy.metrics.ttft.observe(asyncio.get_running_loop().time() - start)
+                now = asyncio.get_running_loop().time()
+                self.proxy.metrics.first_token(request, job.units[-1], now - start)
                 first = False
             parts.append(d.text)
             last = d
@@ -277,7 +279,7 @@ class OpenAIFrontEnd:
         metrics = self.proxy.metrics
         first = await anext(gen)  # failures up to here are plain HTTP errors
         now = loop.time()
-        metrics.ttft.observe(now - start)
+        metrics.first_token(request, job.units[-1], now - start)
         out = Completion(parsed, job.version)  # fixed by the first token
         resp = web.StreamResponse(
             headers={

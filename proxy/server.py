@@ -23,7 +23,7 @@ from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
 from proxy.health import HealthChecker
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.openai_api import BODY_LIMIT, OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
 from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
@@ -166,7 +166,8 @@ class ProxyServer:
                 if request.match_info.route.resource
                 else "unmatched"
             )
-            self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+            unit = request.get(REQUEST_UNIT, "")
+            self.metrics.requests.labels(endpoint, str(resp.status), unit).inc()
             return resp
 
         app = web.Application(

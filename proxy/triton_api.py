@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -121,6 +122,8 @@ class TritonFrontEnd:
 
     async def _handle(self, request: web.Request, stream: bool) -> web.StreamResponse:
         proxy = self.proxy
+        loop = asyncio.get_running_loop()
+        start = loop.time()
         model = request.match_info["model"]
         try:
             if model not in proxy.model_names():
@@ -141,7 +144,7 @@ class TritonFrontEnd:
                 prompt=prompt,
                 max_tokens=max_tokens or (spec.default_max_tokens if spec else 16),
                 sampling=sampling,
-                deadline=asyncio.get_running_loop().time() + proxy.config.timeouts.request_s,
+                deadline=start + proxy.config.timeouts.request_s,
                 session_id=request.headers.get(proxy.config.routing.session_header),
                 version=pinned_version(proxy.registry, model, request.headers),
             )
@@ -149,13 +152,15 @@ class TritonFrontEnd:
                 gen = proxy.dispatcher.generate(job)
                 async with contextlib.aclosing(gen):
                     first = await anext(gen)
+                    proxy.metrics.first_token(request, job.units[-1], loop.time() - start)
                     prefix = "" if exclude else prompt
                     if stream:
-                        return await self._stream(request, job, prefix, first, gen)
+                        return await self._stream(request, job, prefix, first, gen, start)
                     parts, last = [prefix, first.text], first
                     while last.finish_reason is None:
                         last = await anext(gen)
                         parts.append(last.text)
+                    proxy.metrics.e2e.observe(loop.time() - start)
                     return web.json_response(
                         self._output(model, job.version, "".join(parts), last),
                         headers=version_headers(job),
@@ -166,8 +171,16 @@ class TritonFrontEnd:
             return _triton_error(as_api_error(e))
 
     async def _stream(
-        self, request: web.Request, job: GenerationJob, prefix: str, first: GenerationDelta, gen
+        self,
+        request: web.Request,
+        job: GenerationJob,
+        prefix: str,
+        first: GenerationDelta,
+        gen: AsyncIterator[GenerationDelta],
+        start: float,
     ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        itl = self.proxy.metrics.itl
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -180,6 +193,7 @@ class TritonFrontEnd:
         chunk = TextTemplate(lambda t: _sse(self._output(job.model, job.version, t, None)))
         d: GenerationDelta = first
         text = prefix + d.text
+        now = loop.time()
         try:
             while True:
                 if d.finish_reason is not None:
@@ -187,12 +201,15 @@ class TritonFrontEnd:
                     break
                 await resp.write(chunk(text))
                 d = await anext(gen)
-                text = d.text
+                t = loop.time()
+                itl.observe(t - now)
+                now, text = t, d.text
         except (NoRoutableUnit, UpstreamError) as e:
             log.warning("generate_stream failed after the first token: %s", e)
             await resp.write(f"data: {json.dumps({'error': str(e)})}\n\n".encode())
         except Exception:
             log.exception("generate_stream failed")
             await resp.write(b'data: {"error": "internal proxy error"}\n\n')
+        self.proxy.metrics.e2e.observe(loop.time() - start)
         await resp.write_eof()
         return resp

@@ -139,3 +139,30 @@ async def test_client_disconnect_cancels_a_non_stream_request(fleet):
         except TimeoutError:
             pass  # the client gave up and closed its connection
     await wait_until(lambda: u.behavior.cancelled == 1 and u.behavior.active == 0)
+
+
+async def test_request_counts_and_ttft_are_labelled_by_unit(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    proxy = await fleet.proxy([a, b], routing={"policy": "round_robin"})
+    s = fleet.session()
+    body = {"model": "llm", "prompt": "hi", "max_tokens": 2}
+    for stream in (False, True, False, True):
+        async with s.post(url(proxy, "/v1/completions"), json={**body, "stream": stream}) as r:
+            assert r.status == 200
+            await r.read()
+    triton = {"text_input": "hi", "parameters": {"max_tokens": 2}}
+    async with s.post(url(proxy, "/v2/models/llm/generate_stream"), json=triton) as r:
+        await r.read()
+    async with s.post(url(proxy, "/v1/completions"), json={**body, "max_tokens": 0}) as r:
+        assert r.status == 400
+    async with s.get(url(proxy, "/metrics")) as r:
+        text = await r.text()
+    ep = 'endpoint="/v1/completions"'
+    assert f'proxy_requests_total{{code="200",{ep},unit="u0"}} 2.0' in text
+    assert f'proxy_requests_total{{code="200",{ep},unit="u1"}} 2.0' in text
+    assert f'proxy_requests_total{{code="400",{ep},unit=""}} 1.0' in text
+    served = 'endpoint="/v2/models/{model}/generate_stream"'
+    assert f'proxy_requests_total{{code="200",{served},unit="u0"}} 1.0' in text
+    assert 'proxy_time_to_first_token_seconds_count{unit="u0"} 3.0' in text
+    assert 'proxy_time_to_first_token_seconds_count{unit="u1"} 2.0' in text
+    assert "proxy_inter_token_latency_seconds_count" in text

@@ -93,7 +93,7 @@ class Leader:
 
 def start_leader(
     model: Path, workdir: Path, name: str, *, cpu_bind: str, max_model_len: int,
-    kv_cache_bytes: int = 256 << 20,
+    kv_cache_bytes: int = 256 << 20, extra_args: tuple[str, ...] = (),
 ) -> Leader:  # fmt: skip
     """A TP=1 unit. ``cpu_bind`` is vLLM's per-rank list; two leaders on one machine get
     different cores ("0" and "1") instead of both binding core 0."""
@@ -101,7 +101,7 @@ def start_leader(
     args = ["leader", "--model", str(model), "--tp", "1", "--control-port", str(free_port_block()),
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
             "--max-model-len", str(max_model_len), "--kv-cache-bytes", str(kv_cache_bytes),
-            "--run-dir", str(workdir / f"{name}-run"), "--drain", "1"]  # fmt: skip
+            "--run-dir", str(workdir / f"{name}-run"), "--drain", "1", *extra_args]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind, "PYTHONUNBUFFERED": "1",
            "NEURON_SERVING_UNIT_TOKEN": os.environ.get("NEURON_SERVING_UNIT_TOKEN", _BENCH_TOKEN)}  # fmt: skip
     proc = _spawn(name, args, workdir, env)
@@ -142,6 +142,47 @@ def proxy_config(
     }  # fmt: skip
     cfg.update(overrides)
     return cfg
+
+
+@dataclass
+class VllmServer:
+    """vLLM's own OpenAI server (``vllm.entrypoints.openai.api_server``), the baseline."""
+
+    process: Process
+    base: str
+
+    def ready(self) -> bool:
+        return http_get(f"{self.base}/health")[0] == 200
+
+
+def start_vllm_server(
+    model: Path, workdir: Path, name: str, *, cpu_bind: str, engine_args: list[str],
+    served_model_name: str = "llm",
+) -> VllmServer:  # fmt: skip
+    """``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script
+    asks importlib.metadata for a distribution named "vllm", and ours is "vllm-cpu"."""
+    port = free_port()
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
+            "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind, "PYTHONUNBUFFERED": "1"}
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as f:
+        popen = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)  # fmt: skip
+    return VllmServer(Process(name, popen, log), f"http://127.0.0.1:{port}")
+
+
+def wait_ready(servers: list[Any], timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait for objects with ``ready()`` and ``process`` (leaders, vLLM servers)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(s.ready() for s in servers):
+        for s in servers:
+            if s.process.popen.poll() is not None:
+                raise RuntimeError(f"{s.process.name} exited:\n{s.process.tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"servers not ready in {timeout_s:g} s")
+        time.sleep(0.5)
 
 
 @dataclass

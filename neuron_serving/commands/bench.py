@@ -3,49 +3,84 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import time
 
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark; results go to bench/results/")
-    p.add_argument("name", choices=(*BENCHMARKS, "all"))
+    p.add_argument("name", choices=(*BENCHMARKS, "all", "report"))
     p.add_argument("--quick", action="store_true", help="reduced load, a few minutes")
     p.add_argument(
         "--json", action="store_true", help="last stdout line: one JSON object of figures"
     )
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument(
+        "--full", action="store_true", help="bench all: default sizes instead of --quick ones"
+    )
     p.set_defaults(func=run)
 
 
+def _call(name: str, quick: bool, args: argparse.Namespace) -> int:
+    model, emit_json, repeats = args.model, args.json, args.repeats
+    if name == "failover":
+        from neuron_serving.bench import cluster
+
+        return cluster.main(quick, emit_json)
+    if name == "report":
+        from neuron_serving.bench import report
+
+        return report.main(emit_json)
+    module = importlib.import_module(f"neuron_serving.bench.{name}")
+    return module.main(quick, model, emit_json, repeats)
+
+
 def run(args: argparse.Namespace) -> int:
-    names = BENCHMARKS if args.name == "all" else (args.name,)
+    if args.name != "all":
+        return _call(args.name, args.quick, args)
+    return run_all(args)
+
+
+def _timed(name: str, quick: bool, args: argparse.Namespace) -> tuple[int, float]:
+    t0 = time.monotonic()
+    flag = " --quick" if quick and name != "report" else ""
+    print(f"== bench {name}{flag}", file=sys.stderr, flush=True)
+    try:
+        code = _call(name, quick, args)
+    except Exception as e:  # noqa: BLE001 - the others still run; reported below
+        print(f"bench {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
+    wall = time.monotonic() - t0
+    print(f"== bench {name}: {wall:.0f} s (rc {code})", file=sys.stderr, flush=True)
+    return code, wall
+
+
+def run_all(args: argparse.Namespace) -> int:
+    """Every benchmark (quick sizing unless --full: the whole set fits ~20 minutes on a
+    2-core machine), then the report; one failure does not stop the others. The wall
+    times go to results/all.json (the report shows them) and to stderr."""
+    from neuron_serving.bench.common import write_result
+
+    quick = not args.full
+    walls: dict[str, dict[str, float | int]] = {}
     rc = 0
-    for name in names:
-        if name == "executor":
-            from neuron_serving.bench import executor
-
-            rc |= executor.main(args.quick, args.model, args.json, args.repeats)
-        elif name == "failover":
-            from neuron_serving.bench import cluster
-
-            rc |= cluster.main(args.quick, args.json)
-        elif name == "proxy":
-            from neuron_serving.bench import proxy
-
-            rc |= proxy.main(args.quick, args.model, args.json, args.repeats)
-        elif name == "routing":
-            from neuron_serving.bench import routing
-
-            rc |= routing.main(args.quick, args.model, args.json, args.repeats)
-        elif name == "load":
-            from neuron_serving.bench import load
-
-            rc |= load.main(args.quick, args.model, args.json, args.repeats)
-        else:
-            print(f"neuron-serving bench: '{name}' is not built yet (see issue 8)", file=sys.stderr)
-            if args.name != "all":
-                return 2
+    start = time.monotonic()
+    for name in BENCHMARKS:
+        code, wall = _timed(name, quick, args)
+        walls[name] = {"wall_s": round(wall, 1), "rc": code}
+        rc |= code
+    write_result("all", {"quick": quick, "wall_s": walls,
+                         "benchmarks_wall_s": round(time.monotonic() - start, 1)})  # fmt: skip
+    code, wall = _timed("report", quick, args)
+    walls["report"] = {"wall_s": round(wall, 1), "rc": code}
+    rc |= code
+    total = time.monotonic() - start
+    print("\nbenchmark    wall time   rc", file=sys.stderr)
+    for name, w in walls.items():
+        print(f"{name:<12} {w['wall_s']:>7.0f} s   {w['rc']}", file=sys.stderr)
+    print(f"{'total':<12} {total:>7.0f} s", file=sys.stderr, flush=True)
     return rc

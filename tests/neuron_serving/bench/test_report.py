@@ -1,0 +1,122 @@
+"""The report from small synthetic result files: markdown, target marks, PNGs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.bench import report, scaling, serving
+from neuron_serving.bench.common import spread
+from neuron_serving.bench.metrics import from_chunks, summarize
+
+MACHINE = {"cpus": 2, "memory_gib": 23.5, "platform": "Linux"}
+
+
+def _run(ttft: float, gap: float, n: int = 8, duration: float = 1.0) -> dict:
+    return summarize([from_chunks(0.0, [ttft + gap * k for k in range(4)]) for _ in range(n)],
+                     duration)  # fmt: skip
+
+
+def _write(d: Path, name: str, body: dict, time: str = "2026-12-02T10:00:00Z") -> None:
+    body = {"benchmark": name, "commit": "abc1234", "machine": MACHINE, "time": time, **body}
+    (d / f"{name}.json").write_text(json.dumps(body))
+
+
+def _results(d: Path) -> None:
+    runs = [{"triton": _run(0.05, 0.01, duration=d_t), "vllm": _run(0.04, 0.01, duration=1.0),
+             "triton_http": _run(0.06, 0.0)} for d_t in (1.2, 1.3)]  # fmt: skip
+    _write(d, "serving-quick", {"workload": {"concurrency": 16}, **serving.aggregate(runs),
+                                "targets": {"throughput_ratio": 0.9, "ttft_p50_ratio": 1.2},
+                                "runs": runs})  # fmt: skip
+    # An older full run of the same benchmark: the quick one above is newer and wins.
+    _write(d, "serving", {"throughput_ratio": 5.0}, time="2026-12-01T10:00:00Z")
+    levels = {c: [_run(0.01 * c, 0.01, duration=1.0 / c)] for c in (1, 4, 16)}
+    _write(d, "scaling-quick", {"levels": scaling.aggregate(levels)})
+    _write(d, "executor", {"ratio": 0.95, "ratio_per_pair": spread([0.9, 1.0]),
+                           "unit_tok_s_spread": spread([900, 1000]),
+                           "mp_tok_s_spread": spread([1000, 1000]), "target_ratio": 0.9})  # fmt: skip
+    arm = {
+        k: spread([10.0, 12.0]) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    }
+    _write(d, "proxy-quick", {"arms": {"direct": arm, "proxy": arm},
+                              "added_ttft_p50_ms": spread([0.5, 0.7]),
+                              "added_ttft_p99_ms": spread([6.0, 8.0]),
+                              "targets": {"added_ttft_p50_ms": 1.0, "added_ttft_p99_ms": 5.0},
+                              "workload": {"streams": 64}})  # fmt: skip
+    pol = {
+        "hit_rate": 0.85,
+        "load_spread": None,
+        "requests_per_unit": {"u0": 0, "u1": 9},
+        "ttft_p50_ms": 10.0,
+        "ttft_p99_ms": 20.0,
+        "output_tokens_per_s": 5.0,
+        "errors": 0,
+    }
+    _write(d, "routing-quick", {"policies": {"prefix_cache_aware": pol,
+                                             "round_robin": {**pol, "load_spread": 1.0}},
+                                "targets": {"hit_rate": 0.8, "load_spread": 1.5}})  # fmt: skip
+    _write(d, "failover", {"failover": [{"victim": "unit-0/follower-1", "kill_to_unhealthy_s": 0.9,
+                                         "client_visible_errors": 0, "streams": 8}],
+                           "peak_rss_gib": 5.8, "rss_budget_gib": 12.0})  # fmt: skip
+    _write(d, "all", {"quick": True, "wall_s": {"executor": {"wall_s": 60.0, "rc": 0}},
+                      "benchmarks_wall_s": 60.0})  # fmt: skip
+    # A file from the old standalone script (no "benchmark" key) is ignored.
+    (d / "triton_vs_vllm-20261202-152007.json").write_text(json.dumps({"throughput_ratio": 0.5}))
+
+
+def test_latest_results_picks_newest_per_benchmark(tmp_path):
+    _results(tmp_path)
+    found = report.latest_results(tmp_path)
+    assert set(found) == {"serving", "scaling", "executor", "proxy", "routing", "failover", "all"}
+    assert found["serving"]["_file"] == "serving-quick.json"
+
+
+def test_report_marks_targets_and_draws_plots(tmp_path):
+    _results(tmp_path)
+    md_path, ts = report.write_report(tmp_path, tmp_path / "REPORT.md", tmp_path / "plots")
+    md = md_path.read_text()
+    by = {(t.benchmark, t.target): t for t in ts}
+    tput = next(t for t in ts if t.benchmark == "serving" and "tok/s" in t.target)
+    assert tput.met is False  # 1/1.25 median ratio = 0.8
+    assert tput.measured.startswith("0.80")
+    ttft = next(t for t in ts if t.benchmark == "serving" and "TTFT" in t.target)
+    assert ttft.met is False  # 50 ms vs 40 ms = 1.25x
+    assert by[("executor", "unit / MultiprocExecutor output tok/s >= 0.9")].met is True
+    proxy = [t for t in ts if t.benchmark == "proxy"]
+    assert [t.met for t in proxy] == [True, False]
+    routing = [t for t in ts if t.benchmark == "routing"]
+    assert routing[0].met is False and "inf" in routing[0].measured  # a unit got nothing
+    assert all(t.met for t in ts if t.benchmark == "failover")
+    load = [t for t in ts if t.benchmark == "load"]
+    assert load and all(t.met is None for t in load)
+    assert "**missed**" in md and "not measured" in md
+    assert "commit `abc1234`" in md and "2 CPUs" in md
+    assert "time between consecutive streamed chunks" in md
+    for name in (
+        "serving_throughput",
+        "serving_latency",
+        "scaling",
+        "executor",
+        "proxy",
+        "routing",
+    ):
+        png = tmp_path / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](plots/{name}.png)" in md
+
+
+def test_load_result_with_its_own_targets(tmp_path):
+    _write(tmp_path, "load-quick", {"speedup": 1.8, "targets": {"speedup": ">= 1.5"},
+                                    "met": {"speedup": True}})  # fmt: skip
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    load = [t for t in ts if t.benchmark == "load"]
+    assert [(t.target, t.measured, t.met) for t in load] == [("speedup >= 1.5", "1.80", True)]
+
+
+@pytest.mark.parametrize("r,order", [(0, [1, 4, 16]), (1, [16, 4, 1])])
+def test_scaling_level_order_alternates(r, order):
+    assert scaling.level_order((1, 4, 16), r) == order
+    assert scaling.requests_at(1, 2) == scaling.MIN_REQUESTS
+    assert scaling.requests_at(64, 2) == 128

@@ -133,95 +133,93 @@ class Dispatcher:
     async def generate(self, job: GenerationJob) -> AsyncIterator[GenerationDelta]:
         """Yield text deltas; the last one has the finish reason and the job's usage
         (prompt tokens of the original prompt, completion tokens over all units)."""
+        # One generator (not a counting wrapper around another): every layer of async
+        # generators costs a resumption per token.
         self.active_jobs += 1
         try:
-            async for delta in self._generate(job):
-                yield delta
+            generated = ""
+            tokens_done = 0  # completion tokens of earlier, interrupted attempts
+            prompt_tokens: int | None = None
+            tried: set[str] = set()
+            failures_before_first = 0
+            while True:
+                if tokens_done >= job.max_tokens:
+                    # The unit died after the last token but before saying so: nothing to resume.
+                    yield GenerationDelta("", "length", prompt_tokens, tokens_done)
+                    return
+                unit = self.pick(job, tried)
+                job.units.append(unit.unit_id)
+                job.attempts += 1
+                is_retry = job.attempts > 1
+                sampling = dict(job.sampling, max_tokens=job.max_tokens - tokens_done)
+                seg_tokens = seg_reported = 0
+                backoff = 0  # > 0: wait before the next attempt (outside this unit's in-flight)
+                unit.in_flight += 1
+                unit.requests_total += 1
+                self.retries_in_flight += is_retry
+                try:
+                    gen = self.upstream.generate(
+                        unit.spec, job.prompt + generated, sampling, job.deadline
+                    )
+                    async with contextlib.aclosing(gen):
+                        async for d in gen:
+                            seg_tokens += bool(d.text)
+                            seg_reported = max(seg_reported, d.completion_tokens or 0)
+                            if d.model_version is not None:
+                                self.registry.set_version(unit, d.model_version)
+                            if job.version is None and (d.text or d.finish_reason is not None):
+                                job.version = unit.model_version
+                            if prompt_tokens is None and d.prompt_tokens is not None:
+                                # A migrated attempt's prompt includes earlier output.
+                                prompt_tokens = max(0, d.prompt_tokens - tokens_done)
+                            generated += d.text
+                            if d.finish_reason is None:
+                                if d.text:
+                                    yield d
+                                continue
+                            self.outlier.record_success(unit, time.monotonic())
+                            self.metrics.upstream_attempts.labels(unit.unit_id, "ok").inc()
+                            yield GenerationDelta(
+                                d.text,
+                                d.finish_reason,
+                                prompt_tokens,
+                                tokens_done + max(seg_tokens, seg_reported),
+                            )
+                            return
+                except UpstreamError as e:
+                    self._record_failure(unit, e)
+                    tried.add(unit.unit_id)
+                    if not e.retriable:
+                        raise
+                    tokens_done += max(seg_tokens, seg_reported)
+                    if generated:
+                        job.migrations += 1
+                        if job.migrations > self.retry.max_migrations:
+                            self.metrics.migrations.labels("exhausted").inc()
+                            on = "" if job.version is None else f" on version {job.version!r}"
+                            raise UpstreamError(
+                                f"unit failed mid-stream and {self.retry.max_migrations} "
+                                f"migrations{on} were used: {e}",
+                                unit_fault=False,
+                                retriable=False,
+                            ) from e
+                        self.metrics.migrations.labels("started").inc()
+                    else:
+                        failures_before_first += 1
+                        if failures_before_first >= self.retry.max_attempts:
+                            raise
+                        if not self._retry_allowed():
+                            self.metrics.retries.labels("budget_exhausted").inc()
+                            raise
+                        self.metrics.retries.labels("retried").inc()
+                        backoff = failures_before_first
+                finally:
+                    unit.in_flight -= 1
+                    self.retries_in_flight -= is_retry
+                if backoff:
+                    await self._backoff(backoff, job.deadline)
         finally:
             self.active_jobs -= 1
-
-    async def _generate(self, job: GenerationJob) -> AsyncIterator[GenerationDelta]:
-        generated = ""
-        tokens_done = 0  # completion tokens of earlier, interrupted attempts
-        prompt_tokens: int | None = None
-        tried: set[str] = set()
-        failures_before_first = 0
-        while True:
-            if tokens_done >= job.max_tokens:
-                # The unit died after the last token but before saying so: nothing to resume.
-                yield GenerationDelta("", "length", prompt_tokens, tokens_done)
-                return
-            unit = self.pick(job, tried)
-            job.units.append(unit.unit_id)
-            job.attempts += 1
-            is_retry = job.attempts > 1
-            sampling = dict(job.sampling, max_tokens=job.max_tokens - tokens_done)
-            seg_tokens = seg_reported = 0
-            backoff = 0  # > 0: wait before the next attempt (outside this unit's in-flight)
-            unit.in_flight += 1
-            unit.requests_total += 1
-            self.retries_in_flight += is_retry
-            try:
-                gen = self.upstream.generate(
-                    unit.spec, job.prompt + generated, sampling, job.deadline
-                )
-                async with contextlib.aclosing(gen):
-                    async for d in gen:
-                        seg_tokens += bool(d.text)
-                        seg_reported = max(seg_reported, d.completion_tokens or 0)
-                        if d.model_version is not None:
-                            self.registry.set_version(unit, d.model_version)
-                        if job.version is None and (d.text or d.finish_reason is not None):
-                            job.version = unit.model_version
-                        if prompt_tokens is None and d.prompt_tokens is not None:
-                            # A migrated attempt's prompt includes earlier output.
-                            prompt_tokens = max(0, d.prompt_tokens - tokens_done)
-                        generated += d.text
-                        if d.finish_reason is None:
-                            if d.text:
-                                yield d
-                            continue
-                        self.outlier.record_success(unit, time.monotonic())
-                        self.metrics.upstream_attempts.labels(unit.unit_id, "ok").inc()
-                        yield GenerationDelta(
-                            d.text,
-                            d.finish_reason,
-                            prompt_tokens,
-                            tokens_done + max(seg_tokens, seg_reported),
-                        )
-                        return
-            except UpstreamError as e:
-                self._record_failure(unit, e)
-                tried.add(unit.unit_id)
-                if not e.retriable:
-                    raise
-                tokens_done += max(seg_tokens, seg_reported)
-                if generated:
-                    job.migrations += 1
-                    if job.migrations > self.retry.max_migrations:
-                        self.metrics.migrations.labels("exhausted").inc()
-                        on = "" if job.version is None else f" on version {job.version!r}"
-                        raise UpstreamError(
-                            f"unit failed mid-stream and {self.retry.max_migrations} "
-                            f"migrations{on} were used: {e}",
-                            unit_fault=False,
-                            retriable=False,
-                        ) from e
-                    self.metrics.migrations.labels("started").inc()
-                else:
-                    failures_before_first += 1
-                    if failures_before_first >= self.retry.max_attempts:
-                        raise
-                    if not self._retry_allowed():
-                        self.metrics.retries.labels("budget_exhausted").inc()
-                        raise
-                    self.metrics.retries.labels("retried").inc()
-                    backoff = failures_before_first
-            finally:
-                unit.in_flight -= 1
-                self.retries_in_flight -= is_retry
-            if backoff:
-                await self._backoff(backoff, job.deadline)
 
     def _record_failure(self, unit: UnitState, e: UpstreamError) -> None:
         outcome = "unit_fault" if e.unit_fault else "request_error"

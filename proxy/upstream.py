@@ -128,24 +128,35 @@ def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta
     """One leader response -> a delta, reading the first element of each output we use
     straight from the protobuf (outputs and ``raw_output_contents`` pair up by index,
     as in tritonclient's ``InferResult``); other outputs are skipped undecoded."""
+    outputs = response.outputs
     raws = response.raw_output_contents
-    n_raw = len(raws)
-    values: dict[str, Any] = {}
-    for i, tensor in enumerate(response.outputs):
+    if len(raws) >= len(outputs):  # what Triton sends: every output in raw form
+        pairs: Any = zip(outputs, raws, strict=False)
+    else:
+        pairs = ((t, raws[i] if i < len(raws) else None) for i, t in enumerate(outputs))
+    text = reason = version = prompt_tokens = completion_tokens = None
+    for tensor, raw in pairs:
         name = tensor.name
-        if name in _WANTED:
-            values[name] = (
-                _first_raw(tensor.datatype, raws[i]) if i < n_raw else _first_typed(tensor)
-            )
-    reason = _text(values.get("finish_reason"))
-    prompt_tokens = values.get("prompt_tokens")
-    completion_tokens = values.get("completion_tokens")
+        if name not in _WANTED:
+            continue
+        value = _first_typed(tensor) if raw is None else _first_raw(tensor.datatype, raw)
+        if name == "text_output":
+            text = value
+        elif name == "finish_reason":
+            reason = value
+        elif name == "completion_tokens":
+            completion_tokens = value
+        elif name == "prompt_tokens":
+            prompt_tokens = value
+        else:
+            version = value
+    reason = _text(reason)
     return GenerationDelta(
-        text=_text(values.get("text_output")) or "",
-        finish_reason=None if reason in (None, "", "None", "null") else reason,
-        prompt_tokens=None if prompt_tokens is None else int(prompt_tokens),
-        completion_tokens=None if completion_tokens is None else int(completion_tokens),
-        model_version=_text(values.get("model_version")),
+        _text(text) or "",
+        None if reason in (None, "", "None", "null") else reason,
+        None if prompt_tokens is None else int(prompt_tokens),
+        None if completion_tokens is None else int(completion_tokens),
+        _text(version),
     )
 
 

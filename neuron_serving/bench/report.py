@@ -80,11 +80,11 @@ class Target:
     benchmark: str
     target: str
     measured: str
-    met: bool | None  # None: not measured
+    met: bool | None  # None: not measured, or no target to compare with
+    status: str = ""  # overrides the met/missed/not measured mark
 
-
-def _mark(met: bool | None) -> str:
-    return {True: "met", False: "**missed**", None: "not measured"}[met]
+    def mark(self) -> str:
+        return self.status or {True: "met", False: "**missed**", None: "not measured"}[self.met]
 
 
 # ---- targets -------------------------------------------------------------------------
@@ -175,8 +175,21 @@ def _load_targets(r: dict[str, Any]) -> list[Target]:
         out.append(Target("load", f"{key} {targets.get(key, '')}".strip(), measured,
                           None if ok is None else bool(ok)))  # fmt: skip
     if not out:
-        out.append(Target("load", "sharded vs full checkpoint load", "see section", None))
+        ratios = [f"{k.removesuffix('_sharded_over_full')} {_compact(v)}"
+                  for k, v in sorted(r.items()) if "ratio" in k]  # fmt: skip
+        out.append(Target("load", "sharded vs full checkpoint (ratios sharded / full)",
+                          "; ".join(ratios) or "see section", None,
+                          status="no numeric target recorded"))  # fmt: skip
     return out
+
+
+def _compact(v: Any) -> str:
+    """A number, a spread's median, or a small dict of numbers, in one short string."""
+    if isinstance(v, dict) and "median" in v:
+        return spread_text(v)
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_compact(x)}" for k, x in v.items())
+    return num(v)
 
 
 TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
@@ -349,7 +362,8 @@ def _meta(r: dict[str, Any]) -> list[str]:
         ml = r["machine_load"]
         lines.append(f"- load average (1 min) at start {num(ml.get('load_avg_1m_start'))}, "
                      f"at end {num(ml.get('load_avg_1m_end'))}")  # fmt: skip
-    settings = r.get("workload") or {k: r[k] for k in ("command", "quick") if k in r}
+    settings = (r.get("workload") or r.get("settings")
+                or {k: r[k] for k in ("command", "quick") if k in r})  # fmt: skip
     if settings:
         lines.append(f"- settings: `{json.dumps(settings, sort_keys=True)}`")
     return lines
@@ -423,15 +437,25 @@ def _failover_section(r: dict[str, Any]) -> list[str]:
 
 
 def _generic_section(r: dict[str, Any]) -> list[str]:
-    rows = []
+    """Any result layout: top-level figures, then per-arm tables of spreads."""
+    skip = {"benchmark", "commit", "machine", "time", "workload", "settings", "trials", "runs"}
+    rows, arms = [], {}
     for k, v in sorted(r.items()):
-        if k.startswith("_") or k in ("benchmark", "commit", "machine", "time", "workload"):
+        if k.startswith("_") or k in skip:
             continue
-        if isinstance(v, dict) and "median" in v:
-            rows.append([k, spread_text(v)])
-        elif isinstance(v, int | float | str | bool) or v is None:
-            rows.append([k, num(v)])
-    return _table(["figure", "value"], rows)
+        if isinstance(v, dict) and v and all(isinstance(x, dict) and "median" in x
+                                             for x in v.values()):  # fmt: skip
+            arms[k] = v
+        elif isinstance(v, dict) and any(isinstance(x, dict) for x in v.values()):
+            continue
+        else:
+            rows.append([k, _compact(v)])
+    out = _table(["figure", "value"], rows)
+    if arms:
+        keys = sorted({k for a in arms.values() for k in a})
+        out += ["", *_table(["figure", *arms], [[k, *(spread_text(a.get(k), 2) for a in arms.values())]
+                                                 for k in keys])]  # fmt: skip
+    return out
 
 
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
@@ -465,7 +489,7 @@ def render(results: dict[str, dict[str, Any]], plots_dir: Path, report_path: Pat
              "On a shared 2-core machine other work shifts latencies and throughputs: each "
              "section records the load average around its run.", "",
              "## Targets", ""]  # fmt: skip
-    rows = [[t.benchmark, t.target, t.measured, _mark(t.met)] for t in targets(results)]
+    rows = [[t.benchmark, t.target, t.measured, t.mark()] for t in targets(results)]
     lines += _table(["benchmark", "target", "measured", "status"], rows)
     if "all" in results:
         a = results["all"]

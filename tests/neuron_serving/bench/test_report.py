@@ -120,3 +120,16 @@ def test_scaling_level_order_alternates(r, order):
     assert scaling.level_order((1, 4, 16), r) == order
     assert scaling.requests_at(1, 2) == scaling.MIN_REQUESTS
     assert scaling.requests_at(64, 2) == 128
+
+
+def test_load_result_without_targets_renders_generically(tmp_path):
+    arm = {"ready_s": spread([20.0, 24.0])}
+    _write(tmp_path, "load", {"settings": {"tp": 2}, "full": arm, "sharded": arm,
+                              "ready_ratio_sharded_over_full": 0.9})  # fmt: skip
+    md_path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    (load,) = [t for t in ts if t.benchmark == "load"]
+    assert load.met is None and load.mark() == "no numeric target recorded"
+    assert "ready_ratio 0.90" in load.measured
+    md = md_path.read_text()
+    assert "| ready_s | 22.00 (20.00..24.00, n=2) | 22.00 (20.00..24.00, n=2) |" in md
+    assert 'settings: `{"tp": 2}`' in md

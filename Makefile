@@ -42,6 +42,8 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra --durations=15
 
+# Every benchmark at its --quick sizes (about 20 minutes on 2 cores; `bench all --full`
+# for the default sizes), then bench/REPORT.md; per-benchmark wall times at the end.
 bench: $(STAMP)
 	$(BIN)/neuron-serving bench all
 

@@ -258,8 +258,15 @@ def _bars(path: Path, title: str, ylabel: str, groups: list[str],
     return path
 
 
-def plot_serving(r: dict[str, Any], plots: Path) -> list[Path]:
+def _serving_arms(r: dict[str, Any]) -> dict[str, Any]:
+    """Arms in a fixed order: the two compared, then the informational ones."""
     arms = r["arms"]
+    order = [a for a in ("triton", "vllm") if a in arms] + sorted(set(arms) - {"triton", "vllm"})
+    return {a: arms[a] for a in order}
+
+
+def plot_serving(r: dict[str, Any], plots: Path) -> list[Path]:
+    arms = _serving_arms(r)
     names = list(arms)
     out = [_bars(plots / "serving_throughput.png", "Output tok/s (median, min..max over repeats)",
                  "tok/s", names, {"output tok/s": [arms[a]["output_tok_s"] for a in names]})]  # fmt: skip
@@ -370,7 +377,7 @@ def _meta(r: dict[str, Any]) -> list[str]:
 
 
 def _serving_section(r: dict[str, Any]) -> list[str]:
-    arms = r["arms"]
+    arms = _serving_arms(r)
     keys = ["output_tok_s"] + [f"{m}_{q}_ms" for m in ("ttft", "tpot", "itl", "e2el")
                                for q in ("p50", "p99")]  # fmt: skip
     rows = [[k] + [spread_text(arms[a].get(k), 1) for a in arms] for k in keys]

@@ -83,7 +83,7 @@ class LLMBackend:
         self.engine_thread.start()
         self.engine = self.engine_thread.engine
         self.tokenizer = self.engine.get_tokenizer()
-        self.responses = ResponseThread(self.final)
+        self.responses = ResponseThread(self.final, wake=self._wake_senders)
         self.responses.start()
 
         canary_ids = self.tokenizer.encode("Is this in stock?")[:8] or [0]
@@ -175,6 +175,7 @@ class LLMBackend:
         self._in_flight += 1
         self._idle_since = None
         produced = False
+        loop = asyncio.get_running_loop()
         try:
             prompt_ids = self.tokenizer.encode(req.prompt)
             check_prompt_length(len(prompt_ids), self.config.max_model_len)
@@ -207,7 +208,15 @@ class LLMBackend:
                         token_ids=list(seq.token_ids) if req.return_token_ids else None,
                         first=first,
                     )
-                    self.responses.put(request_id, response, self.final if out.finished else 0)
+                    if out.finished:
+                        self.responses.put(request_id, response, self.final)
+                    else:
+                        # Backpressure: pull the next output only once this one is
+                        # sent; meanwhile vLLM's output collector merges the DELTAs
+                        # that arrive (see responses.py).
+                        sent = loop.create_future()
+                        self.responses.put(request_id, response, 0, sent)
+                        await sent
             finally:
                 # Deterministic abort when we leave early: AsyncLLM.generate aborts the
                 # request on GeneratorExit; waiting for garbage collection could leave
@@ -243,6 +252,10 @@ class LLMBackend:
                 self._idle_since = time.monotonic()
 
     # ---- responses -------------------------------------------------------------------
+
+    def _wake_senders(self, waiters: list[asyncio.Future]) -> None:
+        """Response thread -> engine loop, once per drained batch."""
+        self.engine_thread.loop.call_soon_threadsafe(_resolve_all, waiters)
 
     def _response(
         self,
@@ -297,6 +310,12 @@ class LLMBackend:
             self.pb.unload_model(self.model_name)
         except Exception:  # noqa: BLE001 - the leader still exits on its readiness watch
             log.exception("unloading %s after a unit failure failed", self.model_name)
+
+
+def _resolve_all(waiters: list[asyncio.Future]) -> None:
+    for waiter in waiters:
+        if not waiter.done():  # cancelled with its request task
+            waiter.set_result(None)
 
 
 def _sampled_logprobs(seq: Any) -> list[float]:

@@ -6,6 +6,18 @@ would stall every other request's tokens. So the loop only enqueues, and this
 thread sends, in enqueue order (per-request order is what Triton requires: the
 FINAL flag must come last).
 
+Backpressure (delta coalescing): a streaming request has at most one partial
+response waiting here. Its task on the engine loop hands over a future with the
+response and awaits it before it pulls the next output from AsyncLLM; the thread
+resolves the futures of everything it sent in one drained batch with one
+``wake()`` (a single ``call_soon_threadsafe``). While a request waits, vLLM's own
+per-request output collector (``RequestOutputCollector``, the same one
+``vllm serve`` relies on) merges the DELTA outputs that arrive meanwhile into one:
+text concatenated, token ids and logprobs appended. So when sending is the slow
+stage, each response carries the tokens that piled up instead of the queue
+growing by one response per token; when it keeps up, every token goes out alone,
+and a request's first response is never held back.
+
 Cancellation: Triton sets a request cancelled when a gRPC client cancels its
 stream or disconnects (and on server shutdown). The thread asks
 ``is_cancelled()`` after each partial send and, while idle, polls every
@@ -21,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +55,22 @@ class Stream:
     last_check: float = 0.0  # monotonic time of the last is_cancelled()
 
 
+Item = tuple[str, Any, int, Any]  # request id, response, flags, waiter (or None)
+
+
 class ResponseThread:
-    def __init__(self, final_flag: int) -> None:
+    def __init__(self, final_flag: int, wake: Callable[[list[Any]], None] | None = None) -> None:
+        """``wake(waiters)`` runs on this thread after each drained batch with the
+        waiters (opaque to this class) of every item taken from the queue in it,
+        sent or dropped; the backend resolves them on the engine loop."""
         self._final_flag = final_flag
-        self._queue: queue.Queue[tuple[str, Any, int] | None] = queue.Queue()
+        self._wake = wake
+        self._queue: queue.Queue[Item | None] = queue.Queue()
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="triton-responses", daemon=True)
         self.cancelled_total = 0
+        self.sent_total = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -58,9 +79,10 @@ class ResponseThread:
         with self._lock:
             self._streams[request_id] = stream
 
-    def put(self, request_id: str, response: Any, flags: int = 0) -> None:
-        """Thread-safe; a FINAL response unregisters the stream once sent."""
-        self._queue.put((request_id, response, flags))
+    def put(self, request_id: str, response: Any, flags: int = 0, waiter: Any = None) -> None:
+        """Thread-safe; a FINAL response unregisters the stream once sent. ``waiter``
+        is handed to ``wake()`` once the response was sent (or dropped)."""
+        self._queue.put((request_id, response, flags, waiter))
 
     def in_flight(self) -> int:
         with self._lock:
@@ -73,22 +95,46 @@ class ResponseThread:
             except queue.Empty:
                 self._poll_cancelled()
                 continue
-            if item is None:
-                return
-            request_id, response, flags = item
+            # Drain what is queued now: one wake-up of the engine loop per batch.
+            batch = [item]
+            while item is not None:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+            waiters = []
+            for item in batch:
+                if item is None:
+                    self._resolve(waiters)
+                    return
+                self._send(*item[:3])
+                if item[3] is not None:
+                    waiters.append(item[3])
+            self._resolve(waiters)
+
+    def _send(self, request_id: str, response: Any, flags: int) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            return  # already finished (e.g. a late partial after cancellation)
+        try:
+            stream.sender.send(response, flags=flags)
+        except Exception:  # noqa: BLE001 - one broken client must not stop the thread
+            log.exception("sending a response for %s failed", request_id)
+        self.sent_total += 1
+        if flags & self._final_flag:
             with self._lock:
-                stream = self._streams.get(request_id)
-            if stream is None:
-                continue  # already finished (e.g. a late partial after cancellation)
+                self._streams.pop(request_id, None)
+        else:
+            self._check(request_id, stream)
+
+    def _resolve(self, waiters: list[Any]) -> None:
+        if waiters and self._wake is not None:
             try:
-                stream.sender.send(response, flags=flags)
-            except Exception:  # noqa: BLE001 - one broken client must not stop the thread
-                log.exception("sending a response for %s failed", request_id)
-            if flags & self._final_flag:
-                with self._lock:
-                    self._streams.pop(request_id, None)
-            else:
-                self._check(request_id, stream)
+                self._wake(waiters)
+            except Exception:  # noqa: BLE001 - e.g. the engine loop already closed
+                log.debug("waking %d waiters failed", len(waiters), exc_info=True)
 
     def _poll_cancelled(self) -> None:
         with self._lock:

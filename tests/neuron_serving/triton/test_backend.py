@@ -48,12 +48,16 @@ class InferenceResponse:
 
 
 class Sender:
-    def __init__(self, cancel_after: int | None = None) -> None:
+    def __init__(self, cancel_after: int | None = None, send_s: float = 0.0) -> None:
         self.sent: list[tuple[InferenceResponse, int]] = []
+        self.times: list[float] = []
         self.cancel_after = cancel_after
+        self.send_s = send_s  # a slow send (IPC, client) blocks the response thread
 
     def send(self, response: InferenceResponse, flags: int = 0) -> None:
+        time.sleep(self.send_s)
         self.sent.append((response, flags))
+        self.times.append(time.monotonic())
 
     def is_cancelled(self) -> bool:
         return self.cancel_after is not None and len(self.sent) >= self.cancel_after
@@ -94,6 +98,10 @@ class Engine:
         self.aborted: list[str] = []
         self.dead = False
         self.step_s = 0.002
+        # True: tokens are produced whether or not the consumer keeps up, and DELTA
+        # outputs not yet taken are merged, as vLLM's RequestOutputCollector does.
+        self.collect = False
+        self.produced_at: dict[str, list[float]] = {}
 
     def get_tokenizer(self) -> Tokenizer:
         return Tokenizer()
@@ -105,6 +113,10 @@ class Engine:
     async def generate(self, prompt: dict, params: Any, request_id: str):
         from vllm.sampling_params import RequestOutputKind
 
+        if self.collect and params.output_kind == RequestOutputKind.DELTA:
+            async for out in self._collected(params.max_tokens, request_id):
+                yield out
+            return
         n = params.max_tokens
         try:
             for i in range(n):
@@ -128,6 +140,40 @@ class Engine:
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(request_id)
             raise
+
+    async def _collected(self, n: int, request_id: str):
+        pending: list[int] = []
+        ready = asyncio.Event()
+        times = self.produced_at.setdefault(request_id, [])
+
+        async def produce() -> None:
+            for i in range(n):
+                await asyncio.sleep(self.step_s)
+                pending.append(i)
+                times.append(time.monotonic())
+                ready.set()
+
+        producer = asyncio.ensure_future(produce())
+        try:
+            done = 0
+            while done < n:
+                await ready.wait()
+                ready.clear()
+                ids, pending[:] = list(pending), []
+                done += len(ids)
+                last = done == n
+                seq = SimpleNamespace(
+                    text="".join(f"t{i} " for i in ids),
+                    token_ids=ids,
+                    finish_reason="length" if last else None,
+                    logprobs=None,
+                )
+                yield SimpleNamespace(finished=last, outputs=[seq])
+        except (asyncio.CancelledError, GeneratorExit):
+            self.aborted.append(request_id)
+            raise
+        finally:
+            producer.cancel()
 
 
 class LoopThread:
@@ -279,3 +325,67 @@ def test_request_cancelled_before_any_output_is_aborted(backend) -> None:
     while not backend.engine.aborted:
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def stream_request(sender: Sender, max_tokens: int) -> Request:
+    params = json.dumps({"max_tokens": max_tokens})
+    return Request(sender, text_input=b"hi", stream=True, sampling_parameters=params)
+
+
+def test_slow_sends_coalesce_deltas_exactly(backend) -> None:
+    """Sending slower than the engine produces: fewer responses, same text and counts."""
+    backend.engine.collect = True
+    backend.engine.step_s = 0.001
+    s = Sender(send_s=0.01)
+    backend.execute([stream_request(s, 40)])
+    wait_final(s)
+    texts = [text(r) for r, _ in s.sent]
+    assert "".join(texts) == "".join(f"t{i} " for i in range(40))
+    assert len(s.sent) < 20, "deltas were not merged"
+    counts = [int(r.outputs["completion_tokens"][0]) for r, _ in s.sent]
+    # cumulative and exact: each response's count = tokens sent so far
+    assert counts == [sum(t.count("t") for t in texts[: k + 1]) for k in range(len(texts))]
+    assert counts[-1] == 40
+    assert texts[0] == "t0 ", "the first token goes out alone, never held back"
+    assert [f for _, f in s.sent] == [0] * (len(s.sent) - 1) + [FINAL]
+    reasons = [r.outputs["finish_reason"][0] for r, _ in s.sent]
+    assert reasons[-1] == b"length" and set(reasons[:-1]) == {b""}
+
+
+def test_fast_sends_get_every_token(backend) -> None:
+    backend.engine.collect = True
+    backend.engine.step_s = 0.005
+    s = Sender()
+    backend.execute([stream_request(s, 10)])
+    wait_final(s)
+    assert [text(r) for r, _ in s.sent] == [f"t{i} " for i in range(10)]
+
+
+def test_first_token_is_not_delayed_by_other_streams(backend) -> None:
+    """A new request's first response goes out with the next batch, even while other
+    streams are backed up behind slow sends."""
+    backend.engine.collect = True
+    backend.engine.step_s = 0.002
+    slow = [Sender(send_s=0.005) for _ in range(4)]
+    backend.execute([stream_request(x, 60) for x in slow])
+    time.sleep(0.1)
+    s = Sender()
+    backend.execute([stream_request(s, 5)])
+    wait_final(s)
+    first_token_at = list(backend.engine.produced_at.values())[-1][0]  # the newest request
+    # at most one in-flight response per slow stream (4 x 5 ms) plus scheduling slack
+    assert s.times[0] - first_token_at < 0.2
+    assert text(s.sent[0][0]) == "t0 "
+    for x in slow:
+        wait_final(x)
+        assert "".join(text(r) for r, _ in x.sent) == "".join(f"t{i} " for i in range(60))
+
+
+def test_cancel_while_waiting_for_a_slow_send(backend) -> None:
+    backend.engine.collect = True
+    backend.engine.step_s = 0.002
+    s = Sender(cancel_after=2, send_s=0.02)
+    backend.execute([stream_request(s, 60)])
+    r = wait_final(s)
+    assert r.error.code == TritonError.CANCELLED
+    assert len(backend.engine.aborted) == 1

@@ -69,10 +69,6 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     from neuron_serving.bench.stack import start_leader, wait_ready
     from neuron_serving.models.demo import build_demo_model
 
-    repeats = repeats or (1 if quick else 2)
-    levels = QUICK_LEVELS if quick else LEVELS
-    per_stream, max_tokens = (2, 32) if quick else (4, 64)
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ns-bench-scaling-") as tmp:
         work = Path(tmp)
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
@@ -85,11 +81,22 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         )  # fmt: skip
         try:
             wait_ready([leader])
-            startup_s = time.monotonic() - t0
-            arm = Arm("triton", leader.grpc, triton_grpc_stream, grpc=True)
-            runs = asyncio.run(_measure(arm, levels, repeats, per_stream, max_tokens))
+            return measure(leader, quick, model, emit_json, repeats, time.monotonic() - t0)
         finally:
             leader.process.stop()
+
+
+def measure(
+    leader: Any, quick: bool, model: str | None, emit_json: bool, repeats: int | None,
+    startup_s: float | None, note: str = "",
+) -> int:  # fmt: skip
+    """The sweep on a running leader (its own, or the serving benchmark's: ``note``)."""
+    repeats = repeats or (1 if quick else 2)
+    levels = QUICK_LEVELS if quick else LEVELS
+    per_stream, max_tokens = (2, 32) if quick else (4, 64)
+    load_before = os.getloadavg()
+    arm = Arm("triton", leader.grpc, triton_grpc_stream, grpc=True)
+    runs = asyncio.run(_measure(arm, levels, repeats, per_stream, max_tokens))
     rows = aggregate(runs)
     result = {
         "workload": {
@@ -112,6 +119,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "load_avg_1m_end": os.getloadavg()[0],
         },
         "startup_s": startup_s,
+        "note": note,
         "levels": rows,
         "errors": sum(r["failed"] for r in rows),
         "runs": {str(c): rs for c, rs in runs.items()},

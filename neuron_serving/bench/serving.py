@@ -290,10 +290,16 @@ def aggregate(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
+def main(
+    quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
+    then_scaling: bool = False,
+) -> int:  # fmt: skip
+    """``then_scaling`` (bench all): stop the vLLM server after the comparison and run
+    the scaling sweep on this leader, saving the scaling benchmark's own startup."""
     from neuron_serving.bench.stack import start_leader, start_vllm_server, wait_ready
     from neuron_serving.models.demo import build_demo_model
 
+    scaling_rc = 0
     repeats = repeats or (2 if quick else 5)
     requests, max_tokens = (64, 64) if quick else (128, 128)
     load_before = os.getloadavg()
@@ -321,6 +327,17 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             t1 = time.monotonic()
             data = asyncio.run(_measure(arms(leader, vllm.base), repeats, requests, max_tokens))
             measure_s = time.monotonic() - t1
+            if then_scaling:
+                from neuron_serving.bench import scaling
+
+                vllm.process.stop()
+                t3 = time.monotonic()
+                scaling_rc = scaling.measure(
+                    leader, quick, model, emit_json, repeats, None,
+                    note="run by bench all on the serving benchmark's leader after its "
+                    "comparison (vLLM server stopped)",
+                )  # fmt: skip
+                print(f"scaling sweep: {time.monotonic() - t3:.0f} s", file=sys.stderr)
         finally:
             t2 = time.monotonic()
             leader.process.stop()
@@ -377,4 +394,4 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
           file=sys.stderr)  # fmt: skip
     if emit_json:
         print(json.dumps({k: agg[k] for k in ("throughput_ratio", "ttft_p50_ratio", "met")}))
-    return 0 if agg["errors"] == 0 else 1
+    return (0 if agg["errors"] == 0 else 1) | scaling_rc

@@ -25,12 +25,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _call(name: str, quick: bool, args: argparse.Namespace) -> int:
-    model, emit_json, repeats = args.model, args.json, args.repeats
+def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = None) -> int:
+    model, emit_json, repeats = model or args.model, args.json, args.repeats
     if name == "failover":
         from neuron_serving.bench import cluster
 
         return cluster.main(quick, emit_json)
+    if name == "serving+scaling":
+        from neuron_serving.bench import serving
+
+        return serving.main(quick, model, emit_json, repeats, then_scaling=True)
     if name == "report":
         from neuron_serving.bench import report
 
@@ -45,12 +49,14 @@ def run(args: argparse.Namespace) -> int:
     return run_all(args)
 
 
-def _timed(name: str, quick: bool, args: argparse.Namespace) -> tuple[int, float]:
+def _timed(
+    name: str, quick: bool, args: argparse.Namespace, model: str | None = None
+) -> tuple[int, float]:
     t0 = time.monotonic()
     flag = " --quick" if quick and name != "report" else ""
     print(f"== bench {name}{flag}", file=sys.stderr, flush=True)
     try:
-        code = _call(name, quick, args)
+        code = _call(name, quick, args, model)
     except Exception as e:  # noqa: BLE001 - the others still run; reported below
         print(f"bench {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 1
@@ -61,26 +67,38 @@ def _timed(name: str, quick: bool, args: argparse.Namespace) -> tuple[int, float
 
 def run_all(args: argparse.Namespace) -> int:
     """Every benchmark (quick sizing unless --full: the whole set fits ~20 minutes on a
-    2-core machine), then the report; one failure does not stop the others. The wall
-    times go to results/all.json (the report shows them) and to stderr."""
+    2-core machine), then the report; one failure does not stop the others. The demo
+    model is built once; scaling runs on the serving benchmark's leader (one startup
+    less). The wall times go to results/all.json (the report shows them) and stderr."""
+    import tempfile
+    from pathlib import Path
+
     from neuron_serving.bench.common import write_result
 
     quick = not args.full
     walls: dict[str, dict[str, float | int]] = {}
     rc = 0
     start = time.monotonic()
-    for name in BENCHMARKS:
-        code, wall = _timed(name, quick, args)
-        walls[name] = {"wall_s": round(wall, 1), "rc": code}
-        rc |= code
+    with tempfile.TemporaryDirectory(prefix="ns-bench-all-") as tmp:
+        model = args.model
+        if model is None:
+            from neuron_serving.models.demo import build_demo_model
+
+            model = str(build_demo_model(Path(tmp) / "demo", seed=0))
+        names = [n for n in BENCHMARKS if n not in ("serving", "scaling")]
+        names.insert(1, "serving+scaling")
+        for name in names:
+            code, wall = _timed(name, quick, args, model)
+            walls[name] = {"wall_s": round(wall, 1), "rc": code}
+            rc |= code
     write_result("all", {"quick": quick, "wall_s": walls,
                          "benchmarks_wall_s": round(time.monotonic() - start, 1)})  # fmt: skip
     code, wall = _timed("report", quick, args)
     walls["report"] = {"wall_s": round(wall, 1), "rc": code}
     rc |= code
     total = time.monotonic() - start
-    print("\nbenchmark    wall time   rc", file=sys.stderr)
+    print("\nbenchmark        wall time   rc", file=sys.stderr)
     for name, w in walls.items():
-        print(f"{name:<12} {w['wall_s']:>7.0f} s   {w['rc']}", file=sys.stderr)
-    print(f"{'total':<12} {total:>7.0f} s", file=sys.stderr, flush=True)
+        print(f"{name:<16} {w['wall_s']:>7.0f} s   {w['rc']}", file=sys.stderr)
+    print(f"{'total':<16} {total:>7.0f} s", file=sys.stderr, flush=True)
     return rc

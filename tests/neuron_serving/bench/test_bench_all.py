@@ -1,0 +1,30 @@
+"""`bench all`: every benchmark once, scaling on the serving leader, then the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from neuron_serving.bench import common
+from neuron_serving.commands import bench
+
+
+def test_all_runs_each_benchmark_then_report_and_records_wall_times(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(name, quick, args, model=None):
+        calls.append((name, quick, model))
+        return 1 if name == "routing" else 0
+
+    monkeypatch.setattr(bench, "_call", fake)
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    args = argparse.Namespace(name="all", full=False, model="/m", json=False, repeats=None)
+    assert bench.run(args) == 1  # a failing benchmark does not stop the others
+    names = [c[0] for c in calls]
+    assert names[-1] == "report" and names[1] == "serving+scaling"
+    assert "serving" not in names and "scaling" not in names
+    assert set(names) == {*bench.BENCHMARKS, "serving+scaling", "report"} - {"serving", "scaling"}
+    assert all(q is True for _, q, _ in calls)  # quick sizes by default
+    assert all(m == "/m" for n, _, m in calls if n != "report")
+    walls = json.loads((tmp_path / "all.json").read_text())
+    assert walls["quick"] is True and walls["wall_s"]["routing"]["rc"] == 1

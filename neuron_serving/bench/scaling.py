@@ -42,11 +42,12 @@ def level_order(levels: tuple[int, ...], repeat: int) -> list[int]:
 
 
 async def _measure(arm: Arm, levels: tuple[int, ...], repeats: int, per_stream: int,
-                   max_tokens: int) -> dict[int, list[dict[str, Any]]]:  # fmt: skip
+                   max_tokens: int, warm_up: bool = True) -> dict[int, list[dict[str, Any]]]:  # fmt: skip
     ids = itertools.count()
     extra = {"temperature": 0.0}
     top = max(levels)
-    await run_load(arm, ids, top, top, max_tokens, extra)  # warm-up
+    if warm_up:  # (a leader that has just served the serving benchmark is warm)
+        await run_load(arm, ids, top, top, max_tokens, extra)
     runs: dict[int, list[dict[str, Any]]] = {c: [] for c in levels}
     for r in range(repeats):
         for c in level_order(levels, r):
@@ -96,7 +97,7 @@ def measure(
     per_stream, max_tokens = (2, 32) if quick else (4, 64)
     load_before = os.getloadavg()
     arm = Arm("triton", leader.grpc, triton_grpc_stream, grpc=True)
-    runs = asyncio.run(_measure(arm, levels, repeats, per_stream, max_tokens))
+    runs = asyncio.run(_measure(arm, levels, repeats, per_stream, max_tokens, warm_up=not note))
     rows = aggregate(runs)
     result = {
         "workload": {

@@ -55,7 +55,8 @@ CPU_BIND = "auto"
 ENGINE = {"max_model_len": 1024, "kv_cache_bytes": 512 << 20, "max_num_seqs": 64, "seed": 0}
 PROMPT = "Question: do you have trail running shoes in size {size} and in blue or in green?"
 # "triton" (gRPC, the proxy's path to a leader) and "vllm" make the comparison;
-# "triton_http" (the leader's HTTP generate_stream) is measured for information.
+# "triton_http" (the leader's HTTP generate_stream) is measured for information, in
+# full runs only (--quick keeps bench all within its time budget).
 ARMS = ("triton", "vllm", "triton_http")
 
 
@@ -236,15 +237,15 @@ async def run_load(
     return summarize(outputs, duration)
 
 
-def arms(leader: Any, vllm_base: str) -> list[Arm]:
+def arms(leader: Any, vllm_base: str, with_http: bool = True) -> list[Arm]:
     from vllm.benchmarks.lib.endpoint_request_func import async_request_openai_completions
 
-    return [
-        Arm("triton", leader.grpc, triton_grpc_stream, grpc=True),
-        Arm("vllm", f"{vllm_base}/v1/completions", async_request_openai_completions),
-        Arm("triton_http", f"http://{leader.http}/v2/models/llm/generate_stream",
-            triton_generate_stream),
-    ]  # fmt: skip
+    out = [Arm("triton", leader.grpc, triton_grpc_stream, grpc=True),
+           Arm("vllm", f"{vllm_base}/v1/completions", async_request_openai_completions)]  # fmt: skip
+    if with_http:
+        out.append(Arm("triton_http", f"http://{leader.http}/v2/models/llm/generate_stream",
+                       triton_generate_stream))  # fmt: skip
+    return out
 
 
 async def _measure(arm_list: list[Arm], repeats: int, requests: int, max_tokens: int) -> dict:
@@ -261,15 +262,16 @@ async def _measure(arm_list: list[Arm], repeats: int, requests: int, max_tokens:
         runs.append(run)
         print(f"repeat {r + 1}/{repeats}: " + ", ".join(
             f"{a} {run[a]['output_tok_s']:.0f} tok/s TTFT p50 {run[a]['ttft_p50_ms']:.1f} ms"
-            for a in ARMS), file=sys.stderr, flush=True)  # fmt: skip
+            for a in run), file=sys.stderr, flush=True)  # fmt: skip
     return {"runs": runs}
 
 
 def aggregate(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per-arm spread of every figure over repeats, and the two target ratios
     (median over median, plus the spread of per-repeat ratios)."""
+    names = [a for a in ARMS if a in runs[0]]
     arms = {arm: {k: spread([run[arm][k] for run in runs]) for k in figure_keys()}
-            for arm in ARMS}  # fmt: skip
+            for arm in names}  # fmt: skip
     tput = arms["triton"]["output_tok_s"]["median"] / arms["vllm"]["output_tok_s"]["median"]
     ttft = arms["triton"]["ttft_p50_ms"]["median"] / arms["vllm"]["ttft_p50_ms"]["median"]
     return {
@@ -286,7 +288,7 @@ def aggregate(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
             "throughput_ratio": tput >= TARGET_THROUGHPUT_RATIO,
             "ttft_p50_ratio": ttft <= TARGET_TTFT_P50_RATIO,
         },
-        "errors": sum(run[a]["failed"] for run in runs for a in ARMS),
+        "errors": sum(run[a]["failed"] for run in runs for a in names),
     }
 
 
@@ -325,7 +327,8 @@ def main(
             startup_s = time.monotonic() - t0
             print(f"servers ready in {startup_s:.0f} s", file=sys.stderr, flush=True)
             t1 = time.monotonic()
-            data = asyncio.run(_measure(arms(leader, vllm.base), repeats, requests, max_tokens))
+            arm_list = arms(leader, vllm.base, with_http=not quick)
+            data = asyncio.run(_measure(arm_list, repeats, requests, max_tokens))
             measure_s = time.monotonic() - t1
             if then_scaling:
                 from neuron_serving.bench import scaling

@@ -8,6 +8,8 @@ import sys
 import time
 
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
+# bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
+ALL_QUICK_REPEATS = {"load": 1}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = None) -> int:
     model, emit_json, repeats = model or args.model, args.json, args.repeats
+    if args.name == "all" and quick and repeats is None:
+        repeats = ALL_QUICK_REPEATS.get(name)
     if name == "failover":
         from neuron_serving.bench import cluster
 

@@ -82,9 +82,16 @@ class Target:
     measured: str
     met: bool | None  # None: not measured, or no target to compare with
     status: str = ""  # overrides the met/missed/not measured mark
+    straddles: bool = False  # the spread over repeats has values on both sides of the target
 
     def mark(self) -> str:
-        return self.status or {True: "met", False: "**missed**", None: "not measured"}[self.met]
+        mark = self.status or {True: "met", False: "**missed**", None: "not measured"}[self.met]
+        return mark + (" (spread straddles the target)" if self.straddles else "")
+
+
+def straddles(s: dict[str, Any] | None, limit: float) -> bool:
+    """min and max of a spread on both sides of ``limit``: the verdict is noise-bound."""
+    return bool(s) and s.get("n", 1) > 1 and s["min"] < limit < s["max"]
 
 
 # ---- targets -------------------------------------------------------------------------
@@ -96,7 +103,7 @@ def _executor_targets(r: dict[str, Any]) -> list[Target]:
     measured = f"{num(r.get('ratio'))} (per pair {num(pair['min'])}..{num(pair['max'])}, n={pair['n']})" if pair else num(r.get("ratio"))  # fmt: skip
     ratio = r.get("ratio")
     return [Target("executor", f"unit / MultiprocExecutor output tok/s >= {t}", measured,
-                   None if ratio is None else ratio >= t)]  # fmt: skip
+                   None if ratio is None else ratio >= t, straddles=straddles(pair, t))]  # fmt: skip
 
 
 def _serving_targets(r: dict[str, Any]) -> list[Target]:
@@ -110,8 +117,9 @@ def _serving_targets(r: dict[str, Any]) -> list[Target]:
         text = num(v) + (f" (per repeat {num(per['min'])}..{num(per['max'])}, n={per['n']})"
                          if per else "")  # fmt: skip
         label = "output tok/s" if key == "throughput_ratio" else "TTFT p50"
+        limit = tp if key == "throughput_ratio" else tt
         out.append(Target("serving", f"Triton leader / vllm serve {label} {rule}", text,
-                          None if v is None else ok(v)))  # fmt: skip
+                          None if v is None else ok(v), straddles=straddles(per, limit)))  # fmt: skip
     return out
 
 
@@ -123,7 +131,8 @@ def _proxy_targets(r: dict[str, Any]) -> list[Target]:
         s = r.get(f"added_ttft_{q}_ms")
         limit = tg.get(f"added_ttft_{q}_ms", default)
         out.append(Target("proxy", f"added TTFT {q} <= {num(limit, 0)} ms at {streams} streams",
-                          spread_text(s, 1, " ms"), None if not s else s["median"] <= limit))  # fmt: skip
+                          spread_text(s, 1, " ms"), None if not s else s["median"] <= limit,
+                          straddles=straddles(s, limit)))  # fmt: skip
     return out
 
 
@@ -485,6 +494,11 @@ TITLES = {
 }
 
 
+def _run_order(all_result: dict[str, Any], name: str) -> int:
+    order = all_result.get("order") or []
+    return order.index(name) if name in order else len(order)
+
+
 def render(results: dict[str, dict[str, Any]], plots_dir: Path, report_path: Path) -> str:
     """The markdown text; writes the plots into ``plots_dir`` (linked relative to the report)."""
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -505,7 +519,8 @@ def render(results: dict[str, dict[str, Any]], plots_dir: Path, report_path: Pat
                   f"{'quick' if a.get('quick') else 'full'} sizes):", ""]  # fmt: skip
         lines += _table(["benchmark", "wall s", "exit code"],
                         [[k, num(v.get("wall_s"), 0), num(v.get("rc"))]
-                         for k, v in a.get("wall_s", {}).items()])  # fmt: skip
+                         for k, v in sorted(a.get("wall_s", {}).items(),
+                                            key=lambda kv: _run_order(a, kv[0]))])  # fmt: skip
         lines.append(f"| total (benchmarks) | {num(a.get('benchmarks_wall_s'), 0)} | |")
     for fam in FAMILIES:
         lines += ["", f"## {TITLES[fam]}", ""]

@@ -133,3 +133,11 @@ def test_load_result_without_targets_renders_generically(tmp_path):
     md = md_path.read_text()
     assert "| ready_s | 22.00 (20.00..24.00, n=2) | 22.00 (20.00..24.00, n=2) |" in md
     assert 'settings: `{"tp": 2}`' in md
+
+
+def test_verdict_flags_spread_that_straddles_the_target():
+    assert report.straddles(spread([-500.0, -100.0, 30.0]), 1.0)
+    assert not report.straddles(spread([0.5, 0.7]), 1.0)
+    assert not report.straddles(spread([3.0]), 1.0)  # n=1: no spread to judge
+    t = report.Target("proxy", "x", "y", True, straddles=True)
+    assert t.mark() == "met (spread straddles the target)"

@@ -373,8 +373,8 @@ def test_first_token_is_not_delayed_by_other_streams(backend) -> None:
     backend.execute([stream_request(s, 5)])
     wait_final(s)
     first_token_at = list(backend.engine.produced_at.values())[-1][0]  # the newest request
-    # at most one in-flight response per slow stream (4 x 5 ms) plus scheduling slack
-    assert s.times[0] - first_token_at < 0.2
+    # behind at most one unsent response per slow stream (4 x 5 ms), plus slack
+    assert s.times[0] - first_token_at < 0.5  # unbounded per-token queue: ~1 s here
     assert text(s.sent[0][0]) == "t0 "
     for x in slow:
         wait_final(x)

@@ -302,6 +302,7 @@ def main(
     from neuron_serving.models.demo import build_demo_model
 
     scaling_rc = 0
+    scaling_repeats = repeats  # the sweep's own default, unless given
     repeats = repeats or (2 if quick else 5)
     requests, max_tokens = (64, 64) if quick else (128, 128)
     load_before = os.getloadavg()
@@ -336,7 +337,7 @@ def main(
                 vllm.process.stop()
                 t3 = time.monotonic()
                 scaling_rc = scaling.measure(
-                    leader, quick, model, emit_json, repeats, None,
+                    leader, quick, model, emit_json, scaling_repeats, None,
                     note="run by bench all on the serving benchmark's leader after its "
                     "comparison (vLLM server stopped)",
                 )  # fmt: skip

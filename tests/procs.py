@@ -70,6 +70,16 @@ class Proc:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def terminate(self, timeout: float = 120.0) -> None:
+        """SIGTERM (a graceful shutdown), bounded wait, then ``stop()``."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.stop()
+
     def stop(self) -> None:
         """Kill the whole session (the process and anything it spawned)."""
         try:

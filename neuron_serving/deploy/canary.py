@@ -64,6 +64,8 @@ def generate_token_ids(
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         out = json.loads(r.read())
     ids = out.get("token_ids")
+    if isinstance(ids, int):  # Triton's generate endpoint unwraps one-element tensors
+        ids = [ids]
     if not isinstance(ids, list):
         raise ValueError(f"the leader returned no token_ids: {str(out)[:200]}")
     return [int(t) for t in ids]

@@ -74,8 +74,9 @@ def check_release(version: str, model_dir: Path, unit: UnitShape, *, hashes: boo
     return Release(version, model_dir.resolve(), manifest)
 
 
-def current_release(model_dir: Path, label: str) -> Release:
+def current_release(model_dir: Path | str, label: str) -> Release:
     """What a unit runs now (the rollback target); its manifest if it has one."""
+    model_dir = Path(model_dir)
     try:
         manifest = Manifest.read(model_dir)
     except (FileNotFoundError, ValueError):

@@ -125,13 +125,7 @@ def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
             c.unit_tree(u)
         yield c
     finally:
-        if proc.popen.poll() is None:
-            proc.signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except Exception:
-                pass
-        proc.stop()
+        proc.terminate(120)
         left = [pid for pid in c.seen_pids if _alive(pid)]
         assert left == [], f"processes left behind: {left}"
 

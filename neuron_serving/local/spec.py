@@ -85,7 +85,9 @@ class ClusterSpec:
     port: int = 8080
     admin_port: int = 0  # 0 = port + 1
     base_port: int = 29600
-    served_model_name: str = ""  # "" = the model directory's name
+    # "" = the checkpoint manifest's model name (so a deploy to another version's
+    # directory keeps the name clients use), else the model directory's name.
+    served_model_name: str = ""
     # Engine: small enough that K units of TP=N start quickly on 2 cores.
     max_model_len: int = 512
     kv_cache_bytes: int = 256 << 20
@@ -122,7 +124,7 @@ class ClusterSpec:
         if self.admin_port == 0:
             object.__setattr__(self, "admin_port", self.port + 1)
         if not self.served_model_name:
-            object.__setattr__(self, "served_model_name", self.model_dir.resolve().name)
+            object.__setattr__(self, "served_model_name", default_served_name(self.model_dir))
         if not self.cpu_bind:
             object.__setattr__(self, "cpu_bind", default_cpu_bind(self.tp))
         if len(self.cpu_bind.split("|")) < self.tp and self.cpu_bind != "nobind":
@@ -170,3 +172,13 @@ class ClusterSpec:
     @property
     def state_file(self) -> Path:
         return self.run_dir / "supervisor.json"
+
+
+def default_served_name(model_dir: Path) -> str:
+    """The manifest's model name for a sharded checkpoint, else the directory's name."""
+    from neuron_serving.checkpoint.manifest import Manifest  # lazy: keeps spec light
+
+    try:
+        return Manifest.read(model_dir).model_name
+    except (FileNotFoundError, ValueError):
+        return model_dir.resolve().name

@@ -120,3 +120,14 @@ def test_status_merges_proxy_and_supervisor() -> None:
     # A unit only the supervisor knows (not yet in the proxy) still shows its nodes.
     assert rows[1]["health"] is None and rows[1]["nodes"][0]["node_state"] == "loading"
     assert merge(None, None) == []
+
+
+def test_sharded_checkpoint_is_served_under_its_manifest_name(tmp_path: Path) -> None:
+    # A deploy swaps the version directory; the name clients use must not follow it.
+    from tests.neuron_serving.checkpoint.synthetic import make_checkpoint
+
+    make_checkpoint(tmp_path / "v3", tp=1, version="v3")
+    spec = ClusterSpec(tmp_path / "v3", tmp_path / "run", units=1, tp=1)
+    assert spec.served_model_name == "synthetic"
+    named = ClusterSpec(tmp_path / "v3", tmp_path / "run", units=1, tp=1, served_model_name="x")
+    assert named.served_model_name == "x"

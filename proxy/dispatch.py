@@ -34,7 +34,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
 from proxy.registry import Registry, UnitState
 from proxy.routing import RouteRequest, RoutingPolicy
-from proxy.upstream import GenerationDelta, TritonUpstream, UpstreamError
+from proxy.upstream import AttemptTiming, GenerationDelta, TritonUpstream, UpstreamError
 
 # Request header: pin a checkpoint version. Response header: the version that served it.
 VERSION_HEADER = "X-Model-Version"
@@ -80,6 +80,10 @@ class GenerationJob:
     units: list[str] = field(default_factory=list)
     attempts: int = 0
     migrations: int = 0
+    # The serving unit's own time to first response (request written -> first
+    # response read), when the first attempt produced the first token: the proxy's
+    # hop is the client-side TTFT minus this (ProxyMetrics.hop).
+    upstream_ttft_s: float | None = None
 
 
 class Dispatcher:
@@ -158,8 +162,9 @@ class Dispatcher:
                 unit.requests_total += 1
                 self.retries_in_flight += is_retry
                 try:
+                    timing = AttemptTiming()
                     gen = self.upstream.generate(
-                        unit.spec, job.prompt + generated, sampling, job.deadline
+                        unit.spec, job.prompt + generated, sampling, job.deadline, timing
                     )
                     async with contextlib.aclosing(gen):
                         async for d in gen:
@@ -169,6 +174,8 @@ class Dispatcher:
                                 self.registry.set_version(unit, d.model_version)
                             if job.version is None and (d.text or d.finish_reason is not None):
                                 job.version = unit.model_version
+                                if job.attempts == 1:
+                                    job.upstream_ttft_s = timing.upstream_ttft_s
                             if prompt_tokens is None and d.prompt_tokens is not None:
                                 # A migrated attempt's prompt includes earlier output.
                                 prompt_tokens = max(0, d.prompt_tokens - tokens_done)

@@ -19,6 +19,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 # Key on the aiohttp request under which a front end records the serving unit's id.
 REQUEST_UNIT = web.RequestKey("proxy_unit", str)
 
+# The proxy's own share of a request's TTFT: sub-millisecond when it is idle.
+_HOP_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1,
+    0.25, 0.5, 1,
+)  # fmt: skip
 _PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
 
 
@@ -45,6 +50,18 @@ class ProxyMetrics:
             "Time to first token by the unit that produced it",
             ["unit"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        # Envoy's downstream vs upstream request time, for the first token: what the
+        # proxy adds (parse, admission, routing, the upstream call's set-up, the
+        # first response's decode and the first SSE write, and any wait for the
+        # proxy's own CPU). Streams served by their first attempt only: a retry's
+        # time is the failed unit's, not the hop's.
+        self.hop = Histogram(
+            "proxy_added_time_to_first_token_seconds",
+            "Streamed requests: TTFT at the proxy (request in -> first chunk written) "
+            "minus the unit's (request written -> first response read)",
+            buckets=_HOP_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
@@ -116,6 +133,12 @@ class ProxyMetrics:
         for the request counter (which the server's middleware increments at the end)."""
         request[REQUEST_UNIT] = unit
         self.ttft.labels(unit).observe(ttft_s)
+
+    def first_written(self, upstream_ttft_s: float | None, ttft_s: float) -> None:
+        """Once per stream, after its first chunk is written (``ttft_s`` since the
+        request came in)."""
+        if upstream_ttft_s is not None:
+            self.hop.observe(max(0.0, ttft_s - upstream_ttft_s))
 
     def refresh(self, registry: Registry, now: float, queued: int, active: int) -> None:
         # Units come and go: rebuild the per-unit series so removed units disappear.

@@ -295,10 +295,14 @@ class OpenAIFrontEnd:
         # Every text chunk differs only in its text: render the envelope once.
         text_chunk = TextTemplate(lambda t: _sse(out.chunk(t, None)))
         delta: GenerationDelta | None = first
+        hop_pending = True
         try:
             while delta is not None:
                 if delta.text:
                     await resp.write(text_chunk(delta.text))
+                if hop_pending:
+                    metrics.first_written(job.upstream_ttft_s, loop.time() - start)
+                    hop_pending = False
                 if delta.finish_reason is not None:
                     finish = _openai_finish(delta.finish_reason)
                     await resp.write(_sse(out.chunk(None if out.chat else "", finish)))

@@ -194,12 +194,18 @@ class TritonFrontEnd:
         d: GenerationDelta = first
         text = prefix + d.text
         now = loop.time()
+        hop_pending = True
         try:
             while True:
                 if d.finish_reason is not None:
                     await resp.write(_sse(self._output(job.model, job.version, text, d)))
+                    if hop_pending:
+                        self.proxy.metrics.first_written(job.upstream_ttft_s, loop.time() - start)
                     break
                 await resp.write(chunk(text))
+                if hop_pending:
+                    self.proxy.metrics.first_written(job.upstream_ttft_s, loop.time() - start)
+                    hop_pending = False
                 d = await anext(gen)
                 t = loop.time()
                 itl.observe(t - now)

@@ -179,6 +179,20 @@ def classify_stream_error(message: str) -> UpstreamError:
     return UpstreamError(message, unit_fault=False, retriable=False, status=400)
 
 
+@dataclass(slots=True)
+class AttemptTiming:
+    """When one upstream attempt's request was written and its first response read
+    (``loop.time()``). Their difference is the unit's own time to first response as
+    the proxy sees it; the rest of a request's TTFT is the proxy's hop."""
+
+    sent: float = 0.0
+    first: float = 0.0
+
+    @property
+    def upstream_ttft_s(self) -> float | None:
+        return self.first - self.sent if self.first else None
+
+
 class _Watchdog:
     """The silence and deadline bounds of one stream's reads, without a timer per read.
 
@@ -243,11 +257,17 @@ class TritonUpstream:
         self.timeouts = timeouts
 
     async def generate(
-        self, unit: UnitSpec, prompt: str, sampling: dict[str, Any], deadline: float
+        self,
+        unit: UnitSpec,
+        prompt: str,
+        sampling: dict[str, Any],
+        deadline: float,
+        timing: AttemptTiming | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """Yield deltas until (and including) the one with a finish reason.
 
         ``deadline`` is on the ``loop.time()`` clock. Raises ``UpstreamError``.
+        ``timing``, if given, gets when the request was written and the first response read.
         Callers must close the generator (``contextlib.aclosing``) so that an early
         exit cancels the call at once rather than whenever the generator is collected.
         """
@@ -272,8 +292,12 @@ class TritonUpstream:
                     if request is not None:
                         await call.write(request)
                         request = None
+                        if timing is not None:
+                            timing.sent = loop.time()
                     response = await call.read()
                     watchdog.idle()
+                    if timing is not None and not timing.first:
+                        timing.first = loop.time()
                 except asyncio.CancelledError:
                     if not watchdog.fired or task is None or task.uncancel() > 0:
                         raise  # our caller's cancellation, not a timeout

@@ -67,6 +67,26 @@ def tpot(t: Any) -> float | None:
     return (t.latency - t.ttft) / (t.output_tokens - 1)
 
 
+def histogram_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """Quantile ``q`` (0-100) of the observations made between two scrapes of a
+    Prometheus histogram (cumulative ``{le: count}``), as PromQL's
+    ``histogram_quantile``: linear within the bucket, the first bucket starting at 0,
+    the upper bound of the last finite bucket for ranks in +Inf. NaN if none."""
+    les = sorted(after)
+    counts = [after[le] - before.get(le, 0.0) for le in les]
+    if not counts or counts[-1] <= 0:
+        return math.nan
+    rank = counts[-1] * q / 100
+    lower, below = 0.0, 0.0
+    for le, c in zip(les, counts, strict=True):
+        if c >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (c - below) if c > below else 1.0)
+        lower, below = le, c
+    return lower
+
+
 def _pct(values: Sequence[float], q: float) -> float:
     """``numpy.percentile`` (linear interpolation) without numpy."""
     if not values:

@@ -46,6 +46,22 @@ def metric(addr: str, name: str) -> float:
     return total
 
 
+def histogram(addr: str, name: str) -> dict[float, float]:
+    """Cumulative bucket counts ``{le: count}`` of histogram ``name`` (all label sets
+    summed) on a Prometheus endpoint; ``le`` of +Inf is ``math.inf``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(http_get(f"http://{addr}/metrics")[1]):
+        if family.name != name:
+            continue
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+    return buckets
+
+
 @dataclass
 class Process:
     name: str

@@ -166,3 +166,31 @@ async def test_request_counts_and_ttft_are_labelled_by_unit(fleet):
     assert 'proxy_time_to_first_token_seconds_count{unit="u0"} 3.0' in text
     assert 'proxy_time_to_first_token_seconds_count{unit="u1"} 2.0' in text
     assert "proxy_inter_token_latency_seconds_count" in text
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def test_added_ttft_is_ttft_minus_the_units_own(fleet):
+    # The unit takes >= 0.3 s to its first response; the proxy's hop histogram must
+    # not count that time, and only streams served by their first attempt count.
+    u = await fleet.unit("u0")
+    u.behavior.token_delay_s = 0.3
+    proxy = await fleet.proxy([u])
+    s = fleet.session()
+    body = {"model": "llm", "prompt": "hi", "max_tokens": 1, "ignore_eos": True}
+    for path, req in (
+        ("/v1/completions", {**body, "stream": True}),
+        ("/v1/completions", body),  # not streamed: no hop observation
+        ("/v2/models/llm/generate_stream", {"text_input": "hi", "parameters": {"max_tokens": 1}}),
+    ):
+        async with s.post(url(proxy, path), json=req) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    async with s.get(url(proxy, "/metrics")) as r:
+        text = await r.text()
+    assert _metric(text, "proxy_added_time_to_first_token_seconds_count") == 2
+    hop = _metric(text, "proxy_added_time_to_first_token_seconds_sum")
+    ttft = _metric(text, "proxy_time_to_first_token_seconds_sum")  # 3 requests, >= 0.9 s
+    assert 0 < hop and ttft - hop >= 3 * 0.3

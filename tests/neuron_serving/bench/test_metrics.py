@@ -58,3 +58,18 @@ def test_summarize_matches_numpy_percentiles_and_skips_failures():
 def test_summarize_empty_run_is_nan_not_error():
     s = summarize([RequestTiming(error="x")], duration_s=1.0)
     assert s["completed"] == 0 and math.isnan(s["ttft_p50_ms"])
+
+
+def test_histogram_quantile_matches_promql():
+    from neuron_serving.bench.metrics import histogram_quantile
+
+    inf = math.inf
+    before = {0.001: 2, 0.002: 2, 0.005: 2, inf: 2}
+    # 10 new observations: 4 in (0, 1 ms], 4 in (1, 2 ms], 2 in (2, 5 ms].
+    after = {0.001: 6, 0.002: 10, 0.005: 12, inf: 12}
+    assert histogram_quantile(before, after, 50) == pytest.approx(0.00125)
+    assert histogram_quantile(before, after, 40) == pytest.approx(0.001)
+    assert histogram_quantile(before, after, 100) == pytest.approx(0.005)
+    assert math.isnan(histogram_quantile(after, after, 50))  # nothing observed
+    # Ranks that fall in +Inf report the last finite bound (PromQL does the same).
+    assert histogram_quantile({}, {0.001: 1, inf: 4}, 99) == 0.001

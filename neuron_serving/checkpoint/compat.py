@@ -58,6 +58,11 @@ def check_unit(model_dir: Path, unit: UnitShape) -> Manifest:
         ) from e
     except ValueError as e:
         raise CheckpointMismatch(f"{model_dir}/{MANIFEST_NAME}: {e}") from e
+    return check_shape(manifest, unit)
+
+
+def check_shape(manifest: Manifest, unit: UnitShape) -> Manifest:
+    """``check_unit`` on a manifest already read (e.g. from S3, before any shard is)."""
     if manifest.tp_degree != unit.tp:
         raise CheckpointMismatch(
             f"checkpoint {manifest.model_name} {manifest.version} was sharded for "

@@ -294,7 +294,8 @@ class S3Store:
         return upload_id, parts
 
     # -- fetch --------------------------------------------------------------
-    def fetch(self, loc: S3Location, directory: Path, rank: int | None = None) -> TransferResult:
+    def read_manifest(self, loc: S3Location) -> tuple[bytes, Manifest]:
+        """The published version's manifest (its bytes and parsed); StoreError if none."""
         raw = self._get_bytes(loc, MANIFEST_NAME)
         if raw is None:
             raise StoreError(
@@ -302,9 +303,27 @@ class S3Store:
                 "or was never published"
             )
         try:
-            manifest = Manifest.from_json(raw)
+            return raw, Manifest.from_json(raw)
         except ValueError as e:
             raise StoreError(f"{loc}/{MANIFEST_NAME}: {e}") from e
+
+    def check_published(self, loc: S3Location, manifest: Manifest) -> list[str]:
+        """Problems of the objects behind a published manifest, without reading them:
+        each must exist with the manifest's size and carry its sha256 in metadata (as
+        ``publish`` writes them). Bytes are only hashed by ``fetch``, against the manifest."""
+        problems = []
+        for name, entry in sorted(manifest.files.items()):
+            head = self._head(loc.bucket, loc.key(name))
+            if head is None:
+                problems.append(f"{name}: missing")
+            elif head["ContentLength"] != entry.size:
+                problems.append(f"{name}: {head['ContentLength']} bytes, expected {entry.size}")
+            elif head.get("Metadata", {}).get("sha256") != entry.sha256:
+                problems.append(f"{name}: sha256 metadata differs from the manifest")
+        return problems
+
+    def fetch(self, loc: S3Location, directory: Path, rank: int | None = None) -> TransferResult:
+        raw, manifest = self.read_manifest(loc)
         ranks = None
         if rank is not None:
             if rank not in manifest.rank_files:

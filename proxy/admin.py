@@ -64,6 +64,13 @@ def make_admin_app(proxy: ProxyServer, token: str | None) -> web.Application:
 
     async def add_unit(request: web.Request) -> web.Response:
         body = await read_json(request)
+        # "draining": true adds the unit drained: no request reaches it before an explicit
+        # undrain (a deploy re-registers a recreated unit this way, then runs canaries).
+        # Added and drained in one step of the event loop: no probe can make it routable
+        # in between.
+        draining = body.pop("draining", False) if isinstance(body, dict) else False
+        if not isinstance(draining, bool):
+            raise invalid("'draining' must be true or false")
         try:
             spec = UnitSpec.from_dict(body)
         except (TypeError, ValueError) as e:
@@ -71,6 +78,8 @@ def make_admin_app(proxy: ProxyServer, token: str | None) -> web.Application:
         if registry.get(spec.unit_id) is not None:
             raise APIError(409, f"unit {spec.unit_id!r} already exists", code="unit_exists")
         unit = registry.add(spec)
+        if draining:
+            registry.set_draining(spec.unit_id, True)
         return web.json_response(proxy.unit_summary(unit), status=201)
 
     async def remove_unit(request: web.Request) -> web.Response:

@@ -65,3 +65,24 @@ async def test_admin_add_drain_undrain_remove(fleet):
     assert (
         kinds.count("added") == 2 and "drain" in kinds and "undrain" in kinds and "removed" in kinds
     )
+
+
+async def test_admin_add_drained_is_never_routed_before_undrain(fleet):
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    proxy = await fleet.proxy([a], outlier={"panic_threshold_pct": 0})
+    s = fleet.session()
+    admin = lambda p: url(proxy, p, admin=True)  # noqa: E731
+    body = {"unit_id": "u1", "leader_grpc": b.triton.addr, "draining": True}
+    async with s.post(admin("/admin/units"), json={**body, "draining": "yes"}, headers=AUTH) as r:
+        assert r.status == 400 and "'draining'" in (await r.json())["error"]["message"]
+    async with s.post(admin("/admin/units"), json=body, headers=AUTH) as r:
+        assert r.status == 201 and (await r.json())["draining"] is True
+    await wait_until(lambda: proxy.registry.get("u1").nodes_healthy())
+    for i in range(3):
+        async with s.post(
+            url(proxy, "/v1/completions"), json={"model": "llm", "prompt": f"q{i}"}
+        ) as r:
+            assert r.status == 200
+    assert b.behavior.started == 0  # healthy, but drained from the start
+    async with s.post(admin("/admin/units/u1/undrain"), headers=AUTH) as r:
+        assert r.status == 200 and (await r.json())["draining"] is False

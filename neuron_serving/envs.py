@@ -109,6 +109,11 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _str("NEURON_SERVING_MODEL_VERSION", None),
         "Deployment version label of the ECS deployment that started this node.",
     ),
+    "NEURON_SERVING_MODEL_URI": (
+        _str("NEURON_SERVING_MODEL_URI", None),
+        "s3:// prefix of the checkpoint version an ECS node fetches (its rank's shards) into "
+        "the model directory before it starts; set by the task definition (spec model_uri).",
+    ),
     "NEURON_SERVING_S3_ENDPOINT_URL": (
         _str("NEURON_SERVING_S3_ENDPOINT_URL", None),
         "S3 endpoint of `checkpoint publish/fetch` (e.g. http://127.0.0.1:9000 for minio or "

@@ -29,6 +29,7 @@ class NodeTask:
     version: str
     launched_at: float
     stopped_reason: str = ""
+    task_definition: str = ""  # ARN of the revision the task runs
 
     @property
     def task_id(self) -> str:
@@ -128,6 +129,7 @@ def node_task(task: dict[str, Any]) -> NodeTask | None:
         version=tags.get("version", ""),
         launched_at=float(tags.get("launched-at", 0)),
         stopped_reason=task.get("stoppedReason", ""),
+        task_definition=task.get("taskDefinitionArn", ""),
     )
 
 

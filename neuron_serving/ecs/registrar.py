@@ -22,7 +22,8 @@ class RegistrarError(RuntimeError):
 
 class ProxyRegistrar(Protocol):
     def units(self) -> set[str]: ...
-    def add(self, unit: dict[str, Any]) -> None: ...
+    # draining=True: the unit joins drained (no request before an explicit undrain).
+    def add(self, unit: dict[str, Any], draining: bool = False) -> None: ...
     def drain(self, unit_id: str) -> None: ...
     def remove(self, unit_id: str) -> None: ...
 
@@ -44,7 +45,7 @@ class NullRegistrar:
     def units(self) -> set[str]:
         return set()
 
-    def add(self, unit: dict[str, Any]) -> None:
+    def add(self, unit: dict[str, Any], draining: bool = False) -> None:
         pass
 
     def drain(self, unit_id: str) -> None:
@@ -91,11 +92,12 @@ class AdminApiRegistrar:
         self._check("GET", "/admin/units", status, body, (200,))
         return {u["unit_id"] for u in body["units"]}
 
-    def add(self, unit: dict[str, Any]) -> None:
-        status, body = self._call("POST", "/admin/units", unit)
+    def add(self, unit: dict[str, Any], draining: bool = False) -> None:
+        body_in = {**unit, "draining": True} if draining else unit
+        status, body = self._call("POST", "/admin/units", body_in)
         if status == 409:  # a predecessor with old addresses: replace it
             self.remove(unit["unit_id"])
-            status, body = self._call("POST", "/admin/units", unit)
+            status, body = self._call("POST", "/admin/units", body_in)
         self._check("POST", "/admin/units", status, body, (200, 201))
 
     def drain(self, unit_id: str) -> None:
@@ -110,9 +112,14 @@ class AdminApiRegistrar:
 
 
 def registrar_for(spec: DeploymentSpec) -> ProxyRegistrar:
-    """The spec's proxy, or none. The token: the spec's file, else the env registry."""
+    """The spec's proxy, or none."""
     if not spec.proxy_admin_url:
         return NullRegistrar()
+    return AdminApiRegistrar(spec.proxy_admin_url, admin_token(spec))
+
+
+def admin_token(spec: DeploymentSpec) -> str:
+    """The proxy's admin token: the spec's file, else the env registry."""
     from pathlib import Path
 
     from neuron_serving import envs
@@ -125,4 +132,4 @@ def registrar_for(spec: DeploymentSpec) -> ProxyRegistrar:
             "proxy_admin_url is set but no admin token: set proxy_admin_token_file "
             "or NEURON_SERVING_PROXY_ADMIN_TOKEN"
         )
-    return AdminApiRegistrar(spec.proxy_admin_url, token)
+    return token

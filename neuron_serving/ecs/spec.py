@@ -66,6 +66,10 @@ class DeploymentSpec:
     # Host directory with the compiled model, bind-mounted read-only at model_dir
     # (the instance's user data fetches it); None: the image holds the model.
     host_model_dir: str | None = None
+    # s3:// prefix of a published checkpoint version: each task fetches its own rank's
+    # shards into model_dir before it starts (`checkpoint fetch --rank R`). Set per
+    # release by `neuron-serving deploy --unit-spec`; None: the model is at model_dir.
+    model_uri: str | None = None
     log_group: str = ""  # default /ecs/<name>
     # Cloud Map private DNS namespace (both or neither): leaders are registered as
     # <unit-id>-leader.<namespace> and followers dial that name.
@@ -128,6 +132,12 @@ class DeploymentSpec:
             value = getattr(self, key)
             if value and not str(value).startswith("/"):
                 p.append(f"{key} must be an absolute path, got {value!r}")
+        if self.model_uri is not None:
+            if not re.match(r"^s3://[^/]+/.", str(self.model_uri)):
+                p.append(f"model_uri must be s3://BUCKET/PREFIX, got {self.model_uri!r}")
+            if self.host_model_dir:
+                # The bind mount is read-only: nothing could be fetched into it.
+                p.append("model_uri and host_model_dir exclude each other")
         if self.ready_timeout_s <= 0:
             p.append("ready_timeout_s must be > 0")
         if itype is not None and self.task_memory_mib is not None:

@@ -88,7 +88,19 @@ def static_environment(spec: DeploymentSpec, role: str) -> dict[str, str]:
     )
     if role == "leader":
         env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(spec.health_port)
+    if spec.model_uri:
+        env["NEURON_SERVING_MODEL_URI"] = spec.model_uri
     return env
+
+
+def fetch_command(spec: DeploymentSpec, rank: str) -> str:
+    """Before the node starts: its own rank's shards (plus config, tokenizer, manifest),
+    checked against the manifest's sha256; a failure exits the task, i.e. fails the
+    unit's start. Empty when the model is already at model_dir."""
+    if not spec.model_uri:
+        return ""
+    target = shlex.quote(spec.model_dir)
+    return f'neuron-serving checkpoint fetch "$NEURON_SERVING_MODEL_URI" {target} --rank {rank} && '
 
 
 def command(spec: DeploymentSpec, role: str) -> str:
@@ -114,6 +126,7 @@ def command(spec: DeploymentSpec, role: str) -> str:
             f'NEURON_RANK_ID="${{NEURON_RANK_ID:-0}}" && '
         )
         tail = ' --control-host "$IP" --unit-id "$NEURON_SERVING_UNIT_ID"'
+        prefix += fetch_command(spec, "0")
     else:
         args = [
             "neuron-serving", "follower",
@@ -122,7 +135,7 @@ def command(spec: DeploymentSpec, role: str) -> str:
             "--health-host", "0.0.0.0",
             "--device", "neuron",
         ]  # fmt: skip
-        prefix = ""
+        prefix = fetch_command(spec, '"$NEURON_SERVING_RANK"')
         tail = ' --leader "$NEURON_SERVING_LEADER_ADDR" --rank "$NEURON_SERVING_RANK"'
     return prefix + "exec " + shlex.join(args) + tail
 

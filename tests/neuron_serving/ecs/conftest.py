@@ -62,7 +62,8 @@ class FakeAws:
     namespace_id: str
     namespace: str
 
-    def spec(self, **changes: Any) -> DeploymentSpec:
+    def spec_dict(self, **changes: Any) -> dict[str, Any]:
+        """A unit spec (as YAML would hold it) on this fake VPC and Cloud Map namespace."""
         raw = spec_dict(
             subnets=[self.subnet],
             security_groups=[self.security_group],
@@ -70,7 +71,10 @@ class FakeAws:
             service_discovery_namespace_id=self.namespace_id,
         )
         raw.update(changes)
-        return DeploymentSpec.from_dict(raw)
+        return raw
+
+    def spec(self, **changes: Any) -> DeploymentSpec:
+        return DeploymentSpec.from_dict(self.spec_dict(**changes))
 
     def add_instances(self, n: int, cluster: str = "trn") -> None:
         resp = self.ec2.run_instances(

@@ -98,6 +98,25 @@ def test_commands():
     assert '--leader "$NEURON_SERVING_LEADER_ADDR" --rank "$NEURON_SERVING_RANK"' in follower
 
 
+def test_model_uri_each_rank_fetches_its_shards_first():
+    spec = make_spec(model_uri="s3://ckpt/llama/v2")
+    fetch = 'neuron-serving checkpoint fetch "$NEURON_SERVING_MODEL_URI" /models/llm --rank'
+    leader = taskdef.command(spec, "leader")
+    assert f"{fetch} 0 && exec neuron-serving leader --model /models/llm" in leader
+    follower = taskdef.command(spec, "follower")
+    assert follower.startswith(f'{fetch} "$NEURON_SERVING_RANK" && exec neuron-serving follower')
+    for role in taskdef.ROLES:
+        td = taskdef.task_definition(spec, role)
+        validate("RegisterTaskDefinition", td)
+        assert env_of(td["containerDefinitions"][0])["NEURON_SERVING_MODEL_URI"] == spec.model_uri
+        # Another version is another revision (content hash), not the same one.
+        other = taskdef.task_definition(spec.replace(model_uri="s3://ckpt/llama/v3"), role)
+        assert other["tags"][-1] != td["tags"][-1]
+    assert "NEURON_SERVING_MODEL_URI" not in env_of(
+        taskdef.task_definition(make_spec(), "leader")["containerDefinitions"][0]
+    )
+
+
 @pytest.mark.parametrize("itype", sorted(DEVICES))
 def test_neuron_environment_per_rank_matches_the_backend(itype):
     """Task definition env + RunTask overrides = what NeuronBackend gives each rank."""

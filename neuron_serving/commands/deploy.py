@@ -1,9 +1,13 @@
 """`neuron-serving deploy --version V --source SRC`: rolling update of a running cluster.
 
 See neuron_serving/deploy/README.md. Talks to the proxy's admin API (drain,
-undrain, /status) and to the `neuron-serving up` supervisor's control socket
-(recreate a unit on a model directory); both need the cluster's admin token, read
-from the run directory.
+undrain, /status) and to what runs the units (deploy/recreator.py):
+
+- default: the `neuron-serving up` supervisor's control socket (recreate a unit on
+  a model directory); both need the cluster's admin token, read from the run directory.
+- ``--unit-spec FILE``: an ECS deployment (the spec `neuron-serving ecs` takes); a
+  unit is a group of tasks, recreated on task definitions that fetch the version from
+  ``--source s3://...``; the proxy admin URL and token come from the spec.
 """
 
 from __future__ import annotations
@@ -12,10 +16,20 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+if TYPE_CHECKING:
+    from neuron_serving.checkpoint.compat import UnitShape
+    from neuron_serving.deploy.recreator import UnitRecreator
+    from neuron_serving.deploy.rollout import ProxyAdmin
+    from neuron_serving.deploy.source import Release
+
 PROG = "neuron-serving deploy"
+DEFAULT_PROXY = "http://127.0.0.1:8080"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,12 +40,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="directory holding <version>/ (or the version itself), or s3://BUCKET/PREFIX",
     )
-    p.add_argument("--proxy", default="http://127.0.0.1:8080", help="proxy base URL")
-    p.add_argument("--admin-url", default=None, help="proxy admin URL (default: port + 1)")
+    p.add_argument(
+        "--unit-spec",
+        metavar="FILE",
+        default=None,
+        help="ECS: the deployment's unit spec (as for `neuron-serving ecs`); --source must "
+        "be s3://, --proxy is required",
+    )
+    p.add_argument(
+        "--proxy", default=None, help=f"proxy base URL (default {DEFAULT_PROXY} without ECS)"
+    )
+    p.add_argument(
+        "--admin-url",
+        default=None,
+        help="proxy admin URL (default: port + 1; ECS: the spec's proxy_admin_url)",
+    )
     p.add_argument("--run-dir", default=None, help="the `up` run dir (default: from the port)")
     p.add_argument("--max-unavailable", type=int, default=1, help="units recreated at a time")
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds per unit")
-    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per unit start")
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=None,
+        help="seconds per unit start (default 600; ECS: the spec's ready_timeout_s)",
+    )
     p.add_argument("--canary-timeout", type=float, default=120.0, help="seconds per canary")
     p.add_argument(
         "--no-rollback", action="store_true", help="on failure, leave the failed unit drained"
@@ -41,15 +73,89 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+@dataclass(slots=True)
+class Target:
+    """What a deploy acts on: the units, the proxy in front of them, and how a version
+    is resolved for them."""
+
+    units: UnitRecreator
+    proxy: ProxyAdmin
+    resolve: Callable[[UnitShape], Release]
+    ready_timeout_s: float
+    done_note: str = ""  # said after a successful deploy
+
+
+def local_target(args: argparse.Namespace) -> Target:
+    from neuron_serving.deploy.rollout import ProxyAdmin
+    from neuron_serving.deploy.source import DeployError, resolve
+    from neuron_serving.deploy.supervisor import SupervisorRecreator
+    from neuron_serving.local.cache import default_run_dir
+    from neuron_serving.local.control import SOCKET_NAME, ControlClient
+
+    proxy_url = args.proxy or DEFAULT_PROXY
+    port = urlparse(proxy_url).port or 80
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(port)
+    admin_url = args.admin_url or f"http://127.0.0.1:{port + 1}"
+    token_file = run_dir / "admin-token"
+    try:
+        token = token_file.read_text().strip()
+    except OSError as e:
+        raise DeployError(
+            f"cannot read the admin token {token_file}: {e.strerror} "
+            "(is `neuron-serving up` running with this proxy port? see --run-dir)"
+        ) from None
+    return Target(
+        SupervisorRecreator(ControlClient(run_dir / SOCKET_NAME, token)),
+        ProxyAdmin(proxy_url, admin_url, token),
+        lambda shape: resolve(
+            args.version, args.source, run_dir, shape, endpoint_url=args.endpoint_url
+        ),
+        600.0 if args.ready_timeout is None else args.ready_timeout,
+    )
+
+
+def ecs_target(args: argparse.Namespace) -> Target:
+    from neuron_serving.commands.ecs import controller
+    from neuron_serving.deploy.ecs import EcsRecreator
+    from neuron_serving.deploy.rollout import ProxyAdmin
+    from neuron_serving.deploy.source import DeployError, resolve_published
+    from neuron_serving.ecs.registrar import admin_token
+    from neuron_serving.ecs.spec import load_spec
+
+    spec = load_spec(args.unit_spec)
+    if not args.proxy:
+        raise DeployError("--unit-spec needs --proxy URL: the proxy in front of the units")
+    admin_url = args.admin_url or spec.proxy_admin_url
+    if not admin_url:
+        raise DeployError(
+            f"{args.unit_spec} has no proxy_admin_url (nor --admin-url): a deploy drains and "
+            "re-admits units through the proxy's admin API"
+        )
+    token = admin_token(spec)
+    units = EcsRecreator(controller(spec), endpoint_url=args.endpoint_url)
+    # `ecs deploy`/`watch` roll units to the spec's version: after this deploy the spec
+    # file must name the new one, or the next reconcile undoes the deploy.
+    uri = f"{args.source.rstrip('/')}/{args.version}"
+    return Target(
+        units,
+        ProxyAdmin(args.proxy, admin_url, token),
+        lambda shape: resolve_published(
+            args.version, args.source, shape, endpoint_url=args.endpoint_url
+        ),
+        spec.ready_timeout_s if args.ready_timeout is None else args.ready_timeout,
+        done_note=f"now set `version: {args.version}` and `model_uri: {uri}` in "
+        f"{args.unit_spec}{' (and remove host_model_dir)' if spec.host_model_dir else ''}: "
+        "`neuron-serving ecs deploy|watch` roll units to the spec's version",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from neuron_serving.checkpoint.compat import UnitShape
-    from neuron_serving.deploy.rollout import DeploySettings, ProxyAdmin, Rollout
-    from neuron_serving.deploy.source import DeployError, resolve
-    from neuron_serving.local.cache import default_run_dir
-    from neuron_serving.local.control import SOCKET_NAME, ControlClient, ControlError
+    from neuron_serving.deploy.recreator import RecreateError
+    from neuron_serving.deploy.rollout import DeploySettings, Rollout
+    from neuron_serving.deploy.source import DeployError
 
     console = Console(stderr=args.json)
     t0 = time.monotonic()
@@ -59,39 +165,21 @@ def run(args: argparse.Namespace) -> int:
             f"[dim]{time.monotonic() - t0:7.1f}s[/] {msg}", highlight=False, soft_wrap=True
         )
 
-    port = urlparse(args.proxy).port or 80
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(port)
-    admin_url = args.admin_url or f"http://127.0.0.1:{port + 1}"
     try:
+        target = ecs_target(args) if args.unit_spec else local_target(args)
         settings = DeploySettings(
             max_unavailable=args.max_unavailable,
             drain_timeout_s=args.drain_timeout,
-            ready_timeout_s=args.ready_timeout,
+            ready_timeout_s=target.ready_timeout_s,
             canary_timeout_s=args.canary_timeout,
             rollback=not args.no_rollback,
         )
-        token_file = run_dir / "admin-token"
-        try:
-            token = token_file.read_text().strip()
-        except OSError as e:
-            raise DeployError(
-                f"cannot read the admin token {token_file}: {e.strerror} "
-                "(is `neuron-serving up` running with this proxy port? see --run-dir)"
-            ) from None
-        control = ControlClient(run_dir / SOCKET_NAME, token)
-        cluster = control.units()
+        shape = target.units.fleet().shape
         say(f"resolving {args.version} from {args.source} ...")
-        release = resolve(
-            args.version,
-            args.source,
-            run_dir,
-            UnitShape(int(cluster["tp"]), cluster.get("device", "cpu")),
-            endpoint_url=args.endpoint_url,
-        )
-        say(f"{release.version}: verified ({release.model_dir})")
-        rollout = Rollout(release, settings, ProxyAdmin(args.proxy, admin_url, token), control, say)
-        report = rollout.run()
-    except (DeployError, ControlError, ValueError) as e:
+        release = target.resolve(shape)
+        say(f"{release.version}: verified ({release.location})")
+        report = Rollout(release, settings, target.proxy, target.units, say).run()
+    except (DeployError, RecreateError, ValueError) as e:
         console.print(f"[red]{PROG}: {e}[/]")
         if args.json:
             print(json.dumps({"version": args.version, "ok": False, "message": str(e)}))
@@ -110,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     console.print(table)
     console.print(report.message if report.ok else f"[red]{report.message}[/]")
+    if report.ok and target.done_note:
+        console.print(target.done_note)
     if args.json:
         print(json.dumps(report.as_dict()))
     sys.stdout.flush()

@@ -5,8 +5,10 @@
     per batch of ``max_unavailable`` units (in parallel within a batch):
       drain      proxy admin API: no new requests; wait for in-flight -> 0 (bounded;
                  what is left is migrated by the proxy when the unit goes away)
-      recreate   supervisor control API: the whole unit restarts on the new version
-      ready      the new generation is ready (a crash or timeout = startup failure)
+      recreate   the UnitRecreator (recreator.py: the local supervisor, or ECS): the
+                 whole unit restarts on the new version
+      ready      the new generation is ready (a crash, failed launch or timeout =
+                 startup failure)
       canary     the manifest's prompts, greedy, token ids compared (canary.py)
       version    the proxy reports the unit healthy at the new version
       admit      undrain; the proxy routes to it again
@@ -29,8 +31,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from neuron_serving.deploy.canary import run_canaries
-from neuron_serving.deploy.source import DeployError, Release, current_release
-from neuron_serving.local.control import ControlClient, ControlError
+from neuron_serving.deploy.recreator import (
+    RecreateError,
+    StartupFailed,
+    UnitRecreator,
+    UnitState,
+)
+from neuron_serving.deploy.source import DeployError, Release
 from neuron_serving.local.probe import admin_call, get_json
 
 _POLL_S = 0.5
@@ -146,13 +153,13 @@ class Rollout:
         release: Release,
         settings: DeploySettings,
         proxy: ProxyAdmin,
-        control: ControlClient,
+        units: UnitRecreator,
         say: Callable[[str], None] = print,
     ) -> None:
         self.release = release
         self.settings = settings
         self.proxy = proxy
-        self.control = control
+        self.units = units
         self._say_lock = threading.Lock()
         self._say = say
 
@@ -162,10 +169,10 @@ class Rollout:
 
     # ---- steps -----------------------------------------------------------------------
 
-    def _supervised(self, unit_id: str) -> dict[str, Any]:
-        units = {u["unit_id"]: u for u in self.control.units()["units"]}
+    def _unit(self, unit_id: str) -> UnitState:
+        units = self.units.fleet().units
         if unit_id not in units:
-            raise DeployError(f"the supervisor no longer knows unit {unit_id}")
+            raise DeployError(f"unit {unit_id} no longer exists")
         return units[unit_id]
 
     def move(self, unit_id: str, release: Release) -> None:
@@ -187,15 +194,16 @@ class Rollout:
         else:
             self.say(f"{unit_id}: drained in {took:.1f} s")
 
-        before = self._supervised(unit_id)
         try:
-            generation = self.control.recreate(unit_id, release.model_dir)
-        except ControlError as e:
+            generation = self.units.recreate(unit_id, release)
+            self.say(f"{unit_id}: recreating on {release.version} ({release.location})")
+            self.units.wait_ready(unit_id, generation, s.ready_timeout_s)
+        except RecreateError as e:
             raise StepFailed(unit_id, "recreate", str(e)) from None
-        self.say(f"{unit_id}: recreating on {release.version} ({release.model_dir})")
-        self._wait_ready(unit_id, generation, int(before.get("restarts", 0)))
+        except StartupFailed as e:
+            raise StepFailed(unit_id, "startup", str(e)) from None
 
-        leader_http = self._supervised(unit_id)["leader_http"]
+        leader_http = self._unit(unit_id).leader_http
         if release.manifest is not None and release.manifest.canaries:
             results = run_canaries(leader_http, release.manifest.canaries, s.canary_timeout_s)
             if not all(r.ok for r in results):
@@ -230,24 +238,6 @@ class Rollout:
             raise StepFailed(unit_id, "admit", "not routable after undrain")
         self.say(f"{unit_id}: serving {release.version}")
 
-    def _wait_ready(self, unit_id: str, generation: int, restarts_before: int) -> None:
-        deadline = time.monotonic() + self.settings.ready_timeout_s
-        while time.monotonic() < deadline:
-            u = self._supervised(unit_id)
-            if int(u.get("generation", 0)) >= generation:
-                if u.get("phase") == "ready":
-                    return
-                if int(u.get("restarts", 0)) > restarts_before:
-                    f = u.get("last_failure") or {}
-                    tail = "\n".join((f.get("log_tail") or "").splitlines()[-8:])
-                    raise StepFailed(
-                        unit_id, "startup", f"{f.get('reason', 'failed')}\n{tail}".rstrip()
-                    )
-            time.sleep(_POLL_S)
-        raise StepFailed(
-            unit_id, "startup", f"not ready within {self.settings.ready_timeout_s:.0f} s"
-        )
-
     # ---- the rollout -----------------------------------------------------------------
 
     def run(self) -> DeployReport:
@@ -261,9 +251,9 @@ class Rollout:
         return report
 
     def _run(self, report: DeployReport) -> None:
-        sup = {u["unit_id"]: u for u in self.control.units()["units"]}
+        sup = self.units.fleet().units
         prox = self.proxy.units()
-        not_ready = [f"{k} ({u.get('phase')})" for k, u in sup.items() if u.get("phase") != "ready"]
+        not_ready = [f"{k} ({u.phase})" for k, u in sup.items() if not u.ready]
         if not_ready:
             raise DeployError(f"units not ready, deploy refused: {', '.join(not_ready)}")
         unknown = sorted(set(sup) - set(prox))
@@ -278,11 +268,11 @@ class Rollout:
         todo: list[str] = []
         for unit_id in sorted(sup):
             label = str(prox[unit_id].get("model_version") or "")
-            old[unit_id] = current_release(sup[unit_id]["model_dir"], label)
+            old[unit_id] = self.units.release_at(sup[unit_id].location, label)
             o = UnitOutcome(unit_id, old[unit_id].version, self.release.version)
             report.outcomes.append(o)
-            same_dir = str(self.release.model_dir) == sup[unit_id]["model_dir"]
-            if same_dir and label == self.release.version:
+            same_place = self.release.location == sup[unit_id].location
+            if same_place and label == self.release.version:
                 o.result, o.detail = "skipped", "already serving this version"
             else:
                 todo.append(unit_id)
@@ -321,7 +311,7 @@ class Rollout:
             try:
                 self.move(unit_id, target[unit_id])
                 outcomes[unit_id].result = result
-            except (StepFailed, DeployError, ControlError) as e:
+            except (StepFailed, DeployError, RecreateError) as e:
                 failed = e if isinstance(e, StepFailed) else StepFailed(unit_id, "deploy", str(e))
                 failures[unit_id] = failed
                 outcomes[unit_id].result = "failed" if result == "upgraded" else "rollback failed"

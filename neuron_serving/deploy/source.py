@@ -6,6 +6,11 @@ manifest names that version). ``--source s3://BUCKET/PREFIX``: the version is
 the cluster's run directory first. Either way the version is verified (every
 file's sha256, completeness, config) and checked against the units' tp degree
 before any unit is touched: a bad version never costs capacity.
+
+``resolve_published`` (ECS): the units fetch the version themselves, each rank only
+its own shards (``checkpoint fetch --rank R`` in the task), so the deploy host reads
+just the manifest and checks every object's size and sha256 metadata; the bytes are
+hashed against the manifest by each rank's fetch, whose failure fails the unit's start.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from neuron_serving.checkpoint.compat import CheckpointMismatch, UnitShape, check_unit
+from neuron_serving.checkpoint.compat import (
+    CheckpointMismatch,
+    UnitShape,
+    check_shape,
+    check_unit,
+)
 from neuron_serving.checkpoint.layout import MANIFEST_NAME
 from neuron_serving.checkpoint.manifest import Manifest
 
@@ -24,10 +34,12 @@ class DeployError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """One checkpoint version, on local disk, verified."""
+    """One checkpoint version and where units load it from, checked."""
 
     version: str
-    model_dir: Path
+    # A local directory (the `up` supervisor's units read it) or, on ECS, the version's
+    # s3:// prefix (each rank fetches its own shards from it when its task starts).
+    location: str
     manifest: Manifest | None  # None: an unversioned Hugging Face directory (rollback only)
 
 
@@ -59,19 +71,61 @@ def check_release(version: str, model_dir: Path, unit: UnitShape, *, hashes: boo
         manifest = check_unit(model_dir, unit)
     except CheckpointMismatch as e:
         raise DeployError(str(e)) from None
-    if manifest.version != version:
-        raise DeployError(
-            f"{model_dir}/{MANIFEST_NAME} is version {manifest.version!r}, not {version!r}"
-        )
+    _check_manifest(version, manifest, f"{model_dir}/{MANIFEST_NAME}")
     report = verify(model_dir, hashes=hashes)
     if not report.ok:
         raise DeployError(f"version {version} failed verification:\n{report.render()}")
+    _check_canaries(manifest)
+    return Release(version, str(model_dir.resolve()), manifest)
+
+
+def resolve_published(
+    version: str, source: str, unit: UnitShape, *, endpoint_url: str | None = None
+) -> Release:
+    """``s3://BUCKET/PREFIX/<version>`` checked in place (see the module doc)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from neuron_serving.checkpoint.store import S3Store, StoreError, parse_s3_url
+
+    if not source.startswith("s3://"):
+        raise DeployError(
+            f"--source must be s3://BUCKET/PREFIX here, got {source!r}: the units' tasks "
+            "fetch the version from S3 themselves"
+        )
+    url = f"{source.rstrip('/')}/{version}"
+    errors = (StoreError, ValueError, OSError, BotoCoreError, ClientError)
+    try:
+        loc = parse_s3_url(url)
+        store = S3Store.from_env(endpoint_url=endpoint_url)
+        _, manifest = store.read_manifest(loc)
+    except errors as e:
+        raise DeployError(f"reading {url}: {e}") from None
+    try:
+        check_shape(manifest, unit)
+    except CheckpointMismatch as e:
+        raise DeployError(str(e)) from None
+    _check_manifest(version, manifest, f"{url}/{MANIFEST_NAME}")
+    _check_canaries(manifest)
+    try:
+        problems = store.check_published(loc, manifest)
+    except errors as e:
+        raise DeployError(f"checking the objects of {url}: {e}") from None
+    if problems:
+        raise DeployError(f"version {version} at {url} is not intact: " + "; ".join(problems))
+    return Release(version, str(loc), manifest)
+
+
+def _check_manifest(version: str, manifest: Manifest, where: str) -> None:
+    if manifest.version != version:
+        raise DeployError(f"{where} is version {manifest.version!r}, not {version!r}")
+
+
+def _check_canaries(manifest: Manifest) -> None:
     if not manifest.canaries:
         raise DeployError(
-            f"version {version} has no canary prompts in its manifest; a deploy could not "
-            "check that it serves what was sharded"
+            f"version {manifest.version} has no canary prompts in its manifest; a deploy "
+            "could not check that it serves what was sharded"
         )
-    return Release(version, model_dir.resolve(), manifest)
 
 
 def current_release(model_dir: Path | str, label: str) -> Release:
@@ -81,7 +135,7 @@ def current_release(model_dir: Path | str, label: str) -> Release:
         manifest = Manifest.read(model_dir)
     except (FileNotFoundError, ValueError):
         manifest = None
-    return Release(manifest.version if manifest else label, Path(model_dir), manifest)
+    return Release(manifest.version if manifest else label, str(model_dir), manifest)
 
 
 def _fetch(version: str, source: str, cache_dir: Path, endpoint_url: str | None) -> Path:

@@ -1,0 +1,81 @@
+"""`SupervisorRecreator` over the supervisor's real control socket, with a fake cluster
+behind it: the `UnitRecreator` view of a local `up`, and its ready/failed rules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neuron_serving.deploy.recreator import RecreateError, StartupFailed
+from neuron_serving.deploy.source import Release
+from neuron_serving.deploy.supervisor import SupervisorRecreator
+from neuron_serving.local.control import ControlClient, ControlServer
+
+TOKEN = "supervisor-recreator-token"
+
+
+class FakeCluster:
+    def __init__(self, model_dir: Path) -> None:
+        self.unit = {
+            "unit_id": "unit-0",
+            "phase": "ready",
+            "generation": 1,
+            "restarts": 0,
+            "model_dir": str(model_dir),
+            "leader_http": "http://127.0.0.1:9",
+            "last_failure": None,
+        }
+        self.recreated: list[Path] = []
+
+    def units_view(self) -> dict[str, Any]:
+        return {"tp": 2, "device": "cpu", "units": [dict(self.unit)]}
+
+    def recreate_unit(self, unit_id: str, model_dir: Path) -> int:
+        if unit_id != "unit-0":
+            raise KeyError(unit_id)
+        self.recreated.append(model_dir)
+        self.unit.update(phase="starting", generation=self.unit["generation"] + 1)
+        return self.unit["generation"]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    cluster = FakeCluster(tmp_path)
+    sock = Path(f"/tmp/ns-rec-{os.getpid()}.sock")  # Unix socket paths are short
+    srv = ControlServer(cluster, sock, TOKEN)
+    srv.start()
+    yield cluster, SupervisorRecreator(ControlClient(sock, TOKEN, timeout_s=5), poll_s=0.01)
+    srv.stop()
+
+
+def test_fleet_recreate_and_ready(cluster, tmp_path: Path):
+    fake, units = cluster
+    state = units.fleet()
+    assert (state.shape.tp, state.shape.device) == (2, "cpu")
+    (unit,) = state.units.values()
+    assert unit.ready and unit.location == str(tmp_path) and unit.generation == 1
+    new = tmp_path / "v2"
+    new.mkdir()
+    generation = units.recreate("unit-0", Release("v2", str(new), None))
+    assert generation == 2 and fake.recreated == [new.resolve()]
+    with pytest.raises(StartupFailed, match="not ready within 0 s"):
+        units.wait_ready("unit-0", generation, timeout_s=0.05)
+    fake.unit["phase"] = "ready"
+    units.wait_ready("unit-0", generation, timeout_s=5)
+    with pytest.raises(RecreateError, match="no longer knows unit unit-9"):
+        units.recreate("unit-9", Release("v2", str(new), None))
+
+
+def test_a_restart_at_the_new_generation_is_a_startup_failure(cluster, tmp_path: Path):
+    fake, units = cluster
+    generation = units.recreate("unit-0", Release("v2", str(tmp_path), None))
+    fake.unit.update(
+        phase="backoff",
+        restarts=1,
+        last_failure={"reason": "leader exited with code 1", "log_tail": "a\nCheckpointMismatch"},
+    )
+    with pytest.raises(StartupFailed, match="leader exited with code 1\na\nCheckpointMismatch"):
+        units.wait_ready("unit-0", generation, timeout_s=5)

@@ -170,8 +170,11 @@ async def triton_grpc_stream(rfi: Any, client: Any, pbar: Any = None) -> Any:
                 output.itl.append(timestamp - most_recent)
             most_recent = timestamp
             generated += result.as_numpy("text_output")[0].decode(errors="replace")
-            output.output_tokens = int(result.as_numpy("completion_tokens")[0])
-            if result.as_numpy("finish_reason")[0]:
+            # Counts and the finish reason come with the first and last responses only.
+            counts, finish = result.as_numpy("completion_tokens"), result.as_numpy("finish_reason")
+            if counts is not None:
+                output.output_tokens = int(counts[0])
+            if finish is not None and finish[0]:
                 output.success = True
                 break
         else:

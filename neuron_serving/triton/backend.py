@@ -269,12 +269,19 @@ class LLMBackend:
         first: bool = False,
     ) -> Any:
         T = self.pb.Tensor
-        tensors = [
-            T("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            T("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
-            T("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
-            T("completion_tokens", np.array([completion_tokens], dtype=np.int32)),
-        ]
+        tensors = [T("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
+        # The counts and the finish reason go with the first and the last response
+        # only: each output tensor of each response is a shared-memory allocation in
+        # the stub and an output tensor in tritonserver and its front end, and text
+        # alone on the middle ones cut the leader's CPU per streamed token by ~20 %
+        # (stub 185 -> 147 us, tritonserver 112 -> 95 us; Triton README). Readers take
+        # counts as a maximum over the responses they saw (proxy/upstream.py).
+        if first or finish_reason is not None:
+            tensors += [
+                T("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
+                T("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
+                T("completion_tokens", np.array([completion_tokens], dtype=np.int32)),
+            ]
         if logprobs is not None:
             tensors.append(
                 T("logprobs", np.array([json.dumps(logprobs).encode()], dtype=np.object_))

@@ -86,6 +86,8 @@ class Reply:
     completion_tokens: int = -1
     error: str | None = None
     cancelled: bool = False  # set by the caller when it cancelled the gRPC stream
+    responses: int = 0
+    with_counts: int = 0  # responses that carried counts and a finish reason
 
     @property
     def text(self) -> str:
@@ -113,9 +115,13 @@ async def generate(
                     reply.error = str(error)
                     break
                 reply.texts.append(result.as_numpy("text_output")[0].decode())
-                reply.prompt_tokens = int(result.as_numpy("prompt_tokens")[0])
-                reply.completion_tokens = int(result.as_numpy("completion_tokens")[0])
-                reply.finish_reason = result.as_numpy("finish_reason")[0].decode()
+                reply.responses += 1
+                # Counts and the finish reason come with the first and last responses.
+                if (counts := result.as_numpy("completion_tokens")) is not None:
+                    reply.prompt_tokens = int(result.as_numpy("prompt_tokens")[0])
+                    reply.completion_tokens = int(counts[0])
+                    reply.finish_reason = result.as_numpy("finish_reason")[0].decode()
+                    reply.with_counts += 1
                 if on_response is not None:
                     on_response(reply, it)
                 if reply.finish_reason:
@@ -171,6 +177,7 @@ async def test_stream_concatenates_to_non_stream(
     assert full.prompt_tokens == streamed.prompt_tokens == n_prompt
     assert full.completion_tokens == streamed.completion_tokens == 24
     assert full.finish_reason == streamed.finish_reason == "length"
+    assert streamed.with_counts == 2  # the first and the last response; text alone between
     # Without exclude_input_in_output, the non-streaming text starts with the prompt.
     with_input = await generate(client, PROMPT, stream=False, params=params, exclude=False)
     assert with_input.text == PROMPT + full.text

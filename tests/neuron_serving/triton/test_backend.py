@@ -251,9 +251,14 @@ def test_streaming_sends_deltas_and_cumulative_counts(backend) -> None:
     )
     wait_final(s)
     assert [text(r) for r, _ in s.sent] == ["t0 ", "t1 ", "t2 ", "t3 "]
-    assert [int(r.outputs["completion_tokens"][0]) for r, _ in s.sent] == [1, 2, 3, 4]
     assert [f for _, f in s.sent] == [0, 0, 0, FINAL]
-    assert [r.outputs["finish_reason"][0] for r, _ in s.sent][-2:] == [b"", b"length"]
+    # Counts and the finish reason ride on the first and the last response only (the
+    # middle ones carry text alone: fewer tensors per token).
+    assert [sorted(r.outputs) for r, _ in s.sent][1:3] == [["text_output"]] * 2
+    first, last = s.sent[0][0].outputs, s.sent[-1][0].outputs
+    assert first["completion_tokens"][0] == 1 and first["finish_reason"][0] == b""
+    assert last["completion_tokens"][0] == 4 and last["finish_reason"][0] == b"length"
+    assert first["prompt_tokens"][0] == last["prompt_tokens"][0] == 1
 
 
 @pytest.mark.parametrize(
@@ -342,14 +347,13 @@ def test_slow_sends_coalesce_deltas_exactly(backend) -> None:
     texts = [text(r) for r, _ in s.sent]
     assert "".join(texts) == "".join(f"t{i} " for i in range(40))
     assert len(s.sent) < 20, "deltas were not merged"
-    counts = [int(r.outputs["completion_tokens"][0]) for r, _ in s.sent]
-    # cumulative and exact: each response's count = tokens sent so far
-    assert counts == [sum(t.count("t") for t in texts[: k + 1]) for k in range(len(texts))]
-    assert counts[-1] == 40
+    # Exact cumulative counts on the first and last responses (the middle carry text).
+    assert int(s.sent[0][0].outputs["completion_tokens"][0]) == 1
+    assert int(s.sent[-1][0].outputs["completion_tokens"][0]) == 40
     assert texts[0] == "t0 ", "the first token goes out alone, never held back"
     assert [f for _, f in s.sent] == [0] * (len(s.sent) - 1) + [FINAL]
-    reasons = [r.outputs["finish_reason"][0] for r, _ in s.sent]
-    assert reasons[-1] == b"length" and set(reasons[:-1]) == {b""}
+    assert s.sent[-1][0].outputs["finish_reason"][0] == b"length"
+    assert s.sent[0][0].outputs["finish_reason"][0] == b""
 
 
 def test_fast_sends_get_every_token(backend) -> None:

@@ -254,8 +254,11 @@ def arms(leader: Any, vllm_base: str, with_http: bool = True) -> list[Arm]:
 async def _measure(arm_list: list[Arm], repeats: int, requests: int, max_tokens: int) -> dict:
     extra = {"temperature": 0.0}
     ids = itertools.count()
-    for arm in arm_list:  # warm-up: connections, compiled graphs, every code path
-        await run_load(arm, ids, CONCURRENCY, CONCURRENCY, max_tokens, extra)
+    # Warm-up: one full round per arm (connections, every code path, and the batch
+    # shapes the measured rounds will see: with 16 requests only, the first measured
+    # Triton round of a quick run still paid a 4x TTFT for shapes seen the first time).
+    for arm in arm_list:
+        await run_load(arm, ids, requests, CONCURRENCY, max_tokens, extra)
     runs: list[dict[str, Any]] = []
     for r in range(repeats):
         order = arm_list if r % 2 == 0 else arm_list[::-1]
@@ -306,7 +309,7 @@ def main(
 
     scaling_rc = 0
     scaling_repeats = repeats  # the sweep's own default, unless given
-    repeats = repeats or (2 if quick else 5)
+    repeats = repeats or (3 if quick else 5)
     requests, max_tokens = (64, 64) if quick else (128, 128)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ns-bench-serving-") as tmp:
@@ -360,7 +363,7 @@ def main(
             "ignore_eos": True,
             "temperature": 0.0,
             "repeats": repeats,
-            "warmup_requests_per_arm": CONCURRENCY,
+            "warmup_requests_per_arm": requests,
             "model": "demo" if model is None else model,
             "tp": 1,
             "engine": ENGINE,

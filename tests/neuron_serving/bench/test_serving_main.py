@@ -47,7 +47,7 @@ def test_serving_then_scaling_on_one_leader(tmp_path, monkeypatch):
     monkeypatch.setattr(scaling, "_measure", fake_scaling)
     assert serving.main(True, str(tmp_path / "model"), False, None, then_scaling=True) == 0
     # vLLM stopped before the sweep; the leader once, at the end.
-    assert log[:3] == ["ready 2", "serving x2", "stop"] and log[3] == "scaling warm_up=False"
+    assert log[:3] == ["ready 2", "serving x3", "stop"] and log[3] == "scaling warm_up=False"
     s = json.loads((tmp_path / "serving-quick.json").read_text())
     assert s["throughput_ratio"] == 1.0 and set(s["arms"]) == {"triton", "vllm"}
     sc = json.loads((tmp_path / "scaling-quick.json").read_text())

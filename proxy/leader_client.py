@@ -4,9 +4,17 @@ generated protobuf stubs (``tritonclient.grpc.service_pb2``).
 Why not ``tritonclient.grpc.aio.InferenceServerClient``: on the token path it cost
 ~50 us per response (``InferResult.as_numpy`` builds numpy arrays, once per output
 per token) and its ``stream_infer`` feeds requests through an iterator task whose
-cancellation formats a traceback for every finished request. Here a stream is a
-reader/writer call (one ``write``, then ``read`` until done) and responses are read
-straight from the protobuf message (``proxy.upstream.decode_response``).
+cancellation formats a traceback for every finished request. Here a generation is
+``ModelStreamInfer`` called as unary-stream: the one request, our half-close and the
+metadata go out in one gRPC operation, then ``read`` until done (Triton keeps a
+decoupled stream open after the client's half-close until the request's final
+response; checked against the real leader by tests/e2e/test_proxy_e2e.py, including
+that cancelling the call aborts the request in vLLM). Against the earlier
+reader/writer call (metadata, write and half-close as separate operations, each a
+wake-up of gRPC's poller) it saves ~0.15-0.2 ms of proxy CPU per request (1.68 ->
+1.52 ms, event-loop thread 1.41 -> 1.21 ms; fake leader, 3 x 1000 sequential
+one-token streams, alternating). Responses are read straight from the protobuf
+message (``proxy.upstream.decode_response``).
 
 One ``LeaderClient`` (one HTTP/2 channel) per leader address, shared by probes and
 generations: gRPC multiplexes calls, and sharing means a probe sees the same
@@ -88,7 +96,7 @@ class LeaderClient:
             request_serializer=service_pb2.ModelConfigRequest.SerializeToString,
             response_deserializer=service_pb2.ModelConfigResponse.FromString,
         )
-        self._stream = c.stream_stream(
+        self._stream_one = c.unary_stream(
             _SERVICE + "ModelStreamInfer",
             request_serializer=service_pb2.ModelInferRequest.SerializeToString,
             response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
@@ -111,10 +119,12 @@ class LeaderClient:
             service_pb2.ModelConfigRequest(name=model), timeout=client_timeout
         )
 
-    def stream_infer(self, timeout: float) -> grpc.aio.StreamStreamCall:
-        """A ``ModelStreamInfer`` call in reader/writer style: ``await call.write(req)``,
-        then ``await call.read()`` (``ModelStreamInferResponse`` or ``grpc.aio.EOF``)."""
-        return self._stream(timeout=timeout)
+    def stream_infer_one(
+        self, request: service_pb2.ModelInferRequest, timeout: float
+    ) -> grpc.aio.UnaryStreamCall:
+        """``ModelStreamInfer`` with one request, sent and half-closed in one operation;
+        ``await call.read()`` gives ``ModelStreamInferResponse``s, then ``grpc.aio.EOF``."""
+        return self._stream_one(request, timeout=timeout)
 
     async def close(self) -> None:
         await self.channel.close()

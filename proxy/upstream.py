@@ -277,11 +277,13 @@ class TritonUpstream:
             raise DeadlineExceeded()
         client = self.clients.get(unit.leader_grpc)
         request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling)
-        # Reader/writer style: one write, then reads. Our half of the stream stays open
-        # until we are done reading: closing it early is legal gRPC but some servers end
-        # the stream on half-close. The call is cancelled on the way out, which makes
-        # Triton cancel the request in vLLM if it is still running.
-        call = client.stream_infer(timeout=remaining)
+        # One request and our half-close in one operation (leader_client.py); Triton
+        # keeps the stream open until the request's final response. The call is
+        # cancelled on the way out, which makes Triton cancel the request in vLLM if it
+        # is still running.
+        call = client.stream_infer_one(request, remaining)
+        if timing is not None:
+            timing.sent = loop.time()
         task = asyncio.current_task()
         watchdog = _Watchdog(loop, deadline, task)
         budget = self.timeouts.first_token_s
@@ -289,11 +291,6 @@ class TritonUpstream:
             while True:
                 try:
                     watchdog.waiting(budget)
-                    if request is not None:
-                        await call.write(request)
-                        request = None
-                        if timing is not None:
-                            timing.sent = loop.time()
                     response = await call.read()
                     watchdog.idle()
                     if timing is not None and not timing.first:

@@ -122,3 +122,36 @@ def test_bad_requests_get_openai_errors(client, stack) -> None:
     (unit,) = status["units"]
     assert unit["state"] == "routable" and unit["errors_total"] == 0
     assert unit["requests_total"] >= 4
+
+
+def test_client_disconnect_cancels_the_request_in_vllm(stack) -> None:
+    """A client that drops its stream mid-way through the proxy: the proxy cancels the
+    gRPC call and Triton aborts the request in vLLM (the engine goes idle long before
+    the request's max_tokens would have been generated)."""
+    import http.client
+    import time
+
+    from tests.e2e.triton_leader_helpers import metric
+
+    leader, base = stack
+    cancelled = "neuron_serving_triton_requests_total"
+    before = metric(leader.metrics, cancelled, outcome="cancelled")
+    host, port = base.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": "llm", "prompt": "Tell me about hiking boots.", "max_tokens": 400,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    chunks = 0
+    while chunks < 3:
+        chunks += resp.readline().startswith(b"data:")
+    conn.close()  # drop the connection mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done = metric(leader.metrics, cancelled, outcome="cancelled") > before
+        if done and metric(leader.metrics, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.25)
+    assert metric(leader.metrics, cancelled, outcome="cancelled") == before + 1
+    assert metric(leader.metrics, "vllm:num_requests_running") == 0

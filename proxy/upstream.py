@@ -188,6 +188,9 @@ class AttemptTiming:
     sent: float = 0.0
     first: float = 0.0
 
+    def mark_sent(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.sent = loop.time()
+
     @property
     def upstream_ttft_s(self) -> float | None:
         return self.first - self.sent if self.first else None
@@ -283,7 +286,11 @@ class TritonUpstream:
         # is still running.
         call = client.stream_infer_one(request, remaining)
         if timing is not None:
-            timing.sent = loop.time()
+            # The call sends from a task it has just scheduled; asyncio runs ready
+            # callbacks in FIFO order, so this one runs right after that task's first
+            # step has handed the request to gRPC. In a burst that is well after this
+            # line, and the wait is the proxy's, not the unit's.
+            loop.call_soon(timing.mark_sent, loop)
         task = asyncio.current_task()
         watchdog = _Watchdog(loop, deadline, task)
         budget = self.timeouts.first_token_s

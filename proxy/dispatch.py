@@ -82,7 +82,7 @@ class GenerationJob:
     migrations: int = 0
     # The serving unit's own time to first response (request written -> first
     # response read), when the first attempt produced the first token: the proxy's
-    # hop is the client-side TTFT minus this (ProxyMetrics.hop).
+    # hop is the client-side TTFT minus this (ProxyMetrics.first_written).
     upstream_ttft_s: float | None = None
 
 

@@ -107,19 +107,32 @@ def _executor_targets(r: dict[str, Any]) -> list[Target]:
 
 
 def _serving_targets(r: dict[str, Any]) -> list[Target]:
+    """The target ratios (on ``ratio_arm``; results before it existed used the gRPC
+    arm), then the gRPC arm's ratios for information (no status)."""
     tg = r.get("targets", {})
     tp, tt = tg.get("throughput_ratio", 0.9), tg.get("ttft_p50_ratio", 1.2)
+    via = {"triton_http": " (HTTP/SSE both)", "triton": " (Triton over gRPC)"}.get(
+        r.get("ratio_arm", "triton"), ""
+    )
     out = []
-    for key, rule, ok in (("throughput_ratio", f">= {tp}", lambda v: v >= tp),
-                          ("ttft_p50_ratio", f"<= {tt}", lambda v: v <= tt)):  # fmt: skip
-        v = r.get(key)
-        per = r.get(f"{key}_per_repeat")
-        text = num(v) + (f" (per repeat {num(per['min'])}..{num(per['max'])}, n={per['n']})"
-                         if per else "")  # fmt: skip
-        label = "output tok/s" if key == "throughput_ratio" else "TTFT p50"
-        limit = tp if key == "throughput_ratio" else tt
-        out.append(Target("serving", f"Triton leader / vllm serve {label} {rule}", text,
-                          None if v is None else ok(v), straddles=straddles(per, limit)))  # fmt: skip
+    for prefix, info in (("", False), ("grpc_", True)):
+        for key, rule, ok in (("throughput_ratio", f">= {tp}", lambda v: v >= tp),
+                              ("ttft_p50_ratio", f"<= {tt}", lambda v: v <= tt)):  # fmt: skip
+            v = r.get(prefix + key)
+            if v is None and info:
+                continue
+            per = r.get(f"{prefix}{key}_per_repeat")
+            text = num(v) + (f" (per repeat {num(per['min'])}..{num(per['max'])}, n={per['n']})"
+                             if per else "")  # fmt: skip
+            label = "output tok/s" if key == "throughput_ratio" else "TTFT p50"
+            limit = tp if key == "throughput_ratio" else tt
+            if info:
+                out.append(Target("serving", f"information: Triton over gRPC (tritonclient aio) "
+                                  f"/ vllm serve {label}", text, None))  # fmt: skip
+            else:
+                out.append(Target("serving", f"Triton leader / vllm serve{via} {label} {rule}",
+                                  text, None if v is None else ok(v),
+                                  straddles=straddles(per, limit)))  # fmt: skip
     return out
 
 
@@ -276,7 +289,8 @@ def _bars(path: Path, title: str, ylabel: str, groups: list[str],
 def _serving_arms(r: dict[str, Any]) -> dict[str, Any]:
     """Arms in a fixed order: the two compared, then the informational ones."""
     arms = r["arms"]
-    order = [a for a in ("triton", "vllm") if a in arms] + sorted(set(arms) - {"triton", "vllm"})
+    first = (r.get("ratio_arm", "triton"), "vllm")
+    order = [a for a in first if a in arms] + sorted(set(arms) - set(first))
     return {a: arms[a] for a in order}
 
 
@@ -394,12 +408,26 @@ def _meta(r: dict[str, Any]) -> list[str]:
 def _serving_section(r: dict[str, Any]) -> list[str]:
     arms = _serving_arms(r)
     keys = ["output_tok_s"] + [f"{m}_{q}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                               for q in ("p50", "p99")]  # fmt: skip
-    rows = [[k] + [spread_text(arms[a].get(k), 1) for a in arms] for k in keys]
-    return [*_table(["figure", *arms], rows), "",
-            "ITL: time between consecutive streamed chunks of one request (vLLM's definition). "
-            "The ratios compare the `triton` arm (gRPC streaming, the proxy's path) with `vllm`; "
-            "`triton_http` is the leader's HTTP generate_stream, for information."]  # fmt: skip
+                               for q in ("p50", "p99")] + ["client_cpu_us_per_token"]  # fmt: skip
+    rows = [[k] + [spread_text(arms[a].get(k), 1) for a in arms] for k in keys
+            if any(arms[a].get(k) for a in arms)]  # fmt: skip
+    if r.get("ratio_arm") == "triton_http":
+        how = ("The target ratios compare `triton_http` (the leader's HTTP generate_stream, SSE) "
+               "with `vllm` (OpenAI /v1/completions, SSE): same transport, aiohttp clients of "
+               "about the same CPU per token (`client_cpu_us_per_token`: the load driver's own "
+               "CPU, which shares the machine's cores with the servers). `triton` is the same "
+               "leader over gRPC with tritonclient's aio client (the proxy's path), for "
+               "information.")  # fmt: skip
+    else:
+        how = (
+            "The ratios compare the `triton` arm (gRPC streaming, the proxy's path) with "
+            "`vllm`; `triton_http` is the leader's HTTP generate_stream, for information."
+        )
+    return [
+        *_table(["figure", *arms], rows),
+        "",
+        "ITL: time between consecutive streamed chunks of one request (vLLM's definition). " + how,
+    ]
 
 
 def _scaling_section(r: dict[str, Any]) -> list[str]:

@@ -8,13 +8,15 @@ import sys
 import time
 
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
+# Diagnostic benchmarks: run by name, not part of `bench all`.
+DIAGNOSTIC = ("cpu",)
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark; results go to bench/results/")
-    p.add_argument("name", choices=(*BENCHMARKS, "all", "report"))
+    p.add_argument("name", choices=(*BENCHMARKS, *DIAGNOSTIC, "all", "report"))
     p.add_argument("--quick", action="store_true", help="reduced load, a few minutes")
     p.add_argument(
         "--json", action="store_true", help="last stdout line: one JSON object of figures"
@@ -24,6 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--full", action="store_true", help="bench all: default sizes instead of --quick ones"
     )
+    p.add_argument(
+        "--py-spy", default=None, metavar="DIR",
+        help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -43,6 +49,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
         from neuron_serving.bench import report
 
         return report.main(emit_json)
+    if name == "cpu":
+        from neuron_serving.bench import cpu
+
+        return cpu.main(quick, model, emit_json, repeats, profile_dir=args.py_spy)
     module = importlib.import_module(f"neuron_serving.bench.{name}")
     return module.main(quick, model, emit_json, repeats)
 

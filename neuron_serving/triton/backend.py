@@ -53,6 +53,9 @@ class LLMBackend:
         self._in_flight = 0
         self._idle_since: float | None = time.monotonic()
         self._unload_started = False
+        # Responses made on the engine loop in this loop iteration; flushed to the
+        # response thread in one piece by a callback queued behind them (_enqueue).
+        self._pending: list[tuple[str, Any, int, Any]] = []
 
     # ---- Triton entry points -------------------------------------------------------
 
@@ -137,6 +140,7 @@ class LLMBackend:
     def finalize(self) -> None:
         log.info("llm model finalize: stopping the engine")
         self.engine_thread.stop()
+        self._flush()  # the loop has stopped: whatever its last iteration left
         self.responses.stop()
 
     # ---- request handling ------------------------------------------------------------
@@ -209,13 +213,13 @@ class LLMBackend:
                         first=first,
                     )
                     if out.finished:
-                        self.responses.put(request_id, response, self.final)
+                        self._enqueue(request_id, response, self.final)
                     else:
                         # Backpressure: pull the next output only once this one is
                         # sent; meanwhile vLLM's output collector merges the DELTAs
                         # that arrive (see responses.py).
                         sent = loop.create_future()
-                        self.responses.put(request_id, response, 0, sent)
+                        self._enqueue(request_id, response, 0, sent)
                         await sent
             finally:
                 # Deterministic abort when we leave early: AsyncLLM.generate aborts the
@@ -227,23 +231,21 @@ class LLMBackend:
             # Client cancelled (or engine shutdown): AsyncLLM.generate has already
             # aborted the request in vLLM on its way out.
             self.metrics.outcome("cancelled")
-            self.responses.put(
-                request_id, self._error("request was cancelled", "CANCELLED"), self.final
-            )
+            self._enqueue(request_id, self._error("request was cancelled", "CANCELLED"), self.final)
         except RequestError as e:
             self.metrics.outcome("invalid")
-            self.responses.put(request_id, self._error(str(e), "INVALID_ARG"), self.final)
+            self._enqueue(request_id, self._error(str(e), "INVALID_ARG"), self.final)
         except ValueError as e:
             # vLLM's own input validation; only possible before the first output.
             outcome, code = ("invalid", "INVALID_ARG") if not produced else ("error", "INTERNAL")
             self.metrics.outcome(outcome)
-            self.responses.put(request_id, self._error(str(e), code), self.final)
+            self._enqueue(request_id, self._error(str(e), code), self.final)
         except Exception as e:  # noqa: BLE001 - the client must always get a FINAL response
             dead = self.engine.errored or not self.health.healthy
             log.exception("request %s failed", request_id)
             self.metrics.outcome("unavailable" if dead else "error")
             message = self._unavailable_message() if dead else f"generation failed: {e!r}"
-            self.responses.put(
+            self._enqueue(
                 request_id, self._error(message, "UNAVAILABLE" if dead else "INTERNAL"), self.final
             )
         finally:
@@ -252,6 +254,23 @@ class LLMBackend:
                 self._idle_since = time.monotonic()
 
     # ---- responses -------------------------------------------------------------------
+
+    def _enqueue(self, request_id: str, response: Any, flags: int = 0, waiter: Any = None) -> None:
+        """Engine loop only: queue a response for the response thread.
+
+        An engine step wakes every running request's task in the same loop iteration,
+        and each makes one response. Handing them over one by one cost a queue
+        operation and a futex wake-up of the response thread per token; batched, it is
+        one per step. The flush callback is queued behind the tasks that are ready now,
+        so it runs once they all have; order per request is kept (one list, in order).
+        """
+        self._pending.append((request_id, response, flags, waiter))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        items, self._pending = self._pending, []
+        self.responses.put_batch(items)
 
     def _wake_senders(self, waiters: list[asyncio.Future]) -> None:
         """Response thread -> engine loop, once per drained batch."""

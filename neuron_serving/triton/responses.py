@@ -65,12 +65,15 @@ class ResponseThread:
         sent or dropped; the backend resolves them on the engine loop."""
         self._final_flag = final_flag
         self._wake = wake
-        self._queue: queue.Queue[Item | None] = queue.Queue()
+        # Items, or lists of items put together (one engine step's responses: one
+        # queue operation and at most one wake-up of this thread for all of them).
+        self._queue: queue.Queue[Item | list[Item] | None] = queue.Queue()
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="triton-responses", daemon=True)
         self.cancelled_total = 0
         self.sent_total = 0
+        self.entries_total = 0  # queue entries taken (an item, or a batch of them)
 
     def start(self) -> None:
         self._thread.start()
@@ -83,6 +86,11 @@ class ResponseThread:
         """Thread-safe; a FINAL response unregisters the stream once sent. ``waiter``
         is handed to ``wake()`` once the response was sent (or dropped)."""
         self._queue.put((request_id, response, flags, waiter))
+
+    def put_batch(self, items: list[Item]) -> None:
+        """``put`` for several items at once, in order; thread-safe."""
+        if items:
+            self._queue.put(items)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -103,14 +111,16 @@ class ResponseThread:
                 except queue.Empty:
                     break
                 batch.append(item)
+            self.entries_total += len(batch)
             waiters = []
-            for item in batch:
-                if item is None:
+            for entry in batch:
+                if entry is None:
                     self._resolve(waiters)
                     return
-                self._send(*item[:3])
-                if item[3] is not None:
-                    waiters.append(item[3])
+                for item in entry if isinstance(entry, list) else (entry,):
+                    self._send(*item[:3])
+                    if item[3] is not None:
+                        waiters.append(item[3])
             self._resolve(waiters)
 
     def _send(self, request_id: str, response: Any, flags: int) -> None:

@@ -25,8 +25,8 @@ def _write(d: Path, name: str, body: dict, time: str = "2026-12-02T10:00:00Z") -
 
 
 def _results(d: Path) -> None:
-    runs = [{"triton": _run(0.05, 0.01, duration=d_t), "vllm": _run(0.04, 0.01, duration=1.0),
-             "triton_http": _run(0.06, 0.0)} for d_t in (1.2, 1.3)]  # fmt: skip
+    runs = [{"triton_http": _run(0.05, 0.01, duration=d_t), "vllm": _run(0.04, 0.01, duration=1.0),
+             "triton": _run(0.06, 0.0)} for d_t in (1.2, 1.3)]  # fmt: skip
     _write(d, "serving-quick", {"workload": {"concurrency": 16}, **serving.aggregate(runs),
                                 "targets": {"throughput_ratio": 0.9, "ttft_p50_ratio": 1.2},
                                 "runs": runs})  # fmt: skip
@@ -83,6 +83,9 @@ def test_report_marks_targets_and_draws_plots(tmp_path):
     assert tput.measured.startswith("0.80")
     ttft = next(t for t in ts if t.benchmark == "serving" and "TTFT" in t.target)
     assert ttft.met is False  # 50 ms vs 40 ms = 1.25x
+    assert "HTTP/SSE both" in tput.target
+    info = [t for t in ts if t.benchmark == "serving" and t.target.startswith("information")]
+    assert len(info) == 2 and all(t.met is None for t in info)  # the gRPC arm: no status
     assert by[("executor", "unit / MultiprocExecutor output tok/s >= 0.9")].met is True
     proxy = [t for t in ts if t.benchmark == "proxy"]
     assert [t.met for t in proxy] == [True, False]

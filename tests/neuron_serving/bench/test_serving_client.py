@@ -81,10 +81,14 @@ def test_aggregate_ratios_are_median_over_median():
         return {k: 1.0 for k in figure_keys()} | {"output_tok_s": tok_s, "ttft_p50_ms": ttft,
                                                    "failed": 0}  # fmt: skip
 
-    runs = [{"triton": run(t, 10.0), "vllm": run(100.0, 8.0), "triton_http": run(1.0, 1.0)}
+    runs = [{"triton_http": run(t, 10.0), "vllm": run(100.0, 8.0), "triton": run(50.0, 4.0)}
             for t in (80.0, 90.0, 120.0)]  # fmt: skip
     agg = aggregate(runs)
+    assert agg["ratio_arm"] == "triton_http"
     assert agg["throughput_ratio"] == pytest.approx(0.9)
     assert agg["throughput_ratio_per_repeat"]["min"] == pytest.approx(0.8)
     assert agg["ttft_p50_ratio"] == pytest.approx(1.25)
     assert agg["met"] == {"throughput_ratio": True, "ttft_p50_ratio": False}
+    # the gRPC arm's ratios, for information, never decide "met"
+    assert agg["grpc_throughput_ratio"] == pytest.approx(0.5)
+    assert agg["grpc_ttft_p50_ratio"] == pytest.approx(0.5)

@@ -29,15 +29,16 @@ def test_serving_then_scaling_on_one_leader(tmp_path, monkeypatch):
     monkeypatch.setattr(stack, "start_leader", lambda *a, **k: _Server(log, "leader"))
     monkeypatch.setattr(stack, "start_vllm_server", lambda *a, **k: _Server(log, "vllm"))
     monkeypatch.setattr(stack, "wait_ready", lambda servers: log.append(f"ready {len(servers)}"))
-    monkeypatch.setattr(serving, "arms", lambda leader, base, with_http: [with_http])
+    monkeypatch.setattr(serving, "arms", lambda leader, base: ["arms"])
 
     def run(n=4):
         return summarize([from_chunks(0.0, [0.01, 0.02, 0.03]) for _ in range(n)], 1.0)
 
     async def fake_serving(arm_list, repeats, requests, max_tokens):
-        assert arm_list == [False]  # quick: no informational HTTP arm
+        assert arm_list == ["arms"]
         log.append(f"serving x{repeats}")
-        return {"runs": [{"triton": run(), "vllm": run()} for _ in range(repeats)]}
+        return {"runs": [{"triton_http": run(), "vllm": run(), "triton": run()}
+                         for _ in range(repeats)]}  # fmt: skip
 
     async def fake_scaling(arm, levels, repeats, per_stream, max_tokens, warm_up=True):
         log.append(f"scaling warm_up={warm_up}")
@@ -49,7 +50,7 @@ def test_serving_then_scaling_on_one_leader(tmp_path, monkeypatch):
     # vLLM stopped before the sweep; the leader once, at the end.
     assert log[:3] == ["ready 2", "serving x3", "stop"] and log[3] == "scaling warm_up=False"
     s = json.loads((tmp_path / "serving-quick.json").read_text())
-    assert s["throughput_ratio"] == 1.0 and set(s["arms"]) == {"triton", "vllm"}
+    assert s["throughput_ratio"] == 1.0 and set(s["arms"]) == {"triton_http", "vllm", "triton"}
     sc = json.loads((tmp_path / "scaling-quick.json").read_text())
     assert [r["concurrency"] for r in sc["levels"]] == list(scaling.QUICK_LEVELS)
     assert "serving benchmark's leader" in sc["note"] and sc["startup_s"] is None

@@ -102,6 +102,20 @@ class Engine:
         # outputs not yet taken are merged, as vLLM's RequestOutputCollector does.
         self.collect = False
         self.produced_at: dict[str, list[float]] = {}
+        # True: every request's next token comes from one shared step, as in vLLM, where
+        # one engine step's outputs wake every running request in one loop iteration.
+        self.lockstep = False
+        self._step: asyncio.Future | None = None
+
+    async def _sleep_step(self) -> None:
+        if not self.lockstep:
+            await asyncio.sleep(self.step_s)
+            return
+        if self._step is None or self._step.done():
+            loop = asyncio.get_running_loop()
+            self._step = step = loop.create_future()
+            loop.call_later(self.step_s, lambda: step.done() or step.set_result(None))
+        await asyncio.shield(self._step)
 
     def get_tokenizer(self) -> Tokenizer:
         return Tokenizer()
@@ -120,7 +134,7 @@ class Engine:
         n = params.max_tokens
         try:
             for i in range(n):
-                await asyncio.sleep(self.step_s)
+                await self._sleep_step()
                 if self.fail_after is not None and i == self.fail_after:
                     raise RuntimeError("boom")
                 last = i == n - 1
@@ -383,6 +397,21 @@ def test_first_token_is_not_delayed_by_other_streams(backend) -> None:
     for x in slow:
         wait_final(x)
         assert "".join(text(r) for r, _ in x.sent) == "".join(f"t{i} " for i in range(60))
+
+
+def test_one_steps_responses_reach_the_response_thread_together(backend) -> None:
+    """Streams stepping together hand their responses over as one batch per step (one
+    queue operation and wake-up instead of one per token), each stream still in order."""
+    backend.engine.lockstep = True
+    backend.engine.step_s = 0.01
+    senders = [Sender() for _ in range(8)]
+    backend.execute([stream_request(x, 12) for x in senders])
+    for x in senders:
+        wait_final(x)
+        assert [text(r) for r, _ in x.sent] == [f"t{i} " for i in range(12)]
+    responses = sum(len(x.sent) for x in senders)
+    assert responses == 8 * 12
+    assert backend.responses.entries_total <= responses / 4, backend.responses.entries_total
 
 
 def test_cancel_while_waiting_for_a_slow_send(backend) -> None:

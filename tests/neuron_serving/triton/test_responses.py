@@ -74,3 +74,19 @@ def test_failing_wake_does_not_stop_the_thread() -> None:
     wait_for(lambda: len(s.sent) == 2)
     t.stop()
     assert t.in_flight() == 0
+
+
+def test_put_batch_sends_in_order_and_wakes_once() -> None:
+    wakes: list[list[str]] = []
+    t = ResponseThread(FINAL, wake=wakes.append)
+    a, b = Sender(), Sender()
+    t.register("a", Stream(a))
+    t.register("b", Stream(b))
+    t.put_batch([("a", "a0", 0, "wa0"), ("b", "b0", 0, "wb0"), ("a", "a1", FINAL, None)])
+    t.put_batch([])  # nothing queued, nothing woken
+    t.start()
+    wait_for(lambda: len(a.sent) == 2)
+    assert t.entries_total == 1  # counted before sending; stop() adds its own entry
+    t.stop()
+    assert a.sent == [("a0", 0), ("a1", FINAL)] and b.sent == [("b0", 0)]
+    assert wakes == [["wa0", "wb0"]]

@@ -1,0 +1,206 @@
+"""Where the CPU goes per output token: the Triton leader against `vllm serve`.
+
+The serving benchmark reports throughput; on this 2-core machine throughput is set
+by how much CPU each server spends per token next to the engine's core, so this
+benchmark measures that directly. Same servers, engine settings, prompts and load
+driver as ``serving.py`` (its ``arms`` and ``run_load``); per arm and repeat it
+takes each server process's CPU time (user + system, from ``/proc`` via psutil,
+every process of the server's tree, grouped by process name: ``tritonserver``,
+``triton_python_backend_stub``, ``VLLM::EngineCore``...) and the load driver's own
+CPU (this process: ``os.times``), before and after the run, divided by the output
+tokens the run produced. Arms alternate, order flipped every repeat.
+
+``neuron-serving bench cpu [--quick] [--py-spy DIR]`` (diagnostic, not in ``bench
+all``): one leader and one vLLM server, side by side as in the serving benchmark.
+``--py-spy DIR``: additionally record each arm's
+server tree with py-spy (if installed) during the first measured repeat, as
+speedscope files, for reading where the front end's time goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from neuron_serving.bench.common import spread, write_result
+
+
+def _tree(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _label(proc: Any) -> str:
+    """The process's name as the benchmark reports it (vLLM renames its processes)."""
+    try:
+        name = proc.name()
+        if name.startswith("python"):
+            cmd = proc.cmdline()
+            mod = next((c for c in cmd if c.startswith(("neuron_serving", "vllm."))), "")
+            return {"vllm.entrypoints.openai.api_server": "vllm api server",
+                    "neuron_serving.cli": "neuron-serving leader"}.get(mod, name)  # fmt: skip
+        return name
+    except Exception:  # noqa: BLE001 - a process that just exited
+        return "?"
+
+
+def cpu_by_name(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system, children not reaped yet excluded) per process
+    label over the tree rooted at ``pid``."""
+    out: dict[str, float] = {}
+    for proc in _tree(pid):
+        try:
+            t = proc.cpu_times()
+            out[_label(proc)] = out.get(_label(proc), 0.0) + t.user + t.system
+        except Exception:  # noqa: BLE001
+            continue
+    return out
+
+
+def _client_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
+
+
+def _py_spy(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).exists():
+        print("py-spy not installed; no profile", file=sys.stderr)
+        return None
+    return subprocess.Popen(
+        [exe, "record", "--pid", str(pid), "--subprocesses", "--duration", str(int(seconds)),
+         "--rate", "200", "--format", "speedscope", "--output", str(path), "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+async def _measure(arms: list[Any], servers: dict[str, int], repeats: int, requests: int,
+                   max_tokens: int, profile_dir: Path | None) -> list[dict[str, Any]]:  # fmt: skip
+    from neuron_serving.bench.serving import CONCURRENCY, run_load
+
+    extra = {"temperature": 0.0}
+    ids = itertools.count()
+    for arm in arms:  # warm-up, as in the serving benchmark
+        await run_load(arm, ids, requests, CONCURRENCY, max_tokens, extra)
+    runs = []
+    for r in range(repeats):
+        run: dict[str, Any] = {}
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            pid = servers[arm.name]
+            spy = None
+            if profile_dir is not None and r == 0:
+                spy = _py_spy(pid, 8, profile_dir / f"{arm.name}.speedscope.json")
+                await asyncio.sleep(1.0)  # py-spy attaches to every process of the tree
+            before, client0 = cpu_by_name(pid), _client_cpu()
+            summary = await run_load(arm, ids, requests, CONCURRENCY, max_tokens, extra)
+            after, client1 = cpu_by_name(pid), _client_cpu()
+            if spy is not None:
+                spy.wait(timeout=60)
+            tokens = summary["output_tokens"] or 1
+            per_token = {k: v / tokens * 1e6 for k, v in _delta(after, before).items() if v > 0}
+            run[arm.name] = {
+                "output_tok_s": summary["output_tok_s"],
+                "output_tokens": summary["output_tokens"],
+                "failed": summary["failed"],
+                "server_us_per_token": per_token,
+                "server_total_us_per_token": sum(per_token.values()),
+                "client_us_per_token": (client1 - client0) / tokens * 1e6,
+            }
+        runs.append(run)
+        print(f"repeat {r + 1}/{repeats}: " + "; ".join(
+            f"{a} {v['output_tok_s']:.0f} tok/s, server {v['server_total_us_per_token']:.0f} "
+            f"us/token ({', '.join(f'{k} {u:.0f}' for k, u in sorted(v['server_us_per_token'].items()))})"
+            f", client {v['client_us_per_token']:.0f}" for a, v in run.items()),
+            file=sys.stderr, flush=True)  # fmt: skip
+    return runs
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    arms: dict[str, Any] = {}
+    for name in runs[0]:
+        rows = [r[name] for r in runs]
+        labels = sorted({k for row in rows for k in row["server_us_per_token"]})
+        arms[name] = {
+            "output_tok_s": spread([row["output_tok_s"] for row in rows]),
+            "server_total_us_per_token": spread([row["server_total_us_per_token"] for row in rows]),
+            "client_us_per_token": spread([row["client_us_per_token"] for row in rows]),
+            "server_us_per_token": {
+                k: spread([row["server_us_per_token"].get(k, 0.0) for row in rows]) for k in labels
+            },
+        }
+    return arms
+
+
+def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
+         profile_dir: str | None = None) -> int:  # fmt: skip
+    from neuron_serving.bench.serving import CPU_BIND, ENGINE, arms
+    from neuron_serving.bench.stack import start_leader, start_vllm_server, wait_ready
+    from neuron_serving.models.demo import build_demo_model
+
+    repeats = repeats or (2 if quick else 4)
+    requests, max_tokens = (64, 64) if quick else (128, 128)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="ns-bench-cpu-") as tmp:
+        work = Path(tmp)
+        model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
+        leader = start_leader(
+            model_dir, work, "leader", cpu_bind=CPU_BIND, max_model_len=ENGINE["max_model_len"],
+            kv_cache_bytes=ENGINE["kv_cache_bytes"],
+            extra_args=("--max-num-seqs", str(ENGINE["max_num_seqs"]), "--executor", "unit",
+                        "--canary-interval", "86400"),
+        )  # fmt: skip
+        vllm = start_vllm_server(
+            model_dir, work, "vllm", cpu_bind=CPU_BIND,
+            engine_args=["--max-model-len", str(ENGINE["max_model_len"]),
+                         "--kv-cache-memory-bytes", str(ENGINE["kv_cache_bytes"]),
+                         "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+                         "--enable-prefix-caching", "--seed", str(ENGINE["seed"])],
+        )  # fmt: skip
+        try:
+            wait_ready([leader, vllm])
+            arm_list = arms(leader, vllm.base)
+            servers = {"triton": leader.process.popen.pid, "triton_http": leader.process.popen.pid,
+                       "vllm": vllm.process.popen.pid}  # fmt: skip
+            pdir = Path(profile_dir) if profile_dir else None
+            if pdir is not None:
+                pdir.mkdir(parents=True, exist_ok=True)
+            runs = asyncio.run(_measure(arm_list, servers, repeats, requests, max_tokens, pdir))
+        finally:
+            leader.process.stop()
+            vllm.process.stop()
+    agg = aggregate(runs)
+    result = {
+        "workload": {"requests": requests, "max_tokens": max_tokens, "repeats": repeats,
+                     "concurrency": 16, "engine": ENGINE, "cpu_bind": CPU_BIND,
+                     "cpu": "user+system seconds per process tree (psutil), per output token; "
+                            "client = this load driver's own process"},  # fmt: skip
+        "machine_load": {"load_avg_1m_start": load_before[0], "load_avg_1m_end": os.getloadavg()[0]},
+        "arms": agg,
+        "runs": runs,
+    }  # fmt: skip
+    path = write_result("cpu" + ("-quick" if quick else ""), result)
+    for name, a in agg.items():
+        print(f"{name}: {a['output_tok_s']['median']:.0f} tok/s, server "
+              f"{a['server_total_us_per_token']['median']:.0f} us/token, client "
+              f"{a['client_us_per_token']['median']:.0f} us/token", file=sys.stderr)  # fmt: skip
+    print(f"-> {path}", file=sys.stderr)
+    if emit_json:
+        print(json.dumps({n: a["server_total_us_per_token"]["median"] for n, a in agg.items()}))
+    return 0 if all(v["failed"] == 0 for r in runs for v in r.values()) else 1

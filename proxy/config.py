@@ -218,6 +218,9 @@ class ProxyConfig:
     admin_port: int = 8081
     admin_token_file: str | None = None
     max_body_bytes: int = 1 << 20
+    # How generations reach a leader: "grpc" (ModelStreamInfer) or "http"
+    # (generate_stream, for units with leader_http); probes use gRPC either way.
+    upstream_protocol: str = "grpc"
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -232,6 +235,10 @@ class ProxyConfig:
             p = getattr(self, name)
             _check(0 <= p < 65536, f"{name} must be in [0, 65535] (0 = any free port)")
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _check(
+            self.upstream_protocol in ("grpc", "http"),
+            f"upstream_protocol must be 'grpc' or 'http', got {self.upstream_protocol!r}",
+        )
         ids = [u.unit_id for u in self.units]
         _check(len(ids) == len(set(ids)), "unit ids must be unique")
         names = [m.name for m in self.models]

@@ -34,7 +34,7 @@ from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
 from proxy.registry import Registry, UnitState
 from proxy.routing import RouteRequest, RoutingPolicy
-from proxy.upstream import AttemptTiming, GenerationDelta, TritonUpstream, UpstreamError
+from proxy.upstream import AttemptTiming, GenerationDelta, Upstream, UpstreamError
 
 # Request header: pin a checkpoint version. Response header: the version that served it.
 VERSION_HEADER = "X-Model-Version"
@@ -92,7 +92,7 @@ class Dispatcher:
         registry: Registry,
         outlier: OutlierDetector,
         policy: RoutingPolicy,
-        upstream: TritonUpstream,
+        upstream: Upstream,
         retry: RetryConfig,
         metrics: ProxyMetrics,
     ) -> None:

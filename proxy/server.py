@@ -23,6 +23,7 @@ from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
 from proxy.health import HealthChecker
+from proxy.http_upstream import TritonHttpUpstream
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.openai_api import BODY_LIMIT, OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
@@ -30,6 +31,7 @@ from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
 from proxy.routing import make_policy
 from proxy.status import build_status
 from proxy.tokenizer import ModelTokenizer
+from proxy.transport import UnitTransport
 from proxy.triton_api import TritonFrontEnd
 from proxy.upstream import TritonClientPool, TritonUpstream
 
@@ -67,11 +69,15 @@ class ProxyServer:
         self.clients = TritonClientPool()
         self.outlier = OutlierDetector(config.outlier)
         self.admission = AdmissionController(config.admission)
+        self.transport = UnitTransport(
+            TritonUpstream(self.clients, config.timeouts),
+            TritonHttpUpstream(config.timeouts) if config.upstream_protocol == "http" else None,
+        )
         self.dispatcher = Dispatcher(
             self.registry,
             self.outlier,
             make_policy(config.routing, seed=seed),
-            TritonUpstream(self.clients, config.timeouts),
+            self.transport,
             config.retry,
             self.metrics,
         )
@@ -228,4 +234,5 @@ class ProxyServer:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.health.stop()
+        await self.transport.close()
         await self.clients.close()

@@ -23,7 +23,7 @@ import struct
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from tritonclient.grpc import service_pb2
@@ -196,7 +196,7 @@ class AttemptTiming:
         return self.first - self.sent if self.first else None
 
 
-class _Watchdog:
+class ReadWatchdog:
     """The silence and deadline bounds of one stream's reads, without a timer per read.
 
     ``asyncio.timeout`` around every read schedules and cancels a timer per token. Here
@@ -253,6 +253,30 @@ class _Watchdog:
             self._handle.cancel()
             self._handle = None
 
+    def timed_out(self, budget: float) -> UpstreamError | None:
+        """Call in ``except CancelledError`` around a bounded read: the error the
+        cancellation stands for (silence, or the request deadline), or None when it
+        was our caller's own cancellation, which must propagate."""
+        task = self._task
+        if not self.fired or task is None or task.uncancel() > 0:
+            return None
+        if self._loop.time() >= self._deadline:
+            return DeadlineExceeded()
+        return UpstreamError(f"upstream silent for {budget}s", unit_fault=True, retriable=True)
+
+
+class Upstream(Protocol):
+    """What the dispatcher needs of a transport (gRPC here, HTTP in http_upstream.py)."""
+
+    def generate(
+        self,
+        unit: UnitSpec,
+        prompt: str,
+        sampling: dict[str, Any],
+        deadline: float,
+        timing: AttemptTiming | None = None,
+    ) -> AsyncIterator[GenerationDelta]: ...
+
 
 class TritonUpstream:
     def __init__(self, clients: TritonClientPool, timeouts: TimeoutConfig) -> None:
@@ -292,7 +316,7 @@ class TritonUpstream:
             # line, and the wait is the proxy's, not the unit's.
             loop.call_soon(timing.mark_sent, loop)
         task = asyncio.current_task()
-        watchdog = _Watchdog(loop, deadline, task)
+        watchdog = ReadWatchdog(loop, deadline, task)
         budget = self.timeouts.first_token_s
         try:
             while True:
@@ -303,13 +327,10 @@ class TritonUpstream:
                     if timing is not None and not timing.first:
                         timing.first = loop.time()
                 except asyncio.CancelledError:
-                    if not watchdog.fired or task is None or task.uncancel() > 0:
+                    error = watchdog.timed_out(budget)
+                    if error is None:
                         raise  # our caller's cancellation, not a timeout
-                    if loop.time() >= deadline:
-                        raise DeadlineExceeded() from None
-                    raise UpstreamError(
-                        f"upstream silent for {budget}s", unit_fault=True, retriable=True
-                    ) from None
+                    raise error from None
                 except grpc.aio.AioRpcError as e:
                     raise classify_rpc_error(e) from None
                 if response is grpc.aio.EOF:

@@ -1,11 +1,13 @@
 """Proxy overhead: TTFT and ITL through the proxy against straight to the leader.
 
 One real TP=1 unit (`neuron-serving leader`: tritonserver + vLLM, demo model) and
-one `neuron-serving proxy` process in front of it. Both arms use the same client
-and protocol, Triton's HTTP ``generate_stream`` (the proxy serves it too, through
-its admission, routing and tritonclient gRPC upstream), so the difference is the
-proxy hop alone. Per repeat: 64 concurrent streams per arm, arms alternating and
-their order flipped every repeat so drift on a shared machine hits both alike.
+two `neuron-serving proxy` processes in front of it, one per upstream transport:
+"proxy" reaches the leader over gRPC ``ModelStreamInfer`` (the default
+``upstream_protocol``), "proxy_http" over Triton's HTTP ``generate_stream``. Every
+arm uses the same client and protocol, Triton's HTTP ``generate_stream`` (the proxy
+serves it too, through its admission, routing and upstream), so the difference to
+"direct" is the proxy hop alone. Per repeat: 64 concurrent streams per arm, arms
+in a rotating order so drift on a shared machine hits all alike.
 Every prompt starts with a unique number, so neither arm gets prefix-cache hits
 the other did not. A sequential pass (one stream at a time, arms interleaved
 request by request) measures the hop without queueing noise.
@@ -20,7 +22,9 @@ So each proxy batch also reads the proxy's own account of its hop, per request:
 ``proxy_added_time_to_first_token_seconds`` (TTFT at the proxy minus the unit's
 time from request written to first response read; Envoy's downstream minus
 upstream time), p50/p99 from the histogram's buckets as PromQL's
-``histogram_quantile`` would give them.
+``histogram_quantile`` would give them, and the proxy process's CPU (user +
+system, all threads) per streamed token. The top-level figures are the default
+(gRPC) upstream's; ``http_upstream`` holds the same figures for the HTTP one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import itertools
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,54 +83,89 @@ def _summary(timings: list[StreamTiming]) -> dict[str, Any]:
             "first_error": next((t.error for t in timings if t.error), "")}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ProxyArm:
+    addr: str  # the proxy's client port, also where its /metrics are
+    pid: int
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
 async def _proxy_batch(
-    s: aiohttp.ClientSession, url: str, proxy_addr: str, n: int, max_tokens: int,
+    s: aiohttp.ClientSession, url: str, proxy: ProxyArm, n: int, max_tokens: int,
     ids: itertools.count,
 ) -> tuple[list[StreamTiming], dict[str, float]]:  # fmt: skip
-    """A proxy-arm batch and the proxy's own hop time over it (p50/p99, ms)."""
-    before = await asyncio.to_thread(histogram, proxy_addr, HOP)
+    """A proxy-arm batch, the proxy's own hop time over it (p50/p99, ms) and its CPU
+    per streamed token (us)."""
+    before, cpu0 = await asyncio.to_thread(histogram, proxy.addr, HOP), _cpu_s(proxy.pid)
     timings = await _batch(s, url, n, max_tokens, ids)
-    after = await asyncio.to_thread(histogram, proxy_addr, HOP)
-    return timings, {f"hop_p{q}_ms": histogram_quantile(before, after, q) * 1e3 for q in (50, 99)}
+    cpu1, after = _cpu_s(proxy.pid), await asyncio.to_thread(histogram, proxy.addr, HOP)
+    tokens = max_tokens * sum(1 for t in timings if not t.error) or 1
+    figures = {f"hop_p{q}_ms": histogram_quantile(before, after, q) * 1e3 for q in (50, 99)}
+    figures["proxy_cpu_us_per_token"] = (cpu1 - cpu0) / tokens * 1e6
+    return timings, figures
 
 
 async def _run(
-    urls: dict[str, str], proxy_addr: str, repeats: int, max_tokens: int, sequential: int
-) -> dict:
+    urls: dict[str, str], proxies: dict[str, ProxyArm], repeats: int, max_tokens: int,
+    sequential: int,
+) -> dict:  # fmt: skip
     ids = itertools.count()
     timeout = aiohttp.ClientTimeout(total=600)
     conn = aiohttp.TCPConnector(limit=0)  # 64 streams per arm must not queue in the client
+    names = list(urls)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as s:
         for url in urls.values():  # warm-up: connections, Triton and vLLM code paths
             await _batch(s, url, 16, max_tokens, ids)
         runs: list[dict[str, Any]] = []
         for r in range(repeats):
-            order = ["direct", "proxy"] if r % 2 == 0 else ["proxy", "direct"]
+            order = names[r % len(names) :] + names[: r % len(names)]  # rotate
             run: dict[str, Any] = {}
             for arm in order:
-                if arm == "proxy":
-                    timings, hop = await _proxy_batch(s, urls[arm], proxy_addr, STREAMS,
+                if arm in proxies:
+                    timings, hop = await _proxy_batch(s, urls[arm], proxies[arm], STREAMS,
                                                       max_tokens, ids)  # fmt: skip
                     run[arm] = {**_summary(timings), **hop}
                 else:
                     run[arm] = _summary(await _batch(s, urls[arm], STREAMS, max_tokens, ids))
             runs.append(run)
-            print(f"repeat {r + 1}/{repeats}: TTFT p50 direct {run['direct']['ttft_p50_ms']:.1f} "
-                  f"ms, proxy {run['proxy']['ttft_p50_ms']:.1f} ms", file=sys.stderr, flush=True)  # fmt: skip
-        seq: dict[str, list[StreamTiming]] = {"direct": [], "proxy": []}
-        seq_before = await asyncio.to_thread(histogram, proxy_addr, HOP)
+            print(f"repeat {r + 1}/{repeats}: TTFT p50 " + ", ".join(
+                f"{a} {run[a]['ttft_p50_ms']:.1f} ms" for a in names), file=sys.stderr, flush=True)  # fmt: skip
+        seq: dict[str, list[StreamTiming]] = {a: [] for a in names}
+        seq_before = {
+            a: await asyncio.to_thread(histogram, p.addr, HOP) for a, p in proxies.items()
+        }
         for i in range(sequential):
-            for arm in ("direct", "proxy") if i % 2 == 0 else ("proxy", "direct"):
+            for arm in names[i % len(names) :] + names[: i % len(names)]:
                 seq[arm] += await _batch(s, urls[arm], 1, max_tokens, ids)
-        seq_after = await asyncio.to_thread(histogram, proxy_addr, HOP)
+        seq_after = {a: await asyncio.to_thread(histogram, p.addr, HOP) for a, p in proxies.items()}
     summary = {arm: _summary(t) for arm, t in seq.items()}
-    for q in (50, 99):
-        summary["proxy"][f"hop_p{q}_ms"] = histogram_quantile(seq_before, seq_after, q) * 1e3
+    for arm in proxies:
+        for q in (50, 99):
+            hop = histogram_quantile(seq_before[arm], seq_after[arm], q)
+            summary[arm][f"hop_p{q}_ms"] = hop * 1e3
     return {"runs": runs, "sequential": summary}
 
 
-def _added(runs: list[dict], key: str) -> dict[str, float]:
-    return spread([run["proxy"][key] - run["direct"][key] for run in runs])
+def _added(runs: list[dict], key: str, arm: str = "proxy") -> dict[str, float]:
+    return spread([run[arm][key] - run["direct"][key] for run in runs])
+
+
+def _upstream_figures(runs: list[dict], seq: dict[str, Any], arm: str) -> dict[str, Any]:
+    return {
+        "added_ttft_p50_ms": _added(runs, "ttft_p50_ms", arm),
+        "added_ttft_p99_ms": _added(runs, "ttft_p99_ms", arm),
+        "proxy_hop_ttft_p50_ms": spread([run[arm]["hop_p50_ms"] for run in runs]),
+        "proxy_hop_ttft_p99_ms": spread([run[arm]["hop_p99_ms"] for run in runs]),
+        "proxy_cpu_us_per_token": spread([run[arm]["proxy_cpu_us_per_token"] for run in runs]),
+        "sequential_added_ttft_p50_ms": seq[arm]["ttft_p50_ms"] - seq["direct"]["ttft_p50_ms"],
+        "sequential_hop_p50_ms": seq[arm]["hop_p50_ms"],
+    }
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
@@ -141,14 +181,22 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         leader = start_leader(model_dir, work, "leader", cpu_bind="0", max_model_len=MAX_MODEL_LEN)
         try:
             wait_leaders([leader])
-            proxy = start_proxy(proxy_config([leader], model_dir, MAX_MODEL_LEN), work)
+            started = []
             try:
-                urls = {"direct": f"http://{leader.http}/v2/models/llm/generate_stream",
-                        "proxy": f"{proxy.base}/v2/models/llm/generate_stream"}  # fmt: skip
-                proxy_addr = proxy.base.removeprefix("http://")
-                data = asyncio.run(_run(urls, proxy_addr, repeats, max_tokens, sequential))
+                for name, protocol in (("proxy", "grpc"), ("proxy_http", "http")):
+                    cfg = proxy_config([leader], model_dir, MAX_MODEL_LEN,
+                                       upstream_protocol=protocol)  # fmt: skip
+                    started.append((name, start_proxy(cfg, work, name=name)))
+                urls = {"direct": f"http://{leader.http}/v2/models/llm/generate_stream"}
+                proxies = {}
+                for name, proxy in started:
+                    urls[name] = f"{proxy.base}/v2/models/llm/generate_stream"
+                    proxies[name] = ProxyArm(proxy.base.removeprefix("http://"),
+                                             proxy.process.popen.pid)  # fmt: skip
+                data = asyncio.run(_run(urls, proxies, repeats, max_tokens, sequential))
             finally:
-                proxy.process.stop()
+                for _, proxy in started:
+                    proxy.process.stop()
         finally:
             leader.process.stop()
     runs = data["runs"]
@@ -156,7 +204,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     load = {"load_avg_1m_start": load_before[0], "load_avg_1m_end": os.getloadavg()[0]}
     arms = {arm: {k: spread([run[arm][k] for run in runs])
                   for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
-            for arm in ("direct", "proxy")}  # fmt: skip
+            for arm in runs[0]}  # fmt: skip
     add50, add99 = _added(runs, "ttft_p50_ms"), _added(runs, "ttft_p99_ms")
     hop50 = spread([run["proxy"]["hop_p50_ms"] for run in runs])
     hop99 = spread([run["proxy"]["hop_p99_ms"] for run in runs])
@@ -168,7 +216,11 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "ignore_eos": True,
             "repeats": repeats,
             "sequential_requests_per_arm": sequential,
-            "protocol": "Triton HTTP generate_stream, same aiohttp client in both arms",
+            "protocol": "Triton HTTP generate_stream, same aiohttp client in every arm",
+            "upstreams": {
+                "proxy": "gRPC ModelStreamInfer (default)",
+                "proxy_http": "HTTP generate_stream (upstream_protocol: http)",
+            },
             "model": "demo" if model is None else model,
             "tp": 1,
             "leader_cpu_bind": "0",
@@ -183,6 +235,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "proxy_hop_ttft_p99_ms": hop99,
         "added_itl_p50_ms": _added(runs, "itl_p50_ms"),
         "added_itl_p99_ms": _added(runs, "itl_p99_ms"),
+        "proxy_cpu_us_per_token": spread([run["proxy"]["proxy_cpu_us_per_token"] for run in runs]),
+        "http_upstream": _upstream_figures(runs, seq, "proxy_http"),
         "arms": arms,
         "sequential": {
             **seq,
@@ -211,6 +265,14 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
           f"(hop p50 {seq['proxy']['hop_p50_ms']:.2f} ms); "
           f"ITL p50 direct {arms['direct']['itl_p50_ms']['median']:.2f} ms, proxy "
           f"{arms['proxy']['itl_p50_ms']['median']:.2f} ms -> {path}", file=sys.stderr)  # fmt: skip
+    h = result["http_upstream"]
+    print(f"proxy, HTTP upstream: added TTFT p50 {h['added_ttft_p50_ms']['median']:+.2f} ms, p99 "
+          f"{h['added_ttft_p99_ms']['median']:+.2f} ms; own hop p50 "
+          f"{h['proxy_hop_ttft_p50_ms']['median']:.2f} ms, p99 "
+          f"{h['proxy_hop_ttft_p99_ms']['median']:.2f} ms; sequential added TTFT p50 "
+          f"{h['sequential_added_ttft_p50_ms']:+.2f} ms; proxy CPU per token "
+          f"{h['proxy_cpu_us_per_token']['median']:.0f} us (gRPC upstream "
+          f"{result['proxy_cpu_us_per_token']['median']:.0f} us)", file=sys.stderr)  # fmt: skip
     if emit_json:
         import json
 

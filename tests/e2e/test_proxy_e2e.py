@@ -1,7 +1,9 @@
 """The proxy in front of a real unit: `neuron-serving proxy` (process) -> tritonserver +
 vLLM (`neuron-serving leader`, TP=1), driven by the official `openai` client.
 
-One leader and one proxy for the module (leader start-up is 35-60 s here). Greedy
+One leader for the module (leader start-up is 35-60 s here) and one proxy per upstream
+transport in front of it: every test runs through a proxy that reaches the leader over
+gRPC ``ModelStreamInfer`` and through one that uses HTTP ``generate_stream``. Greedy
 decoding with ``ignore_eos`` makes outputs comparable across paths: what the proxy
 returns must equal what the leader's own Triton generate endpoint returns.
 """
@@ -28,11 +30,19 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def stack(demo_model: Path, tmp_path_factory) -> Iterator[tuple[LeaderEndpoints, str]]:
-    tmp = tmp_path_factory.mktemp("proxy-e2e")
-    with running_leader(demo_model, tmp) as leader:
-        with running_proxy(proxy_config([leader], demo_model), tmp) as base:
-            yield leader, base
+def leader(demo_model: Path, tmp_path_factory) -> Iterator[LeaderEndpoints]:
+    with running_leader(demo_model, tmp_path_factory.mktemp("proxy-e2e")) as ldr:
+        yield ldr
+
+
+@pytest.fixture(scope="module", params=["grpc", "http"])
+def stack(
+    request, leader: LeaderEndpoints, demo_model: Path, tmp_path_factory
+) -> Iterator[tuple[LeaderEndpoints, str]]:
+    tmp = tmp_path_factory.mktemp(f"proxy-{request.param}")
+    config = proxy_config([leader], demo_model, upstream_protocol=request.param)
+    with running_proxy(config, tmp, name=f"proxy-{request.param}") as base:
+        yield leader, base
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +136,7 @@ def test_bad_requests_get_openai_errors(client, stack) -> None:
 
 def test_client_disconnect_cancels_the_request_in_vllm(stack) -> None:
     """A client that drops its stream mid-way through the proxy: the proxy cancels the
-    gRPC call and Triton aborts the request in vLLM (the engine goes idle long before
+    gRPC call (or closes the HTTP connection) and Triton aborts the request in vLLM (the engine goes idle long before
     the request's max_tokens would have been generated)."""
     import http.client
     import time

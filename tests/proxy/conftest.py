@@ -36,6 +36,7 @@ class FakeUnit:
         return UnitSpec(
             unit_id=self.unit_id,
             leader_grpc=self.triton.addr,
+            leader_http=self.triton.http_addr,
             followers=tuple(f.addr for f in self.followers),
             model="llm",
             model_version="v1",
@@ -46,6 +47,7 @@ class FakeUnit:
 @dataclass
 class Fleet:
     tmp_path: Any
+    protocol: str = "grpc"  # the proxies' upstream_protocol (the fakes serve both)
     units: list[FakeUnit] = field(default_factory=list)
     proxies: list[ProxyServer] = field(default_factory=list)
     sessions: list[aiohttp.ClientSession] = field(default_factory=list)
@@ -78,6 +80,7 @@ class Fleet:
             "timeouts": {"request_s": 10.0, "first_token_s": 3.0, "inter_token_s": 2.0},
             "models": [{"name": "llm", "model_dir": self.model_dir()}],
             "units": [],
+            "upstream_protocol": self.protocol,
         }  # fmt: skip
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
@@ -129,8 +132,10 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet(tmp_path):
-    f = Fleet(tmp_path)
+async def fleet(tmp_path, request):
+    """Fake units and proxies; gRPC upstream unless a module parametrizes it
+    (``pytest.mark.parametrize("fleet", ["grpc", "http"], indirect=True)``)."""
+    f = Fleet(tmp_path, getattr(request, "param", "grpc"))
     yield f
     await f.close()
 

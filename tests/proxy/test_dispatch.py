@@ -3,8 +3,14 @@
 import asyncio
 import time
 
+import pytest
+
 from tests.proxy.conftest import read_sse, url
 from tests.proxy.fakes import next_word, reference_completion, wait_until
+
+# Every test runs over both upstream transports (the fake leader serves both).
+pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http"], indirect=True)
+
 
 RR = {"routing": {"policy": "round_robin"}}  # u0 first: tests know where a request lands
 

@@ -1,9 +1,13 @@
 import asyncio
 
 import aiohttp
+import pytest
 
 from tests.proxy.conftest import read_sse, url
 from tests.proxy.fakes import reference_completion, wait_until
+
+# Every test runs over both upstream transports (the fake leader serves both).
+pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http"], indirect=True)
 
 
 async def test_completion_non_stream(fleet):

@@ -1,9 +1,14 @@
+"""Both transports of a generation (gRPC ModelStreamInfer and HTTP generate_stream)
+against the fake leader, which serves both with the same model and knobs."""
+
 import asyncio
 import contextlib
 
 import pytest
 
 from proxy.config import TimeoutConfig, UnitSpec
+from proxy.http_upstream import TritonHttpUpstream, decode_event
+from proxy.transport import UnitTransport
 from proxy.upstream import DeadlineExceeded, TritonClientPool, TritonUpstream, UpstreamError
 from tests.proxy.fakes import Behavior, FakeTriton, reference_completion, wait_until
 
@@ -15,26 +20,44 @@ async def triton():
     await server.stop()
 
 
+@pytest.fixture(params=["grpc", "http"])
+async def make(request):
+    """``make(timeouts)``: an upstream over the parametrized protocol, closed at the end."""
+    made = []
+
+    def factory(timeouts=None):
+        timeouts = timeouts or TimeoutConfig(first_token_s=2.0, inter_token_s=1.0)
+        pool = TritonClientPool()
+        http = TritonHttpUpstream(timeouts) if request.param == "http" else None
+        up = UnitTransport(TritonUpstream(pool, timeouts), http)
+        made.append((up, pool))
+        return up
+
+    factory.protocol = request.param
+    yield factory
+    for up, pool in made:
+        await up.close()
+        await pool.close()
+
+
 @pytest.fixture
-async def upstream():
-    pool = TritonClientPool()
-    yield TritonUpstream(pool, TimeoutConfig(first_token_s=2.0, inter_token_s=1.0))
-    await pool.close()
+def upstream(make):
+    return make()
 
 
-def spec(addr: str) -> UnitSpec:
-    return UnitSpec(unit_id="u0", leader_grpc=addr)
+def spec(server: FakeTriton) -> UnitSpec:
+    return UnitSpec(unit_id="u0", leader_grpc=server.addr, leader_http=server.http_addr)
 
 
-async def collect(upstream, addr, prompt, sampling, timeout=5.0):
+async def collect(upstream, server, prompt, sampling, timeout=5.0):
     deadline = asyncio.get_running_loop().time() + timeout
-    gen = upstream.generate(spec(addr), prompt, sampling, deadline)
+    gen = upstream.generate(spec(server), prompt, sampling, deadline)
     async with contextlib.aclosing(gen):
         return [d async for d in gen]
 
 
 async def test_streams_deltas_until_finish(triton, upstream):
-    deltas = await collect(upstream, triton.addr, "hello", {"max_tokens": 8, "ignore_eos": True})
+    deltas = await collect(upstream, triton, "hello", {"max_tokens": 8, "ignore_eos": True})
     text, reason = reference_completion("hello", 8, ignore_eos=True)
     assert "".join(d.text for d in deltas) == text
     assert deltas[-1].finish_reason == reason == "length"
@@ -45,46 +68,39 @@ async def test_streams_deltas_until_finish(triton, upstream):
 async def test_unavailable_is_a_retriable_unit_fault(triton, upstream):
     triton.behavior.fail_next = 1
     with pytest.raises(UpstreamError) as e:
-        await collect(upstream, triton.addr, "x", {"max_tokens": 2})
+        await collect(upstream, triton, "x", {"max_tokens": 2})
     assert e.value.unit_fault and e.value.retriable
 
 
 async def test_connection_refused_is_a_unit_fault(upstream):
     dead = await FakeTriton().start()
-    addr = dead.addr
     await dead.stop()
     with pytest.raises(UpstreamError) as e:
-        await collect(upstream, addr, "x", {"max_tokens": 2})
+        await collect(upstream, dead, "x", {"max_tokens": 2})
     assert e.value.unit_fault and e.value.retriable
 
 
 async def test_in_stream_bad_request_is_not_a_unit_fault(triton, upstream):
     triton.behavior.stream_error = "max_tokens must be at least 1"
     with pytest.raises(UpstreamError) as e:
-        await collect(upstream, triton.addr, "x", {"max_tokens": 2})
+        await collect(upstream, triton, "x", {"max_tokens": 2})
     assert not e.value.unit_fault and not e.value.retriable and e.value.status == 400
 
 
-async def test_stalled_upstream_times_out(triton):
+async def test_stalled_upstream_times_out(triton, make):
     triton.behavior.token_delay_s = 1.0
-    pool = TritonClientPool()
-    up = TritonUpstream(pool, TimeoutConfig(first_token_s=0.2, inter_token_s=0.2))
-    try:
-        with pytest.raises(UpstreamError) as e:
-            await collect(up, triton.addr, "x", {"max_tokens": 2})
-        assert e.value.unit_fault and "silent" in str(e.value)
-        with pytest.raises(DeadlineExceeded):
-            await collect(up, triton.addr, "x", {"max_tokens": 2}, timeout=0.1)
-    finally:
-        await pool.close()
+    up = make(TimeoutConfig(first_token_s=0.2, inter_token_s=0.2))
+    with pytest.raises(UpstreamError) as e:
+        await collect(up, triton, "x", {"max_tokens": 2})
+    assert e.value.unit_fault and "silent" in str(e.value)
+    with pytest.raises(DeadlineExceeded):
+        await collect(up, triton, "x", {"max_tokens": 2}, timeout=0.1)
 
 
 async def test_closing_the_iterator_cancels_the_upstream_request(triton, upstream):
     triton.behavior.token_delay_s = 0.05
     deadline = asyncio.get_running_loop().time() + 5
-    gen = upstream.generate(
-        spec(triton.addr), "x", {"max_tokens": 100, "ignore_eos": True}, deadline
-    )
+    gen = upstream.generate(spec(triton), "x", {"max_tokens": 100, "ignore_eos": True}, deadline)
     async with contextlib.aclosing(gen):
         async for _ in gen:
             break
@@ -96,9 +112,7 @@ async def test_server_killed_mid_stream_is_retriable(triton, upstream):
     got = []
     with pytest.raises(UpstreamError) as e:
         deadline = asyncio.get_running_loop().time() + 5
-        gen = upstream.generate(
-            spec(triton.addr), "p", {"max_tokens": 10, "ignore_eos": True}, deadline
-        )
+        gen = upstream.generate(spec(triton), "p", {"max_tokens": 10, "ignore_eos": True}, deadline)
         async with contextlib.aclosing(gen):
             async for d in gen:
                 got.append(d)
@@ -118,13 +132,13 @@ async def test_server_killed_mid_stream_is_retriable(triton, upstream):
 async def test_leader_error_messages_are_classified(triton, upstream, message, unit_fault):
     triton.behavior.stream_error = message
     with pytest.raises(UpstreamError) as e:
-        await collect(upstream, triton.addr, "x", {"max_tokens": 2})
+        await collect(upstream, triton, "x", {"max_tokens": 2})
     assert e.value.unit_fault is unit_fault and e.value.retriable is unit_fault
 
 
-async def _consume(up, addr, sampling, timeout=5.0, pause_s=0.0, out=None):
+async def _consume(up, server, sampling, timeout=5.0, pause_s=0.0, out=None):
     deadline = asyncio.get_running_loop().time() + timeout
-    gen = up.generate(spec(addr), "x", sampling, deadline)
+    gen = up.generate(spec(server), "x", sampling, deadline)
     async with contextlib.aclosing(gen):
         async for d in gen:
             if out is not None:
@@ -132,40 +146,88 @@ async def _consume(up, addr, sampling, timeout=5.0, pause_s=0.0, out=None):
             await asyncio.sleep(pause_s)  # a slow client: not the upstream's silence
 
 
-async def test_a_slow_consumer_is_not_upstream_silence(triton):
-    pool = TritonClientPool()
-    up = TritonUpstream(pool, TimeoutConfig(first_token_s=0.2, inter_token_s=0.1))
-    try:
-        got: list = []
-        await _consume(up, triton.addr, {"max_tokens": 3, "ignore_eos": True}, pause_s=0.3, out=got)
-        assert len(got) == 3 and got[-1].finish_reason == "length"
-    finally:
-        await pool.close()
+async def test_a_slow_consumer_is_not_upstream_silence(triton, make):
+    up = make(TimeoutConfig(first_token_s=0.2, inter_token_s=0.1))
+    got: list = []
+    await _consume(up, triton, {"max_tokens": 3, "ignore_eos": True}, pause_s=0.3, out=got)
+    assert len(got) == 3 and got[-1].finish_reason == "length"
 
 
-async def test_silence_after_the_first_token_uses_the_shorter_budget(triton):
+async def test_silence_after_the_first_token_uses_the_shorter_budget(triton, make):
     # first_token_s is long; once a token arrived, inter_token_s (short) must apply.
     triton.behavior.stall_after_tokens = 1
-    pool = TritonClientPool()
-    up = TritonUpstream(pool, TimeoutConfig(first_token_s=30.0, inter_token_s=0.2))
+    up = make(TimeoutConfig(first_token_s=30.0, inter_token_s=0.2))
     loop = asyncio.get_running_loop()
     start = loop.time()
-    try:
-        got: list = []
-        with pytest.raises(UpstreamError) as e:
-            await _consume(up, triton.addr, {"max_tokens": 5}, timeout=20, out=got)
-        assert len(got) == 1 and "silent for 0.2s" in str(e.value) and e.value.unit_fault
-        assert loop.time() - start < 5
-        await wait_until(lambda: triton.behavior.cancelled == 1)
-    finally:
-        await pool.close()
+    got: list = []
+    with pytest.raises(UpstreamError) as e:
+        await _consume(up, triton, {"max_tokens": 5}, timeout=20, out=got)
+    assert len(got) == 1 and "silent for 0.2s" in str(e.value) and e.value.unit_fault
+    assert loop.time() - start < 5
+    await wait_until(lambda: triton.behavior.cancelled == 1)
 
 
 async def test_caller_cancellation_is_not_turned_into_an_upstream_error(triton, upstream):
     triton.behavior.token_delay_s = 0.5
-    task = asyncio.create_task(_consume(upstream, triton.addr, {"max_tokens": 5}))
+    task = asyncio.create_task(_consume(upstream, triton, {"max_tokens": 5}))
     await wait_until(lambda: triton.behavior.active == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_until(lambda: triton.behavior.cancelled == 1 and triton.behavior.active == 0)
+
+
+async def test_the_first_response_carries_the_model_version_over_grpc(triton, make):
+    """gRPC: the leader's model_version output on its first response. HTTP: Triton's JSON
+    has only its own repository version ("1"), which is not taken for the checkpoint's;
+    the probes (model config parameter) tell the proxy the version instead."""
+    triton.behavior.model_version = "2026-12-01"
+    deltas = await collect(make(), triton, "v", {"max_tokens": 3, "ignore_eos": True})
+    first = "2026-12-01" if make.protocol == "grpc" else None
+    assert [d.model_version for d in deltas] == [first, None, None]
+
+
+async def test_finished_streams_reuse_one_connection(triton, make):
+    """HTTP: a stream that ended normally returns its connection to the pool; one that
+    was left early closes it (which is how Triton learns to cancel)."""
+    if make.protocol != "http":
+        pytest.skip("connection reuse is an HTTP/1.1 matter; gRPC multiplexes one channel")
+    up = make()
+    for _ in range(3):
+        await collect(up, triton, "r", {"max_tokens": 2, "ignore_eos": True})
+    assert len(set(triton.behavior.http_peers)) == 1, triton.behavior.http_peers
+    triton.behavior.token_delay_s = 0.05
+    gen = up.generate(spec(triton), "r", {"max_tokens": 50, "ignore_eos": True},
+                      asyncio.get_running_loop().time() + 5)  # fmt: skip
+    async with contextlib.aclosing(gen):
+        async for _ in gen:
+            break
+    await wait_until(lambda: triton.behavior.cancelled == 1)
+    await collect(up, triton, "r", {"max_tokens": 1, "ignore_eos": True})
+    assert len(set(triton.behavior.http_peers)) == 2  # the closed one was not reused
+
+
+@pytest.mark.parametrize(
+    "status, body, unit_fault, retriable, client_status",
+    [
+        (503, b'{"error": "server is shutting down"}', True, True, 502),
+        (400, b'{"error": "Request for unknown model: \'llm\' is not found"}', True, True, 502),
+        (400, b'{"error": "invalid sampling parameters: top_p"}', False, False, 400),
+        (429, b'{"error": "too many requests"}', False, True, 503),
+        (500, b"not json", True, True, 502),
+    ],
+)
+def test_http_error_answers_are_classified(status, body, unit_fault, retriable, client_status):
+    from proxy.http_upstream import classify_http_error
+
+    e = classify_http_error(status, body)
+    assert (e.unit_fault, e.retriable, e.status) == (unit_fault, retriable, client_status)
+
+
+def test_decode_event_reads_outputs_and_ignores_tritons_own_fields():
+    d = decode_event({"model_name": "llm", "model_version": "1", "text_output": "hi",
+                      "finish_reason": "", "completion_tokens": 3, "prompt_tokens": 7})  # fmt: skip
+    assert (d.text, d.finish_reason, d.completion_tokens, d.prompt_tokens) == ("hi", None, 3, 7)
+    assert d.model_version is None
+    d = decode_event({"text_output": ["x"], "finish_reason": ["stop"]})
+    assert (d.text, d.finish_reason) == ("x", "stop")

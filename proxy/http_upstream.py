@@ -1,0 +1,252 @@
+"""The leader's Triton HTTP ``generate_stream``, seen as the same async iterator of
+``GenerationDelta`` as the gRPC upstream (``upstream.py``).
+
+Why a second transport: per streamed token the gRPC upstream pays grpc.aio's
+cross-thread hand-off (gRPC's C-core poller thread completes the read, then wakes
+the event loop) and a protobuf decode; per request, a call object, three batch
+operations and a cancel. Over HTTP/1.1 with aiohttp everything stays on the event
+loop: a token is one SSE line read from the socket and one small ``json.loads``.
+Measured in ``bench proxy`` (the ``proxy_http`` arm) and in the proxy README.
+
+Request (Triton's generate extension; JSON fields named like the model's inputs
+become its input tensors): ``text_input``, ``stream: true``,
+``exclude_input_in_output: true``, and ``sampling_parameters`` as a JSON *string*
+(a BYTES input, exactly what the gRPC upstream sends; Triton's request
+``parameters`` cannot carry lists such as ``stop``). Response: ``text/event-stream``,
+one ``data: {...}`` event per Triton response with the outputs as JSON fields
+(``text_output``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``); an
+error is an HTTP error status with ``{"error": "..."}`` before the stream starts,
+or a ``data: {"error": "..."}`` event in it.
+
+``model_version``: every event holds Triton's own ``model_version`` field (the
+repository version, "1"), and a leader's output of the same name does not appear in
+the JSON (checked against tritonserver 2.51 with a versioned leader: gRPC carries the
+leader's "v7", HTTP only Triton's "1"). So over HTTP the proxy learns a unit's
+checkpoint version from its probes alone (the model config's ``model_version``
+parameter, ``health.py``), not from the first response.
+
+Every wait is bounded as in the gRPC upstream (``ReadWatchdog``: first token, between
+tokens, the request deadline). Leaving the iterator early closes the connection,
+and Triton cancels a request whose HTTP connection closed (vLLM aborts it). A
+stream that ended normally returns its connection to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from proxy.config import TimeoutConfig, UnitSpec
+from proxy.upstream import (
+    AttemptTiming,
+    DeadlineExceeded,
+    GenerationDelta,
+    ReadWatchdog,
+    UpstreamError,
+    classify_stream_error,
+)
+
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+_DATA = b"data:"
+# An error body is a short JSON object; a leader that answers an error with megabytes
+# is not one we want to buffer.
+_MAX_ERROR_BODY = 64 << 10
+
+
+def build_body(prompt: str, sampling: dict[str, Any]) -> bytes:
+    return json.dumps(
+        {
+            "text_input": prompt,
+            "stream": True,
+            "exclude_input_in_output": True,
+            "sampling_parameters": json.dumps(sampling),
+        }
+    ).encode("utf-8")
+
+
+def decode_event(data: dict[str, Any]) -> GenerationDelta:
+    """One ``generate_stream`` event (a JSON object) -> a delta. Missing outputs are
+    None (our leader sends counts on a stream's first and last responses only); the
+    event's ``model_version`` is Triton's, not the checkpoint's (see above)."""
+    text = data.get("text_output")
+    reason = data.get("finish_reason")
+    prompt_tokens = data.get("prompt_tokens")
+    completion_tokens = data.get("completion_tokens")
+    if isinstance(text, list):  # a BYTES tensor of shape [1] may come as a list
+        text = text[0] if text else ""
+    if isinstance(reason, list):
+        reason = reason[0] if reason else None
+    return GenerationDelta(
+        text if isinstance(text, str) else "",
+        None if reason in (None, "", "None", "null") else str(reason),
+        _int(prompt_tokens),
+        _int(completion_tokens),
+    )
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return None if value is None else int(value)
+
+
+def classify_http_error(status: int, body: bytes) -> UpstreamError:
+    """An HTTP error answer from the leader, before any stream."""
+    try:
+        message = str(json.loads(body).get("error") or "")
+    except (ValueError, AttributeError):
+        message = ""
+    message = message or body[:300].decode("utf-8", errors="replace") or f"HTTP {status}"
+    if status == 429:
+        return UpstreamError(f"upstream HTTP 429: {message}", unit_fault=False, retriable=True,
+                             status=503)  # fmt: skip
+    if status >= 500:
+        return UpstreamError(f"upstream HTTP {status}: {message}", unit_fault=True, retriable=True)
+    # Triton answers 400 for a bad request *and* for "model not ready / unknown model":
+    # the message tells them apart, as for in-stream errors.
+    return classify_stream_error(message)
+
+
+async def _on_chunk_sent(
+    session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceRequestChunkSentParams
+) -> None:
+    timing = ctx.trace_request_ctx
+    if isinstance(timing, AttemptTiming) and not timing.sent:
+        timing.mark_sent(asyncio.get_running_loop())
+
+
+class TritonHttpUpstream:
+    """``generate`` over HTTP; one aiohttp session (connection pool) for all leaders."""
+
+    def __init__(self, timeouts: TimeoutConfig) -> None:
+        self.timeouts = timeouts
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            trace = aiohttp.TraceConfig()
+            # "Request written" for the hop metric: when the body went to the socket.
+            trace.on_request_chunk_sent.append(_on_chunk_sent)
+            self._session = aiohttp.ClientSession(
+                # No pool limit (admission bounds concurrency); idle keep-alive
+                # connections are dropped after 30 s.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                # The bounds are ours (watchdog and deadline), per read, not aiohttp's.
+                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_read=None),
+                trace_configs=[trace],
+                auto_decompress=False,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def generate(
+        self,
+        unit: UnitSpec,
+        prompt: str,
+        sampling: dict[str, Any],
+        deadline: float,
+        timing: AttemptTiming | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """As ``TritonUpstream.generate``; needs ``unit.leader_http``."""
+        loop = asyncio.get_running_loop()
+        if deadline - loop.time() <= 0:
+            raise DeadlineExceeded()
+        url = f"http://{unit.leader_http}/v2/models/{unit.triton_model}/generate_stream"
+        task = asyncio.current_task()
+        watchdog = ReadWatchdog(loop, deadline, task)
+        budget = self.timeouts.first_token_s
+        resp: aiohttp.ClientResponse | None = None
+        finished = False
+        try:
+            try:
+                # Triton sends the response headers with the first event, so the
+                # first-token budget covers this await too.
+                watchdog.waiting(budget)
+                resp = await self._get_session().post(
+                    url, data=build_body(prompt, sampling), headers=_HEADERS,
+                    trace_request_ctx=timing,
+                )  # fmt: skip
+                watchdog.idle()
+                if resp.status != 200:
+                    watchdog.waiting(budget)
+                    body = await resp.content.read(_MAX_ERROR_BODY)
+                    watchdog.idle()
+                    raise classify_http_error(resp.status, body)
+            except asyncio.CancelledError:
+                error = watchdog.timed_out(budget)
+                if error is None:
+                    raise
+                raise error from None
+            except (aiohttp.ClientError, OSError) as e:
+                raise UpstreamError(
+                    f"upstream HTTP {type(e).__name__}: {e}", unit_fault=True, retriable=True
+                ) from None
+            content = resp.content
+            first = True
+            while True:
+                try:
+                    watchdog.waiting(budget)
+                    line = await content.readline()
+                    watchdog.idle()
+                except asyncio.CancelledError:
+                    error = watchdog.timed_out(budget)
+                    if error is None:
+                        raise
+                    raise error from None
+                except (aiohttp.ClientError, OSError, ValueError) as e:
+                    # ValueError: aiohttp's "Chunk too big" for an absurd line.
+                    raise UpstreamError(
+                        f"upstream stream broken: {type(e).__name__}: {e}",
+                        unit_fault=True,
+                        retriable=True,
+                    ) from None
+                if not line:
+                    raise UpstreamError(
+                        "upstream stream ended before a finish reason",
+                        unit_fault=True,
+                        retriable=True,
+                    )
+                if not line.startswith(_DATA):
+                    continue  # the blank line between events, comments, other fields
+                try:
+                    data = json.loads(line[len(_DATA) :])
+                    if not isinstance(data, dict):
+                        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+                    if "error" in data:
+                        raise classify_stream_error(str(data["error"]))
+                    delta = decode_event(data)
+                except (ValueError, TypeError) as e:  # a leader that breaks the contract
+                    raise UpstreamError(
+                        f"malformed upstream event: {type(e).__name__}: {e}",
+                        unit_fault=True,
+                        retriable=True,
+                    ) from None
+                if first:
+                    first = False
+                    if timing is not None:
+                        timing.first = loop.time()
+                budget = self.timeouts.inter_token_s
+                if delta.finish_reason is not None:
+                    finished = True
+                yield delta
+                if finished:
+                    return
+        finally:
+            watchdog.close()
+            if resp is not None:
+                # A finished stream whose chunked body has ended (is_eof: the terminal
+                # chunk arrived; what is left unread is the blank line after the last
+                # event) goes back to the pool; anything else closes the connection,
+                # which makes Triton cancel the request.
+                if finished and resp.content.is_eof():
+                    resp.release()
+                else:
+                    resp.close()

@@ -1,0 +1,44 @@
+"""Which transport carries a unit's generations: the config's ``upstream_protocol``.
+
+``grpc`` (default): Triton's ``ModelStreamInfer`` (``upstream.TritonUpstream``).
+``http``: Triton's ``generate_stream`` (``http_upstream.TritonHttpUpstream``) for
+every unit that has a ``leader_http`` address; a unit without one (e.g. added over
+the admin API without it) keeps gRPC. Probes use gRPC either way (``health.py``).
+Both yield the same ``GenerationDelta``s and raise the same ``UpstreamError``s, so
+retries, migration, cancellation and the metrics do not depend on the choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from proxy.config import UnitSpec
+from proxy.http_upstream import TritonHttpUpstream
+from proxy.upstream import AttemptTiming, GenerationDelta, TritonUpstream
+
+
+class UnitTransport:
+    def __init__(self, grpc: TritonUpstream, http: TritonHttpUpstream | None) -> None:
+        self.grpc = grpc
+        self.http = http
+
+    def protocol(self, unit: UnitSpec) -> str:
+        return "http" if self.http is not None and unit.leader_http else "grpc"
+
+    def generate(
+        self,
+        unit: UnitSpec,
+        prompt: str,
+        sampling: dict[str, Any],
+        deadline: float,
+        timing: AttemptTiming | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        # The chosen transport's own generator, not a wrapper around it: every layer
+        # of async generators costs a resumption per token.
+        upstream = self.http if self.http is not None and unit.leader_http else self.grpc
+        return upstream.generate(unit, prompt, sampling, deadline, timing)
+
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()

@@ -85,6 +85,7 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
     "VLLM_CPU_OMP_THREADS_BIND": (
         _str("VLLM_CPU_OMP_THREADS_BIND", None),
         "vLLM's CPU binding list, read per rank by the cpu backend: '0|1' gives rank r entry r; "
+        "'auto' binds a rank to every allowed CPU but the last (one rank per host); "
         "'nobind' or unset leaves OpenMP alone.",
     ),
     "NEURON_SERVING_NEURON_CORES_PER_NODE": (

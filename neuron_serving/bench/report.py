@@ -152,6 +152,13 @@ def _proxy_targets(r: dict[str, Any]) -> list[Target]:
                               f"{num(limit, 0)} ms at {streams} streams",
                               spread_text(hop, 2, " ms"), hop["median"] <= limit,
                               straddles=straddles(hop, limit)))  # fmt: skip
+    http = r.get("http_upstream") or {}
+    for q in ("p50", "p99"):
+        for key, what in ((f"added_ttft_{q}_ms", "added TTFT"),
+                          (f"proxy_hop_ttft_{q}_ms", "proxy's own hop")):  # fmt: skip
+            if http.get(key):
+                out.append(Target("proxy", f"information: HTTP upstream, {what} {q} at "
+                                  f"{streams} streams", spread_text(http[key], 2, " ms"), None))  # fmt: skip
     return out
 
 
@@ -468,9 +475,22 @@ def _proxy_section(r: dict[str, Any]) -> list[str]:
                f"{spread_text(r['proxy_hop_ttft_p99_ms'], 2)} ms at 64 streams; "
                f"{num(seq_hop.get('hop_p50_ms'), 2)} / {num(seq_hop.get('hop_p99_ms'), 2)} ms "
                f"one stream at a time.")  # fmt: skip
-    return [*_table(["figure", "direct", "proxy", "added"], rows), "",
-            f"One stream at a time: added TTFT p50 {num(seq.get('added_ttft_p50_ms'))} ms, "
-            f"p99 {num(seq.get('added_ttft_p99_ms'))} ms.{hop}"]  # fmt: skip
+    lines = [*_table(["figure", "direct", "proxy", "added"], rows), "",
+             f"One stream at a time: added TTFT p50 {num(seq.get('added_ttft_p50_ms'))} ms, "
+             f"p99 {num(seq.get('added_ttft_p99_ms'))} ms.{hop}"]  # fmt: skip
+    http = r.get("http_upstream")
+    if http:
+        cpu = r.get("proxy_cpu_us_per_token")
+        rows = [[k.replace("_", " "), spread_text(cpu if k == "proxy_cpu_us_per_token" else
+                                                  r.get(k), 2), spread_text(http.get(k), 2)]
+                for k in ("added_ttft_p50_ms", "added_ttft_p99_ms", "proxy_hop_ttft_p50_ms",
+                          "proxy_hop_ttft_p99_ms", "proxy_cpu_us_per_token")]  # fmt: skip
+        rows.append(["one stream at a time: added TTFT p50 ms",
+                     num(seq.get("added_ttft_p50_ms"), 2),
+                     num(http.get("sequential_added_ttft_p50_ms"), 2)])  # fmt: skip
+        lines += ["", "By upstream transport (the proxy's `upstream_protocol`):", "",
+                  *_table(["figure", "gRPC (default)", "HTTP generate_stream"], rows)]  # fmt: skip
+    return lines
 
 
 def _routing_section(r: dict[str, Any]) -> list[str]:

@@ -24,6 +24,18 @@ def test_cpu_binding_per_rank(monkeypatch):
     assert parse_cpu_list("0-2,5") == [0, 1, 2, 5]
 
 
+def test_cpu_auto_binding_leaves_the_last_cpu_to_the_front_end(monkeypatch):
+    import os
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2, 0})
+    env = CpuBackend().process_env(RankPlacement(0, 1, "h", 1))
+    assert env["OMP_PLACES"] == "{0,1,2}" and env["OMP_NUM_THREADS"] == "3"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # vLLM must not bind again
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert CpuBackend().process_env(RankPlacement(0, 1, "h", 1)) == {}  # one CPU: no binding
+
+
 def test_cpu_shm_patch_targets_exist():
     # prepare_worker patches this private vLLM name; fail loudly if an upgrade moves it.
     from vllm.distributed.device_communicators import cpu_communicator

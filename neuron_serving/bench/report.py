@@ -128,7 +128,8 @@ def _serving_targets(r: dict[str, Any]) -> list[Target]:
             limit = tp if key == "throughput_ratio" else tt
             if info:
                 out.append(Target("serving", f"information: Triton over gRPC (tritonclient aio) "
-                                  f"/ vllm serve {label}", text, None))  # fmt: skip
+                                  f"/ vllm serve {label}", text, None,
+                                  status="information, no target"))  # fmt: skip
             else:
                 out.append(Target("serving", f"Triton leader / vllm serve{via} {label} {rule}",
                                   text, None if v is None else ok(v),
@@ -158,7 +159,8 @@ def _proxy_targets(r: dict[str, Any]) -> list[Target]:
                           (f"proxy_hop_ttft_{q}_ms", "proxy's own hop")):  # fmt: skip
             if http.get(key):
                 out.append(Target("proxy", f"information: HTTP upstream, {what} {q} at "
-                                  f"{streams} streams", spread_text(http[key], 2, " ms"), None))  # fmt: skip
+                                  f"{streams} streams", spread_text(http[key], 2, " ms"), None,
+                                  status="information, no target"))  # fmt: skip
     return out
 
 
@@ -619,8 +621,9 @@ def main(emit_json: bool = False) -> int:
     path, ts = write_report()
     met = sum(1 for t in ts if t.met)
     missed = sum(1 for t in ts if t.met is False)
-    print(f"report: {met} targets met, {missed} missed, {len(ts) - met - missed} not measured "
-          f"-> {path}", file=sys.stderr)  # fmt: skip
+    info = sum(1 for t in ts if t.met is None and t.status.startswith("information"))
+    print(f"report: {met} targets met, {missed} missed, {len(ts) - met - missed - info} not "
+          f"measured, {info} information rows -> {path}", file=sys.stderr)  # fmt: skip
     if emit_json:
         print(json.dumps([t.__dict__ for t in ts]))
     return 0

@@ -137,11 +137,11 @@ class StreamResult:
     error: BaseException | None = None
 
 
-def _stream(c: Cluster, out: StreamResult, max_tokens: int = MAX_TOKENS) -> None:
+def _stream(c: Cluster, out: StreamResult, max_tokens: int = MAX_TOKENS, tag: str = "") -> None:
     try:
         stream = c.client().chat.completions.create(
             model=c.model, stream=True, max_tokens=max_tokens, temperature=0,
-            messages=[{"role": "user", "content": PROMPT}], extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": tag + PROMPT}], extra_body={"ignore_eos": True},
         )  # fmt: skip
         for chunk in stream:
             if chunk.choices:
@@ -152,9 +152,14 @@ def _stream(c: Cluster, out: StreamResult, max_tokens: int = MAX_TOKENS) -> None
 
 
 def _start_streams(c: Cluster, n: int, max_tokens: int = MAX_TOKENS):
+    """``n`` concurrent streams, each prompt starting with its own number: with one
+    shared prompt the proxy's prefix-aware routing sends them all to whichever unit
+    served that prompt before (until the load gap passes its threshold), so whether
+    the unit a test kills had any stream depended on timing. Unique prompts go to
+    the least-loaded unit, which spreads them over both."""
     results = [StreamResult() for _ in range(n)]
-    threads = [threading.Thread(target=_stream, args=(c, r, max_tokens), daemon=True)
-               for r in results]  # fmt: skip
+    threads = [threading.Thread(target=_stream, args=(c, r, max_tokens, f"{i}: "), daemon=True)
+               for i, r in enumerate(results)]  # fmt: skip
     for t in threads:
         t.start()
     return results, threads

@@ -23,9 +23,6 @@ class UnitTransport:
         self.grpc = grpc
         self.http = http
 
-    def protocol(self, unit: UnitSpec) -> str:
-        return "http" if self.http is not None and unit.leader_http else "grpc"
-
     def generate(
         self,
         unit: UnitSpec,

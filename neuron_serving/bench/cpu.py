@@ -150,8 +150,14 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
          profile_dir: str | None = None) -> int:  # fmt: skip
-    from neuron_serving.bench.serving import CPU_BIND, ENGINE, arms
-    from neuron_serving.bench.stack import start_leader, start_vllm_server, wait_ready
+    from neuron_serving.bench.serving import (
+        CPU_BIND,
+        ENGINE,
+        arms,
+        start_bench_leader,
+        start_bench_vllm,
+    )
+    from neuron_serving.bench.stack import wait_ready
     from neuron_serving.models.demo import build_demo_model
 
     repeats = repeats or (2 if quick else 4)
@@ -160,19 +166,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     with tempfile.TemporaryDirectory(prefix="ns-bench-cpu-") as tmp:
         work = Path(tmp)
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
-        leader = start_leader(
-            model_dir, work, "leader", cpu_bind=CPU_BIND, max_model_len=ENGINE["max_model_len"],
-            kv_cache_bytes=ENGINE["kv_cache_bytes"],
-            extra_args=("--max-num-seqs", str(ENGINE["max_num_seqs"]), "--executor", "unit",
-                        "--canary-interval", "86400"),
-        )  # fmt: skip
-        vllm = start_vllm_server(
-            model_dir, work, "vllm", cpu_bind=CPU_BIND,
-            engine_args=["--max-model-len", str(ENGINE["max_model_len"]),
-                         "--kv-cache-memory-bytes", str(ENGINE["kv_cache_bytes"]),
-                         "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-                         "--enable-prefix-caching", "--seed", str(ENGINE["seed"])],
-        )  # fmt: skip
+        leader = start_bench_leader(model_dir, work)
+        vllm = start_bench_vllm(model_dir, work)
         try:
             wait_ready([leader, vllm])
             arm_list = arms(leader, vllm.base)

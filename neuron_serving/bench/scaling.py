@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.common import spread, write_result
-from neuron_serving.bench.serving import CPU_BIND, ENGINE, Arm, run_load, triton_grpc_stream
+from neuron_serving.bench.serving import (
+    CPU_BIND,
+    ENGINE,
+    Arm,
+    run_load,
+    start_bench_leader,
+    triton_grpc_stream,
+)
 
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
 QUICK_LEVELS = (1, 4, 16, 64)
@@ -67,19 +74,14 @@ def aggregate(runs: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
-    from neuron_serving.bench.stack import start_leader, wait_ready
+    from neuron_serving.bench.stack import wait_ready
     from neuron_serving.models.demo import build_demo_model
 
     with tempfile.TemporaryDirectory(prefix="ns-bench-scaling-") as tmp:
         work = Path(tmp)
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
         t0 = time.monotonic()
-        leader = start_leader(
-            model_dir, work, "leader", cpu_bind=CPU_BIND, max_model_len=ENGINE["max_model_len"],
-            kv_cache_bytes=ENGINE["kv_cache_bytes"],
-            extra_args=("--max-num-seqs", str(ENGINE["max_num_seqs"]), "--executor", "unit",
-                        "--canary-interval", "86400"),
-        )  # fmt: skip
+        leader = start_bench_leader(model_dir, work)
         try:
             wait_ready([leader])
             return measure(leader, quick, model, emit_json, repeats, time.monotonic() - t0)

@@ -323,13 +323,39 @@ def aggregate(runs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
+def start_bench_leader(model_dir: Path, work: Path) -> Any:
+    """The leader every serving-style benchmark measures (serving, scaling, cpu): TP=1,
+    unit executor, ``ENGINE`` settings, idle canary pushed out of the run."""
+    from neuron_serving.bench.stack import start_leader
+
+    return start_leader(
+        model_dir, work, "leader", cpu_bind=CPU_BIND, max_model_len=ENGINE["max_model_len"],
+        kv_cache_bytes=ENGINE["kv_cache_bytes"],
+        extra_args=("--max-num-seqs", str(ENGINE["max_num_seqs"]), "--executor", "unit",
+                    "--canary-interval", "86400"),
+    )  # fmt: skip
+
+
+def start_bench_vllm(model_dir: Path, work: Path) -> Any:
+    """``vllm serve`` with the same ``ENGINE`` settings and CPU binding."""
+    from neuron_serving.bench.stack import start_vllm_server
+
+    return start_vllm_server(
+        model_dir, work, "vllm", cpu_bind=CPU_BIND,
+        engine_args=["--max-model-len", str(ENGINE["max_model_len"]),
+                     "--kv-cache-memory-bytes", str(ENGINE["kv_cache_bytes"]),
+                     "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+                     "--enable-prefix-caching", "--seed", str(ENGINE["seed"])],
+    )  # fmt: skip
+
+
 def main(
     quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
     then_scaling: bool = False,
 ) -> int:  # fmt: skip
     """``then_scaling`` (bench all): stop the vLLM server after the comparison and run
     the scaling sweep on this leader, saving the scaling benchmark's own startup."""
-    from neuron_serving.bench.stack import start_leader, start_vllm_server, wait_ready
+    from neuron_serving.bench.stack import wait_ready
     from neuron_serving.models.demo import build_demo_model
 
     scaling_rc = 0
@@ -341,19 +367,8 @@ def main(
         work = Path(tmp)
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
         t0 = time.monotonic()
-        leader = start_leader(
-            model_dir, work, "leader", cpu_bind=CPU_BIND, max_model_len=ENGINE["max_model_len"],
-            kv_cache_bytes=ENGINE["kv_cache_bytes"],
-            extra_args=("--max-num-seqs", str(ENGINE["max_num_seqs"]), "--executor", "unit",
-                        "--canary-interval", "86400"),
-        )  # fmt: skip
-        vllm = start_vllm_server(
-            model_dir, work, "vllm", cpu_bind=CPU_BIND,
-            engine_args=["--max-model-len", str(ENGINE["max_model_len"]),
-                         "--kv-cache-memory-bytes", str(ENGINE["kv_cache_bytes"]),
-                         "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-                         "--enable-prefix-caching", "--seed", str(ENGINE["seed"])],
-        )  # fmt: skip
+        leader = start_bench_leader(model_dir, work)
+        vllm = start_bench_vllm(model_dir, work)
         try:
             wait_ready([leader, vllm])
             startup_s = time.monotonic() - t0

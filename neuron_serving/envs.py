@@ -124,6 +124,32 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _str("NEURON_SERVING_DEVICE", "cpu"),
         "Device backend of this node: cpu or neuron.",
     ),
+    "NEURON_SERVING_MODEL_MANIFEST_SHA256": (
+        _str("NEURON_SERVING_MODEL_MANIFEST_SHA256", None),
+        "sha256 (hex) of the checkpoint manifest a deploy checked; every rank refuses to load "
+        "a manifest with another digest (set by the task definition from the deploy's pin).",
+    ),
+    "NEURON_SERVING_API_KEY": (
+        _str("NEURON_SERVING_API_KEY", None),
+        "Client API key of the proxy (as vLLM's --api-key / VLLM_API_KEY): requests must send "
+        "`Authorization: Bearer <key>`; the key's tenant is 'default'. --api-key overrides it.",
+    ),
+    "NEURON_SERVING_TRITON_ADMIN_KEY": (
+        _str("NEURON_SERVING_TRITON_ADMIN_KEY", None),
+        "Secret of the leader's restricted Triton APIs (model control, repository, logging, "
+        "trace, statistics, shared memory); unset = a random key per leader start.",
+    ),
+    "NEURON_SERVING_HEALTH_TOKEN": (
+        _str("NEURON_SERVING_HEALTH_TOKEN", None),
+        "Bearer token for full node /healthz detail (host, versions, failure text) from "
+        "outside loopback; unset = only loopback callers see detail, others the state alone.",
+    ),
+    "NEURON_SERVING_BROADCAST_MAX_BYTES": (
+        _int("NEURON_SERVING_BROADCAST_MAX_BYTES", 64 << 20),
+        "Largest control broadcast payload a rank sends or accepts (bytes); checked from the "
+        "header before any allocation. Must be the same on every rank of a unit.",
+    ),
+    # --- add new variables above this line; helpers editing in parallel: small edits only ---
 }
 
 

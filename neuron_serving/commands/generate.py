@@ -58,6 +58,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"neuron-serving generate: {e}", file=sys.stderr)
         return 2
+    if args.tp > 1:
+        from neuron_serving.unit.auth import AuthError, resolve_token
+
+        try:
+            # Here, not in the engine's executor: a short or unreadable token is
+            # one clear line before vLLM starts, not an engine start-up traceback.
+            resolve_token(unit.token_file)
+        except AuthError as e:
+            print(f"neuron-serving generate: {e}", file=sys.stderr)
+            return 2
     backend = get_backend(unit.device)
     # Before vLLM/torch are imported: OpenMP reads its binding once.
     os.environ.update(

@@ -3,15 +3,29 @@
 Peers prove knowledge of the unit token with HMAC-SHA256 over fresh nonces
 from both sides (mutual challenge-response), so the token never crosses the
 wire and a recorded handshake cannot be replayed. Only after that does either
-side accept anything that will be unpickled, and every control broadcast is
-MAC'ed with a key derived from the token and the leader's session nonce.
+side accept anything that will be unpickled. Keys derived from the token (HKDF,
+RFC 5869, with HMAC-SHA256) authenticate everything after the handshake:
+
+- each control connection (a *link*) has one key per direction, derived from
+  both handshake nonces and the rank; every frame on it carries a MAC and a
+  sequence number (``channel.py``), so frames cannot be forged, replayed,
+  reordered, reflected back to their sender or moved to another link;
+- every control broadcast is MAC'ed with a key derived from the leader's
+  session nonce (``broadcast.py``).
+
+A token shorter than ``MIN_TOKEN_CHARS`` is refused wherever it comes from: a
+recorded handshake lets an attacker test guesses offline, so the secret must
+not be guessable (``openssl rand -hex 32``).
 
 Resolution order of the token (first found wins):
 1. ``NEURON_SERVING_UNIT_TOKEN`` (ECS injects it from Secrets Manager),
 2. an explicit token file (``--token-file`` / ``NEURON_SERVING_TOKEN_FILE``),
 3. ``~/.config/neuron-serving/unit-token``, created with mode 0600 on first use.
    Processes of one user on one host share it with no setup; a unit that spans
-   hosts must distribute one secret (and not rely on this default).
+   hosts must distribute one secret (and not rely on this default). It is
+   created atomically (written to a private temporary file, then hard-linked
+   into place), so a rank starting at the same instant reads either no file
+   or the whole secret, never an empty one.
 """
 
 from __future__ import annotations
@@ -20,6 +34,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 from neuron_serving import envs
@@ -27,6 +42,8 @@ from neuron_serving import envs
 DEFAULT_TOKEN_FILE = Path("~/.config/neuron-serving/unit-token")
 NONCE_BYTES = 32
 MAC_BYTES = 32
+# 24 characters: 96 bits as hex, the least we accept for an offline-guessable secret.
+MIN_TOKEN_CHARS = 24
 
 
 class AuthError(Exception):
@@ -35,8 +52,8 @@ class AuthError(Exception):
 
 def resolve_token(token_file: str | os.PathLike | None = None) -> bytes:
     env_token = envs.NEURON_SERVING_UNIT_TOKEN
-    if env_token:
-        return env_token.encode()
+    if env_token is not None:
+        return _checked(env_token.strip(), "NEURON_SERVING_UNIT_TOKEN")
     path = Path(token_file or envs.NEURON_SERVING_TOKEN_FILE or DEFAULT_TOKEN_FILE).expanduser()
     if token_file is None and envs.NEURON_SERVING_TOKEN_FILE is None and not path.exists():
         _create_default_token(path)
@@ -44,20 +61,36 @@ def resolve_token(token_file: str | os.PathLike | None = None) -> bytes:
         token = path.read_text().strip()
     except OSError as e:
         raise AuthError(f"cannot read unit token file {path}: {e.strerror}") from e
-    if len(token) < 16:
-        raise AuthError(f"unit token in {path} is shorter than 16 characters")
+    return _checked(token, f"unit token file {path}")
+
+
+def _checked(token: str, source: str) -> bytes:
+    if len(token) < MIN_TOKEN_CHARS:
+        raise AuthError(
+            f"the unit token from {source} is {len(token)} characters, shorter than "
+            f"{MIN_TOKEN_CHARS}; use a random secret (e.g. `openssl rand -hex 32`)"
+        )
     return token.encode()
 
 
 def _create_default_token(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Write the whole secret to a private temporary file first and hard-link it
+    # into place: link() fails if the name exists, so racing ranks agree on one
+    # secret, and the name never points at a partly written file (O_EXCL on the
+    # final name would let a second rank read it empty between open and write).
+    fd, tmp = tempfile.mkstemp(prefix=".unit-token.", dir=path.parent)  # mode 0600
     try:
-        # O_EXCL: two processes racing to create it must end up with one secret.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another rank won the race; its file is complete
+    finally:
+        os.unlink(tmp)
 
 
 def new_nonce() -> bytes:
@@ -77,6 +110,28 @@ def verify(key: bytes, tag: bytes, *parts: bytes) -> bool:
     return hmac.compare_digest(mac(key, *parts), tag)
 
 
+def hkdf_sha256(ikm: bytes, salt: bytes, info: bytes) -> bytes:
+    """HKDF (RFC 5869) with HMAC-SHA256, one 32-byte output block."""
+    prk = hmac.new(salt, ikm, hashlib.sha256).digest()
+    return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+
 def broadcast_key(token: bytes, session_nonce: bytes) -> bytes:
     """Key for MACs on control broadcasts of one unit session."""
     return mac(token, b"neuron-serving/broadcast/v1", session_nonce)
+
+
+LEADER_TO_FOLLOWER = b"leader->follower"
+FOLLOWER_TO_LEADER = b"follower->leader"
+
+
+def link_key(
+    token: bytes, leader_nonce: bytes, follower_nonce: bytes, rank: int, direction: bytes
+) -> bytes:
+    """Key for the frames of one direction of one control connection.
+
+    Both nonces are fresh per connection, so a recorded frame verifies on no
+    other connection; the direction in the key stops a frame being reflected
+    back to its sender; the rank binds the link to the rank that proved it."""
+    salt = leader_nonce + follower_nonce
+    return hkdf_sha256(token, salt, b"neuron-serving/link/v1 " + direction + b" %d" % rank)

@@ -7,6 +7,10 @@ protocol 5 is the cheapest faithful encoding of those vLLM objects. Callables
 (vLLM sometimes sends a function to run on every worker) go through
 cloudpickle, as in vLLM's own executors. Decoding happens only after the
 broadcast MAC has been verified (``broadcast.py``).
+
+Results of gathered calls come back pickled in ``Reply.payload`` on the
+follower's control connection; the leader unpickles one only after its frame's
+link MAC and sequence number verified (``channel.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ def encode_call(method: Method, args: tuple, kwargs: dict, gather: bool) -> byte
 def decode_call(payload: bytes) -> tuple[str | bytes, tuple, dict, bool]:
     method, args, kwargs, gather = pickle.loads(payload)
     return method, args, kwargs, gather
+
+
+def decode_result(payload: bytes) -> Any:
+    """A follower's result of a gathered call. Only for payloads of Replies that
+    arrived on a sealed control connection (the channel verified them)."""
+    return pickle.loads(payload)
 
 
 def method_name(method: str | bytes | Callable[..., Any]) -> str:

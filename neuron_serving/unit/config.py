@@ -37,6 +37,10 @@ class UnitConfig:
     # which vLLM logs.
     token_file: str | None = None
     join_timeout_s: float = 600.0
+    # Whole join handshake of one connection up to the Hello's verdict, and again
+    # for the follower's checkpoint check after Welcome: a connection that never
+    # sends, or trickles, frees its handshake slot by then.
+    handshake_timeout_s: float = 10.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
     # Until a peer reports READY it may hold the GIL for seconds at a time
@@ -57,6 +61,8 @@ class UnitConfig:
             raise ValueError(f"control_port must be in 1..65533, got {self.control_port}")
         if self.join_timeout_s <= 0:
             raise ValueError(f"join_timeout_s must be > 0, got {self.join_timeout_s}")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(
                 "heartbeat_interval_s must be > 0 and < heartbeat_timeout_s, got "

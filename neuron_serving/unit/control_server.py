@@ -10,21 +10,42 @@ independent of the threads running steps, which may be blocked in a
 collective), replies of gathered calls, and failure reports. A closed
 connection or a heartbeat older than the timeout is a failed rank: the leader
 calls ``on_failure(rank, reason)`` exactly once for the unit.
+
+Hostile peers (anyone who reaches the port) cost bounded resources:
+- at most ``world_size - 1 + SPARE_HANDSHAKE_SLOTS`` handshakes run at once
+  (one thread each); a connection beyond that is closed at accept, unread;
+- a handshake has ``UnitConfig.handshake_timeout_s`` in all, however slowly
+  its peer sends;
+- rejections are kept in a short ring (``REJECTIONS_KEPT``) plus counters,
+  peer-supplied strings are escaped and cut before they reach a log line or a
+  message, and those log lines are rate-limited;
+- once the unit has started (every rank joined) the listener is closed: a unit
+  never admits anyone later, so connections are refused by the kernel.
+Every frame after a follower's Hello is sealed with its link's MAC and
+sequence number (``channel.py``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron_serving.unit import auth
-from neuron_serving.unit.channel import MAX_FRAME_BYTES, Channel, ChannelClosed
+from neuron_serving.unit.channel import (
+    MAX_FRAME_BYTES,
+    Channel,
+    ChannelClosed,
+    FrameRejected,
+)
 from neuron_serving.unit.config import UnitConfig
+from neuron_serving.unit.log_limit import LimitedLog
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -38,11 +59,18 @@ from neuron_serving.unit.messages import (
     Shutdown,
     Start,
     Welcome,
+    clip,
+    printable,
 )
 
 logger = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 10.0
+# Handshakes beyond one per follower that may run at once: room for a follower
+# reconnecting while its old connection times out, not for a flood.
+SPARE_HANDSHAKE_SLOTS = 8
+REJECTIONS_KEPT = 8
+_REJECTION_CHARS = 400
+_LINGER_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with RST, no TIME_WAIT
 
 
 class UnitJoinError(RuntimeError):
@@ -86,7 +114,18 @@ class ControlServer:
         self.on_failure = on_failure
         self.session_nonce = auth.new_nonce()
         self.links: dict[int, FollowerLink] = {}
-        self.rejections: list[str] = []
+        # The latest rejections, for the join error; older ones only counted.
+        self.rejections: collections.deque[str] = collections.deque(maxlen=REJECTIONS_KEPT)
+        self.rejected_total = 0  # Hellos answered with Reject, and failed joins
+        self.failed_handshakes = 0  # timeouts, malformed or oversized frames
+        self.dropped_at_accept = 0  # no free handshake slot, or the unit had formed
+        self._slots = threading.BoundedSemaphore(world_size - 1 + SPARE_HANDSHAKE_SLOTS)
+        # One limit per kind: a flood of one kind does not hide the others.
+        self._log_refused, self._log_failed, self._log_rejected = (
+            LimitedLog(logger),
+            LimitedLog(logger),
+            LimitedLog(logger),
+        )
         self._lock = threading.Condition()
         self._started = False
         self._closing = False
@@ -110,41 +149,85 @@ class ControlServer:
         threading.Thread(target=self._accept_loop, name="control-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        try:
+            self._accept_until_stopped(listener)
+        finally:
+            listener.close()
+
+    def _accept_until_stopped(self, listener: socket.socket) -> None:
         while not self._closing:
             try:
-                conn, addr = self._listener.accept()
+                conn, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
-                return
+                return  # shut down: the unit formed or is closing
             peer = f"{addr[0]}:{addr[1]}"
+            if self._started or not self._slots.acquire(blocking=False):
+                # Refused unread: a flood costs an accept and a close, no thread
+                # and no buffer.
+                self.dropped_at_accept += 1
+                self._log_refused.warning(
+                    "control port: refused connection from %s (%s; %d refused so far)",
+                    peer,
+                    "unit already formed" if self._started else "too many handshakes in flight",
+                    self.dropped_at_accept,
+                )
+                _close_hard(conn)
+                continue
             threading.Thread(
-                target=self._handshake,
+                target=self._handshake_in_slot,
                 args=(Channel(conn, peer),),
                 name="control-join",
                 daemon=True,
             ).start()
 
+    def _handshake_in_slot(self, ch: Channel) -> None:
+        try:
+            self._handshake(ch)
+        finally:
+            self._slots.release()
+
+    def join_stats(self) -> dict[str, int]:
+        return {
+            "rejected_total": self.rejected_total,
+            "failed_handshakes": self.failed_handshakes,
+            "dropped_at_accept": self.dropped_at_accept,
+            "rejections_kept": len(self.rejections),
+            "rejections_chars": sum(len(r) for r in self.rejections),
+        }
+
     def _handshake(self, ch: Channel) -> None:
+        timeout_s = self.unit.handshake_timeout_s
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.01)
+
         nonce = auth.new_nonce()
         try:
-            ch.send(
-                Challenge(PROTOCOL_VERSION, self.unit.unit_id, nonce), timeout=HANDSHAKE_TIMEOUT_S
-            )
-            hello = ch.recv(timeout=HANDSHAKE_TIMEOUT_S)
+            ch.send(Challenge(PROTOCOL_VERSION, self.unit.unit_id, nonce), timeout=left())
+            hello = ch.recv(timeout=left(), frame_timeout=left())
             if not isinstance(hello, Hello):
-                raise ChannelClosed(f"expected hello, got {type(hello).__name__}")
+                raise FrameRejected(f"expected hello, got {type(hello).__name__}")
             problem = self._check_hello(hello, nonce)
             if problem is not None:
-                field_name, reason = problem
-                who = f"rank {hello.rank} from {hello.host} (pid {hello.pid}, {ch.peer})"
-                self.rejections.append(f"{who}: {field_name}: {reason}")
-                logger.warning("rejected %s: %s: %s", who, field_name, reason)
-                ch.send(Reject(field_name, reason))
-                ch.close()
+                self._reject(ch, hello, *problem, timeout=left())
                 return
-            link = FollowerLink(hello.rank, hello.host, hello.pid, ch)
-            ch.max_frame = MAX_FRAME_BYTES  # authenticated from here on
+            # Authenticated (the Hello's MAC verified): every frame from here on
+            # is sealed with keys only the two ends of this connection hold.
+            link = FollowerLink(hello.rank, printable(hello.host, 64), hello.pid, ch)
+            ch.seal(
+                send_key=auth.link_key(
+                    self.token, nonce, hello.nonce, hello.rank, auth.LEADER_TO_FOLLOWER
+                ),
+                recv_key=auth.link_key(
+                    self.token, nonce, hello.nonce, hello.rank, auth.FOLLOWER_TO_LEADER
+                ),
+            )
+            ch.max_frame = MAX_FRAME_BYTES
             ch.send(
                 Welcome(
                     world_size=self.world_size,
@@ -156,34 +239,50 @@ class ControlServer:
                     broadcast_inline_bytes=self.unit.broadcast_inline_bytes,
                     device=self.unit.device,
                     checkpoint=self.checkpoint,
-                    mac=auth.mac(
-                        self.token,
-                        b"welcome",
-                        hello.nonce,
-                        self.session_nonce,
-                        str(hello.rank).encode(),
-                    ),
-                )
+                ),
+                timeout=left(),
             )
             # The follower checks its local checkpoint against Welcome.checkpoint.
-            ack = ch.recv(timeout=HANDSHAKE_TIMEOUT_S)
+            ack = ch.recv(timeout=timeout_s, frame_timeout=timeout_s)
             if isinstance(ack, Failure):
                 self._join_failed(link, ack.reason)
                 ch.close()
                 return
             if not isinstance(ack, Joined):
-                raise ChannelClosed(f"expected joined, got {type(ack).__name__}")
-        except (ChannelClosed, TimeoutError, OSError, ValueError) as e:
-            logger.warning("join handshake with %s failed: %s", ch.peer, e)
+                raise FrameRejected(f"expected joined, got {type(ack).__name__}")
+        except (ChannelClosed, TimeoutError, OSError) as e:
+            with self._lock:
+                self.failed_handshakes += 1
+            self._log_failed.warning("join handshake with %s failed: %s", ch.peer, e)
             ch.close()
             return
         with self._lock:
+            if self._started or self._closing:
+                ch.close()
+                return
             self.links[link.rank] = link
             self._lock.notify_all()
         logger.info("%s joined unit %s", link.describe(), self.unit.unit_id)
         threading.Thread(
             target=self._read_loop, args=(link,), name=f"control-r{link.rank}", daemon=True
         ).start()
+
+    def _reject(
+        self, ch: Channel, hello: Hello, field_name: str, reason: str, timeout: float
+    ) -> None:
+        # The Hello may be unauthenticated: only escaped, cut copies of its
+        # strings reach the log, the ring and the join error.
+        who = f"rank {hello.rank} from {printable(hello.host, 64)} (pid {hello.pid}, {ch.peer})"
+        entry = clip(f"{who}: {field_name}: {reason}", _REJECTION_CHARS)
+        with self._lock:
+            self.rejections.append(entry)
+            self.rejected_total += 1
+        self._log_rejected.warning("rejected %s", entry)
+        try:
+            ch.send(Reject(field_name, reason), timeout=timeout)
+        except ChannelClosed:
+            pass
+        ch.close()
 
     def _check_hello(self, hello: Hello, nonce: bytes) -> tuple[str, str] | None:
         if hello.protocol != PROTOCOL_VERSION:
@@ -207,7 +306,10 @@ class ControlServer:
         for name, mine in self.versions.items():
             theirs = hello.versions.get(name, "absent")
             if theirs != mine:
-                return f"versions.{name}", f"follower has {name} {theirs}, leader has {name} {mine}"
+                return (
+                    f"versions.{name}",
+                    f"follower has {name} {printable(theirs, 64)}, leader has {name} {mine}",
+                )
         with self._lock:
             if self._started:
                 return "unit", "the unit is already running; a replacement needs a new unit"
@@ -215,15 +317,16 @@ class ControlServer:
             if existing is not None:
                 return "rank", (
                     f"rank {hello.rank} already joined from {existing.host} (pid {existing.pid}); "
-                    f"duplicate from {hello.host} (pid {hello.pid})"
+                    f"duplicate from {printable(hello.host, 64)} (pid {hello.pid})"
                 )
         return None
 
     def _join_failed(self, link: FollowerLink, reason: str) -> None:
-        msg = f"{link.describe()} cannot join unit {self.unit.unit_id}: {reason}"
+        msg = f"{link.describe()} cannot join unit {self.unit.unit_id}: {printable(reason, 2000)}"
         logger.error("%s", msg)
         with self._lock:
-            self.rejections.append(msg)
+            self.rejections.append(clip(msg, _REJECTION_CHARS))
+            self.rejected_total += 1
             self.join_error = self.join_error or msg
             self._lock.notify_all()
 
@@ -243,7 +346,11 @@ class ControlServer:
                         f"joined: {sorted(self.links)})"
                     )
                     if self.rejections:
-                        msg += "; rejected joins: " + "; ".join(self.rejections[-5:])
+                        latest = list(self.rejections)[-5:]
+                        msg += (
+                            f"; rejected joins ({self.rejected_total} in all, latest "
+                            f"{len(latest)}): " + "; ".join(latest)
+                        )
                     raise UnitJoinError(msg)
                 self._lock.wait(min(left, 0.5))
 
@@ -251,6 +358,9 @@ class ControlServer:
         with self._lock:
             self._started = True
             links = list(self.links.values())
+        # Formed: nobody joins a running unit (a replacement needs a new unit), so
+        # stop listening; connections are refused by the kernel from now on.
+        self._stop_listening()
         now = time.monotonic()
         for link in links:
             link.last_seen = now
@@ -265,7 +375,13 @@ class ControlServer:
                 msg = link.channel.recv(timeout=1.0)
             except TimeoutError:
                 continue
-            except (ChannelClosed, OSError, ValueError) as e:
+            except FrameRejected as e:
+                # Tampered, replayed or forged: nothing of it was decoded, and
+                # nothing later on this connection can be trusted.
+                link.channel.close()
+                self._lost(link, f"sent a control frame that failed verification: {e}")
+                return
+            except (ChannelClosed, OSError) as e:
                 self._lost(
                     link, f"closed its control connection ({e}); process exited or was killed"
                 )
@@ -276,7 +392,7 @@ class ControlServer:
             elif isinstance(msg, Reply):
                 link.replies.put(msg)
             elif isinstance(msg, Failure):
-                self._fail(link.rank, f"{link.describe()} failed: {msg.reason}")
+                self._fail(link.rank, f"{link.describe()} failed: {printable(msg.reason, 4000)}")
                 return
 
     def _lost(self, link: FollowerLink, reason: str) -> None:
@@ -359,13 +475,26 @@ class ControlServer:
     def broadcast_failure(self, reason: str) -> None:
         for link in list(self.links.values()):
             try:
-                link.channel.send(Failure(reason), timeout=0.5)
+                link.channel.send(Failure(clip(reason)), timeout=0.5)
             except ChannelClosed:
+                pass
+
+    def _stop_listening(self) -> None:
+        with self._lock:
+            sock, self._listener = self._listener, None
+        if sock is not None:
+            # Stops listening at once (new connections are refused) and wakes the
+            # accept loop, which closes the socket: closing it here, under a
+            # thread blocked on it, could race with the reuse of its descriptor.
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
                 pass
 
     def close(self, clean: bool) -> None:
         with self._lock:
             self._closing = True
+        self._stop_listening()
         for link in list(self.links.values()):
             if clean:
                 try:
@@ -373,5 +502,11 @@ class ControlServer:
                 except ChannelClosed:
                     pass
             link.channel.close()
-        if self._listener is not None:
-            self._listener.close()
+
+
+def _close_hard(conn: socket.socket) -> None:
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+    except OSError:
+        pass
+    conn.close()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
 import sys
 import threading
 import time
@@ -52,7 +51,7 @@ from neuron_serving.unit.broadcast import (
     ControlBroadcast,
     make_group,
 )
-from neuron_serving.unit.calls import encode_call, method_name
+from neuron_serving.unit.calls import decode_result, encode_call, method_name
 from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 from neuron_serving.unit.control_server import ControlServer
 from neuron_serving.unit.health import HealthServer
@@ -60,6 +59,7 @@ from neuron_serving.unit.load_io import LoadStats, measured_load_model
 from neuron_serving.unit.messages import CheckpointRef, Start
 from neuron_serving.unit.metrics import NodeCollector
 from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.unit.store import init_method as store_init_method
 from neuron_serving.versions import runtime_versions
 
 logger = logging.getLogger("neuron_serving.unit.executor")
@@ -173,7 +173,9 @@ class UnitExecutor(Executor):
         return CheckpointRef(model=model, version=version, manifest_sha256=sha)
 
     def _dist_init_method(self) -> str:
-        return f"tcp://{self.unit.control_host}:{self.unit.dist_port}"
+        # vLLM's world store (rank 0) listens on the control host only, not on
+        # every interface as tcp:// would (unit/store.py).
+        return store_init_method(self.unit.control_host, self.unit.dist_port)
 
     def _init_workers(self) -> None:
         self.status.set_state(NodeState.LOADING)
@@ -230,7 +232,8 @@ class UnitExecutor(Executor):
         for rank, reply in enumerate(replies, start=1):
             if not reply.ok:
                 raise UnitFailedError(f"rank {rank} failed in {method_name(method)}: {reply.error}")
-            results.append(pickle.loads(reply.payload))  # authenticated peer (control_server)
+            # Only Replies whose frame MAC and sequence verified reach here (channel.py).
+            results.append(decode_result(reply.payload))
         return results
 
     def collective_rpc(  # type: ignore[override]

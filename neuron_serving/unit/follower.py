@@ -30,7 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from neuron_serving.unit import auth
-from neuron_serving.unit.channel import MAX_FRAME_BYTES, Channel, ChannelClosed
+from neuron_serving.unit.channel import (
+    MAX_LEADER_FRAME_BYTES,
+    Channel,
+    ChannelClosed,
+    FrameRejected,
+)
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -43,6 +48,8 @@ from neuron_serving.unit.messages import (
     Shutdown,
     Start,
     Welcome,
+    clip,
+    printable,
 )
 from neuron_serving.unit.state import NodeState, NodeStatus
 from neuron_serving.versions import runtime_versions
@@ -50,6 +57,8 @@ from neuron_serving.versions import runtime_versions
 logger = logging.getLogger("neuron_serving.follower")
 
 EXIT_OK, EXIT_FAILED, EXIT_LEADER_LOST = 0, 1, 2
+# Each handshake frame from the leader, whole (the leader's own bound is the same).
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class FollowerRejected(RuntimeError):
@@ -159,7 +168,7 @@ class Follower:
             return welcome
 
     def _handshake(self, ch: Channel) -> Welcome:
-        challenge = ch.recv(timeout=10.0)
+        challenge = ch.recv(timeout=HANDSHAKE_TIMEOUT_S, frame_timeout=HANDSHAKE_TIMEOUT_S)
         if not isinstance(challenge, Challenge):
             raise ChannelClosed(f"expected a challenge, got {type(challenge).__name__}")
         if challenge.protocol != PROTOCOL_VERSION:
@@ -168,35 +177,53 @@ class Follower:
                 f"this follower {PROTOCOL_VERSION}"
             )
         nonce = auth.new_nonce()
-        rank = str(self.cfg.rank).encode()
+        rank = self.cfg.rank
         ch.send(
             Hello(
                 protocol=PROTOCOL_VERSION,
-                rank=self.cfg.rank,
-                host=socket.gethostname(),
+                rank=rank,
+                host=socket.gethostname()[:255],
                 pid=os.getpid(),
                 versions=runtime_versions(),
                 nonce=nonce,
-                mac=auth.mac(self.token, b"hello", challenge.nonce, nonce, rank),
+                mac=auth.mac(self.token, b"hello", challenge.nonce, nonce, str(rank).encode()),
             )
         )
-        ch.max_frame = MAX_FRAME_BYTES
-        answer = ch.recv(timeout=10.0)
+        ch.seal(
+            send_key=auth.link_key(
+                self.token, challenge.nonce, nonce, rank, auth.FOLLOWER_TO_LEADER
+            ),
+            recv_key=auth.link_key(
+                self.token, challenge.nonce, nonce, rank, auth.LEADER_TO_FOLLOWER
+            ),
+        )
+        # The frame limit stays at the unauthenticated one until the Welcome's MAC
+        # has verified; a Reject is the one plain frame accepted here.
+        try:
+            answer = ch.recv(
+                timeout=HANDSHAKE_TIMEOUT_S,
+                frame_timeout=HANDSHAKE_TIMEOUT_S,
+                plain_reject_ok=True,
+            )
+        except FrameRejected as e:
+            raise auth.AuthError(
+                f"token: the leader's answer failed verification ({e}); it could not prove "
+                "it holds the unit token, refusing to trust it"
+            ) from None
         if isinstance(answer, Reject):
+            # Unauthenticated text from whoever answered: escaped and cut.
             raise FollowerRejected(
-                f"leader rejected rank {self.cfg.rank}: {answer.field}: {answer.reason}"
+                f"leader rejected rank {rank}: {printable(answer.field, 64)}: "
+                f"{printable(answer.reason, 2000)}"
             )
         if not isinstance(answer, Welcome):
             raise ChannelClosed(f"expected welcome, got {type(answer).__name__}")
-        if not auth.verify(self.token, answer.mac, b"welcome", nonce, answer.session_nonce, rank):
-            raise auth.AuthError(
-                "token: the leader could not prove it holds the unit token; refusing to trust it"
-            )
+        ch.max_frame = MAX_LEADER_FRAME_BYTES
         problem = self._checkpoint_problem(answer)
         if problem:
-            ch.send(Failure(problem), timeout=10.0)
+            ch.send(Failure(clip(problem)), timeout=HANDSHAKE_TIMEOUT_S)
             raise CheckpointRejected(problem)
-        ch.send(Joined(), timeout=10.0)
+        ch.send(Joined(), timeout=HANDSHAKE_TIMEOUT_S)
         return answer
 
     def _checkpoint_problem(self, welcome: Welcome) -> str:
@@ -246,7 +273,7 @@ class Follower:
                 msg = self.channel.recv(timeout=1.0)
             except TimeoutError:
                 continue
-            except (ChannelClosed, OSError, ValueError) as e:
+            except (ChannelClosed, OSError) as e:  # FrameRejected: tampered or forged
                 if self._shutdown.is_set():
                     return
                 self._exit(
@@ -260,7 +287,8 @@ class Follower:
                 self._starts.put(msg)
             elif isinstance(msg, Failure):
                 self._exit(
-                    EXIT_LEADER_LOST, f"rank {self.cfg.rank}: leader reports {msg.reason}; exiting"
+                    EXIT_LEADER_LOST,
+                    f"rank {self.cfg.rank}: leader reports {printable(msg.reason, 4000)}; exiting",
                 )
                 return
             elif isinstance(msg, Shutdown):
@@ -325,14 +353,14 @@ class Follower:
         if self.channel is None:
             return
         try:
-            self.channel.send(Failure(reason), timeout=2.0)
+            self.channel.send(Failure(clip(reason)), timeout=2.0)
         except ChannelClosed:
             pass
 
     def reply(self, seq: int, ok: bool, result=None, error: str = "") -> None:
         assert self.channel is not None
         payload = pickle.dumps(result, protocol=5) if ok else b""
-        self.channel.send(Reply(seq=seq, ok=ok, payload=payload, error=error), timeout=60.0)
+        self.channel.send(Reply(seq=seq, ok=ok, payload=payload, error=clip(error)), timeout=60.0)
 
     def format_exc(self) -> str:
         return traceback.format_exc(limit=6)

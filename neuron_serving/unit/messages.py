@@ -4,24 +4,45 @@ The control connection carries the join handshake, heartbeats, replies of
 gathered calls and failure reports; the per-step calls themselves travel on the
 Gloo control broadcast (``broadcast.py``). Messages are msgspec structs encoded
 as msgpack in length-prefixed frames: decoding them never executes code, so the
-handshake is safe against an unauthenticated peer. Only ``Reply.payload`` is a
-pickle, and it is only unpickled from a follower that has authenticated.
+handshake is safe against an unauthenticated peer. Every frame after the
+follower's ``Hello`` (from ``Welcome`` on, both directions) is sealed with the
+link's MAC and sequence number and verified before it is decoded
+(``channel.py``). Only ``Reply.payload`` is a pickle, unpickled by the leader
+only after its frame verified.
+
+Every variable-size field has a bound (``msgspec.Meta``): a peer's strings,
+dicts and byte strings are checked while decoding, so an oversized one fails
+as a malformed message rather than reaching logs, lists or errors.
 """
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 # Bump when a message changes incompatibly; checked first in the handshake.
-PROTOCOL_VERSION = 2  # 2: Welcome.checkpoint, Joined
+# 2: Welcome.checkpoint, Joined; 3: sealed frames (per-link MAC + seq), Welcome.mac dropped.
+PROTOCOL_VERSION = 3
+
+MAX_TEXT = 16 << 10  # failure reasons and errors
+Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Tag = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+Name = Annotated[str, msgspec.Meta(max_length=255)]  # host names, ids, fields
+PathStr = Annotated[str, msgspec.Meta(max_length=4096)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Versions = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=128)]],
+    msgspec.Meta(max_length=32),
+]
 
 
 class Challenge(msgspec.Struct, tag="challenge"):
     """Leader -> follower, first message on a new connection."""
 
     protocol: int
-    unit_id: str
-    nonce: bytes
+    unit_id: Name
+    nonce: Nonce
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -29,11 +50,11 @@ class Hello(msgspec.Struct, tag="hello"):
 
     protocol: int
     rank: int
-    host: str
+    host: Name
     pid: int
-    versions: dict[str, str]
-    nonce: bytes
-    mac: bytes  # HMAC(token, "hello", leader nonce, follower nonce, rank)
+    versions: Versions
+    nonce: Nonce
+    mac: Tag  # HMAC(token, "hello", leader nonce, follower nonce, rank)
 
 
 class CheckpointRef(msgspec.Struct):
@@ -41,27 +62,28 @@ class CheckpointRef(msgspec.Struct):
     and, when that directory is a sharded checkpoint version, the version name and
     the sha256 of its manifest.json (both empty otherwise)."""
 
-    model: str
-    version: str = ""
-    manifest_sha256: str = ""
+    model: PathStr
+    version: Name = ""
+    manifest_sha256: Name = ""
 
 
 class Welcome(msgspec.Struct, tag="welcome"):
-    """Leader -> follower: accepted; proof that the leader holds the token too.
+    """Leader -> follower: accepted. The first sealed frame: its link MAC, keyed
+    from the token and both nonces, proves the leader holds the token too and
+    covers the whole message.
 
     The follower answers ``Joined`` once its local checkpoint matches
     ``checkpoint`` (same version and manifest, its rank's files present), or
     ``Failure`` naming the difference; only then does the leader count it."""
 
     world_size: int
-    unit_id: str
-    session_nonce: bytes  # seeds the broadcast MAC key for this unit session
+    unit_id: Name
+    session_nonce: Nonce  # seeds the broadcast MAC key for this unit session
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
     startup_heartbeat_timeout_s: float
     broadcast_inline_bytes: int
-    device: str
-    mac: bytes  # HMAC(token, "welcome", follower nonce, session nonce, rank)
+    device: Name
     checkpoint: CheckpointRef | None = None
 
 
@@ -72,20 +94,20 @@ class Joined(msgspec.Struct, tag="joined"):
 class Reject(msgspec.Struct, tag="reject"):
     """Leader -> follower: not admitted; ``field`` names what was wrong."""
 
-    field: str
-    reason: str
+    field: Name
+    reason: Text
 
 
 class Start(msgspec.Struct, tag="start"):
     """Leader -> follower: every rank joined; build the Gloo groups now."""
 
-    store_host: str
+    store_host: Name
     store_port: int
-    dist_init_method: str
+    dist_init_method: PathStr
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
-    state: str
+    state: Name
     steps: int
 
 
@@ -94,14 +116,14 @@ class Reply(msgspec.Struct, tag="reply"):
 
     seq: int
     ok: bool
-    payload: bytes = b""
-    error: str = ""
+    payload: bytes = b""  # bounded by the frame limit (channel.MAX_FRAME_BYTES)
+    error: Text = ""
 
 
 class Failure(msgspec.Struct, tag="failure"):
     """Either direction: the sender is failing; ``reason`` says why."""
 
-    reason: str
+    reason: Text
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):
@@ -122,3 +144,20 @@ def encode(msg: ControlMessage) -> bytes:
 
 def decode(data: bytes) -> ControlMessage:
     return _decoder.decode(data)
+
+
+def clip(text: str, limit: int = MAX_TEXT) -> str:
+    """``text`` cut to fit a bounded field (our own reasons can be long tracebacks)."""
+    return text if len(text) <= limit else text[: limit - 15] + " ...[truncated]"
+
+
+def printable(value: object, limit: int = 120) -> str:
+    """A peer-supplied value made safe for a log line or an error message: control
+    and other non-printable characters escaped (no forged log lines, no terminal
+    escapes), cut to ``limit`` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    cut = text[:limit]
+    safe = "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut
+    )
+    return safe if len(text) <= limit else safe + "...[truncated]"

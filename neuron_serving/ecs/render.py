@@ -4,9 +4,11 @@
     <out>/task-definitions/<name>-follower.json
     <out>/run-task/<unit-id>-rank<r>.json        RunTask parameters of every node
     <out>/deployment.json                        spec, families, units, leader names
+    <out>/security-group-ingress.json            AuthorizeSecurityGroupIngress of the unit
+                                                 group (with unit_security_group set)
 
 Use them with the AWS CLI: ``aws ecs register-task-definition --cli-input-json
-file://...``. Without Cloud Map, a follower's leader address is only known at
+file://...``, ``aws ec2 authorize-security-group-ingress --cli-input-json file://...``. Without Cloud Map, a follower's leader address is only known at
 launch: its file holds the placeholder ``LEADER_IP``; the controller fills it in.
 """
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from neuron_serving.ecs.launch import NodeLaunch, run_task_params
 from neuron_serving.ecs.schema import validate
+from neuron_serving.ecs.security_groups import authorize_ingress_params
 from neuron_serving.ecs.spec import DeploymentSpec
 from neuron_serving.ecs.taskdef import ROLES, family, leader_dns_name, task_definition
 
@@ -45,6 +48,10 @@ def render(spec: DeploymentSpec) -> dict[str, dict[str, Any]]:
             )
             validate("RunTask", params)
             docs[f"run-task/{unit_id}-rank{rank}.json"] = params
+    if spec.unit_security_group:
+        ingress = authorize_ingress_params(spec)
+        validate("AuthorizeSecurityGroupIngress", ingress, service="ec2")
+        docs["security-group-ingress.json"] = ingress
     docs["deployment.json"] = {
         "spec": dataclasses.asdict(spec),
         "families": {role: family(spec, role) for role in ROLES},

@@ -33,6 +33,16 @@ REQUIRED = (
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,27}$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$")
 _SECRET_ARN = re.compile(r"^arn:aws[a-z-]*:(secretsmanager|ssm):[a-z0-9-]+:\d{12}:.+$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SECURITY_GROUP = re.compile(r"^sg-[0-9a-z]+$")
+# Security groups of the network design (security_groups.py): the units' own group and
+# the groups allowed to reach them.
+SECURITY_GROUP_KEYS = (
+    "unit_security_group",
+    "proxy_security_group",
+    "deployer_security_group",
+    "metrics_security_group",
+)
 # Triton's ports are fixed by the Triton image convention and the proxy's config.
 TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT = 8000, 8001, 8002
 
@@ -70,12 +80,26 @@ class DeploymentSpec:
     # shards into model_dir before it starts (`checkpoint fetch --rank R`). Set per
     # release by `neuron-serving deploy --unit-spec`; None: the model is at model_dir.
     model_uri: str | None = None
+    # sha256 (hex) of the manifest.json the deploy checked: every rank refuses another
+    # manifest (NEURON_SERVING_MODEL_MANIFEST_SHA256), so a restart cannot load a
+    # manifest swapped in S3 after the deploy. Required with model_uri.
+    model_manifest_sha256: str | None = None
     log_group: str = ""  # default /ecs/<name>
     # Cloud Map private DNS namespace (both or neither): leaders are registered as
     # <unit-id>-leader.<namespace> and followers dial that name.
     service_discovery_namespace: str | None = None
     service_discovery_namespace_id: str | None = None
-    unit_token_secret_arn: str | None = None  # injected as NEURON_SERVING_UNIT_TOKEN
+    # Injected as NEURON_SERVING_UNIT_TOKEN; required with more than one node per unit.
+    unit_token_secret_arn: str | None = None
+    # Leader only: NEURON_SERVING_TRITON_ADMIN_KEY; None = a random key per start, i.e.
+    # Triton's model control, repository, statistics, trace, logging APIs are off.
+    triton_admin_key_secret_arn: str | None = None
+    # The network design (security_groups.py, `ecs render`): the group every node task is
+    # in (one of security_groups) and the groups that may reach it.
+    unit_security_group: str | None = None
+    proxy_security_group: str | None = None  # Triton HTTP/gRPC, node health gRPC
+    deployer_security_group: str | None = None  # deploy canaries: Triton HTTP
+    metrics_security_group: str | None = None  # the Prometheus scraper
     proxy_admin_url: str | None = None  # e.g. http://proxy.internal:8081
     proxy_admin_token_file: str | None = None  # else NEURON_SERVING_PROXY_ADMIN_TOKEN
     control_port: int = 29500  # +1 store, +2 dist, +3 Neuron CC bootstrap
@@ -123,8 +147,19 @@ class DeploymentSpec:
             self.service_discovery_namespace_id is None
         ):
             p.append("service_discovery_namespace and service_discovery_namespace_id go together")
-        if self.unit_token_secret_arn and not _SECRET_ARN.match(self.unit_token_secret_arn):
-            p.append("unit_token_secret_arn must be a Secrets Manager or SSM parameter ARN")
+        for key in ("unit_token_secret_arn", "triton_admin_key_secret_arn"):
+            value = getattr(self, key)
+            if value and not _SECRET_ARN.match(value):
+                p.append(f"{key} must be a Secrets Manager or SSM parameter ARN")
+        if isinstance(self.nodes_per_unit, int) and self.nodes_per_unit > 1:
+            if not self.unit_token_secret_arn:
+                # Without a shared secret every rank makes up its own token and the
+                # join handshake (HMAC) can never succeed: the unit would never form.
+                p.append(
+                    f"nodes_per_unit {self.nodes_per_unit} needs unit_token_secret_arn (the "
+                    "unit's shared join secret in Secrets Manager or SSM)"
+                )
+        p.extend(self._security_group_problems())
         if self.proxy_admin_url and not re.match(r"^https?://", self.proxy_admin_url):
             p.append("proxy_admin_url must start with http:// or https://")
         p.extend(self._port_problems())
@@ -138,6 +173,15 @@ class DeploymentSpec:
             if self.host_model_dir:
                 # The bind mount is read-only: nothing could be fetched into it.
                 p.append("model_uri and host_model_dir exclude each other")
+            if not self.model_manifest_sha256:
+                p.append(
+                    "model_uri needs model_manifest_sha256 (the sha256 of the manifest the "
+                    "deploy checked; `neuron-serving deploy` sets it)"
+                )
+        if self.model_manifest_sha256 is not None and not _SHA256.match(
+            str(self.model_manifest_sha256)
+        ):
+            p.append("model_manifest_sha256 must be 64 lowercase hex characters")
         if self.ready_timeout_s <= 0:
             p.append("ready_timeout_s must be > 0")
         if itype is not None and self.task_memory_mib is not None:
@@ -151,6 +195,21 @@ class DeploymentSpec:
         except ValueError as e:
             p.append(str(e))
             return None
+
+    def _security_group_problems(self) -> list[str]:
+        p = [
+            f"{key} must be a security group id (sg-...), got {getattr(self, key)!r}"
+            for key in SECURITY_GROUP_KEYS
+            if getattr(self, key) is not None and not _SECURITY_GROUP.match(str(getattr(self, key)))
+        ]
+        unit = self.unit_security_group
+        if unit and self.security_groups and unit not in self.security_groups:
+            p.append(f"unit_security_group {unit} must be one of security_groups")
+        if not unit and any(getattr(self, k) for k in SECURITY_GROUP_KEYS[1:]):
+            p.append("proxy/deployer/metrics_security_group need unit_security_group")
+        if unit and not self.proxy_security_group:
+            p.append("unit_security_group needs proxy_security_group (who may reach Triton)")
+        return p
 
     def _port_problems(self) -> list[str]:
         ctl = range(self.control_port, self.control_port + 4)

@@ -31,6 +31,12 @@ ROLES = ("leader", "follower")
 PER_RANK_NEURON_VARS = ("NEURON_RT_ROOT_COMM_ID", "NEURON_RANK_ID")
 # Installed by ecs/Dockerfile.*: prints the task's awsvpc ENI address.
 TASK_IP = "/opt/neuron-serving/task-ip"
+# Where a node's command leaves that address for the container health check, which
+# must probe the health server where it listens (the ENI address, not loopback).
+TASK_IP_FILE = "/tmp/neuron-serving-task-ip"
+# The unprivileged user of ecs/Dockerfile.* (uid 10001); the task definition names it
+# too, so an image without a USER line does not silently run the node as root.
+NODE_USER = "10001"
 TAG_PREFIX = "neuron-serving/"
 
 
@@ -83,13 +89,16 @@ def static_environment(spec: DeploymentSpec, role: str) -> dict[str, str]:
         NEURON_SERVING_DEVICE="neuron",
         NEURON_SERVING_NEURON_CORES_PER_NODE=str(spec.instance.neuron_cores),
         NEURON_SERVING_WORLD_SIZE=str(spec.nodes_per_unit),
-        NEURON_SERVING_HEALTH_HOST="0.0.0.0",  # the proxy and ECS probe from outside
         PYTHONUNBUFFERED="1",
     )
+    # NEURON_SERVING_HEALTH_HOST is the task's ENI address, set by the command.
     if role == "leader":
         env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(spec.health_port)
     if spec.model_uri:
         env["NEURON_SERVING_MODEL_URI"] = spec.model_uri
+    if spec.model_manifest_sha256:
+        # Every rank checks the manifest it loads against the deploy's pin.
+        env["NEURON_SERVING_MODEL_MANIFEST_SHA256"] = spec.model_manifest_sha256
     return env
 
 
@@ -104,7 +113,12 @@ def fetch_command(spec: DeploymentSpec, rank: str) -> str:
 
 
 def command(spec: DeploymentSpec, role: str) -> str:
-    """Shell command of the node: `$VAR`s are filled from the task's overrides."""
+    """Shell command of the node: `$VAR`s are filled from the task's overrides.
+
+    Every listener binds the task's ENI address ($IP), never 0.0.0.0: what reaches a
+    port is then decided by the unit's security group alone (security_groups.py)."""
+    # The ENI address, kept for the container health check (TASK_IP_FILE).
+    ip = f'IP="$({TASK_IP})" && printf %s "$IP" > {TASK_IP_FILE} && '
     if role == "leader":
         args = [
             "neuron-serving", "leader",
@@ -114,29 +128,29 @@ def command(spec: DeploymentSpec, role: str) -> str:
             "--http-port", str(TRITON_HTTP_PORT),
             "--grpc-port", str(TRITON_GRPC_PORT),
             "--metrics-port", str(TRITON_METRICS_PORT),
-            "--host", "0.0.0.0",
             *spec.leader_args,
         ]  # fmt: skip
         # The control address is bound and advertised: it must be this task's ENI address.
         # Without Cloud Map the Neuron root (rank 0 itself) is that address too.
         cc = spec.control_port + NEURON_CC_PORT_OFFSET
         prefix = (
-            f'IP="$({TASK_IP})" && '
-            f'export NEURON_RT_ROOT_COMM_ID="${{NEURON_RT_ROOT_COMM_ID:-$IP:{cc}}}" '
-            f'NEURON_RANK_ID="${{NEURON_RANK_ID:-0}}" && '
+            ip + f'export NEURON_RT_ROOT_COMM_ID="${{NEURON_RT_ROOT_COMM_ID:-$IP:{cc}}}" '
+            f'NEURON_RANK_ID="${{NEURON_RANK_ID:-0}}" NEURON_SERVING_HEALTH_HOST="$IP" && '
         )
-        tail = ' --control-host "$IP" --unit-id "$NEURON_SERVING_UNIT_ID"'
+        tail = ' --host "$IP" --control-host "$IP" --unit-id "$NEURON_SERVING_UNIT_ID"'
         prefix += fetch_command(spec, "0")
     else:
         args = [
             "neuron-serving", "follower",
             "--world-size", str(spec.nodes_per_unit),
             "--health-port", str(spec.health_port),
-            "--health-host", "0.0.0.0",
             "--device", "neuron",
         ]  # fmt: skip
-        prefix = fetch_command(spec, '"$NEURON_SERVING_RANK"')
-        tail = ' --leader "$NEURON_SERVING_LEADER_ADDR" --rank "$NEURON_SERVING_RANK"'
+        prefix = ip + fetch_command(spec, '"$NEURON_SERVING_RANK"')
+        tail = (
+            ' --health-host "$IP" --leader "$NEURON_SERVING_LEADER_ADDR"'
+            ' --rank "$NEURON_SERVING_RANK"'
+        )
     return prefix + "exec " + shlex.join(args) + tail
 
 
@@ -159,9 +173,14 @@ def port_mappings(spec: DeploymentSpec, role: str) -> list[dict[str, Any]]:
 
 def health_check(spec: DeploymentSpec) -> dict[str, Any]:
     # The node's own HTTP /healthz: 200 only in state READY (python3 is in every image
-    # we build; curl is not guaranteed in the Neuron DLC).
-    url = f"http://127.0.0.1:{spec.health_port + 1}/healthz"
-    probe = f"python3 -c \"import urllib.request; urllib.request.urlopen('{url}', timeout=4)\""
+    # we build; curl is not guaranteed in the Neuron DLC), at the ENI address the health
+    # server binds (the command wrote it to TASK_IP_FILE; missing = not started = fail).
+    port = spec.health_port + 1
+    probe = (
+        'python3 -c "import sys, urllib.request; '
+        f"urllib.request.urlopen('http://%s:{port}/healthz' % sys.argv[1], timeout=4)\" "
+        f'"$(cat {TASK_IP_FILE})"'
+    )
     # startPeriod is ECS's maximum (300 s); loading and compiling take longer, which
     # the controller covers with ready_timeout_s rather than ECS.
     return {
@@ -183,6 +202,7 @@ def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": role,
         "image": spec.image,
+        "user": NODE_USER,
         "essential": True,
         "entryPoint": ["/bin/sh", "-c"],
         "command": [command(spec, role)],
@@ -216,9 +236,12 @@ def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
         container["mountPoints"] = [
             {"sourceVolume": "model", "containerPath": spec.model_dir, "readOnly": True}
         ]
-    if spec.unit_token_secret_arn:
+    secrets = {"NEURON_SERVING_UNIT_TOKEN": spec.unit_token_secret_arn}
+    if role == "leader":
+        secrets["NEURON_SERVING_TRITON_ADMIN_KEY"] = spec.triton_admin_key_secret_arn
+    if any(secrets.values()):
         container["secrets"] = [
-            {"name": "NEURON_SERVING_UNIT_TOKEN", "valueFrom": spec.unit_token_secret_arn}
+            {"name": name, "valueFrom": arn} for name, arn in secrets.items() if arn
         ]
     return container
 

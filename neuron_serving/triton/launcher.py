@@ -45,6 +45,7 @@ from neuron_serving.triton.repository import (
     render_model_repository,
     stub_env,
 )
+from neuron_serving.triton.restricted import AdminKey
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,10 @@ class TritonLeader:
         self._tree: dict[int, psutil.Process] = {}
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._marker: Path | None = None
+        from neuron_serving import envs
+
+        # Resolved once per start; the key only goes to tritonserver's argv.
+        self.admin_key = AdminKey.resolve(envs.NEURON_SERVING_TRITON_ADMIN_KEY)
 
     # ---- start -----------------------------------------------------------------------
 
@@ -186,6 +191,8 @@ class TritonLeader:
             f"--http-port={s.http_port}",
             f"--grpc-address={s.host}",
             f"--grpc-port={s.grpc_port}",
+            # Only health, inference and model-config without the admin key (restricted.py).
+            *self.admin_key.server_args(),
             # Triton's own metrics stay internal; the merger publishes them.
             "--metrics-address=127.0.0.1",
             f"--metrics-port={triton_metrics_port}",
@@ -210,7 +217,8 @@ class TritonLeader:
             env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(health_port)
         if health_host in ("0.0.0.0", "::", ""):
             health_host = "127.0.0.1"
-        log.info("starting %s", " ".join(cmd))
+        shown = " ".join(cmd).replace(self.admin_key.value, "<admin-key>")
+        log.info("starting %s", shown)
         # Own process group (for killpg) but the leader's session, so a supervisor
         # that cleans up by session still finds the tree; parent-death signal so a
         # SIGKILLed leader does not leave a serving tritonserver behind.

@@ -2,13 +2,18 @@
 
 One leader for the whole module (startup costs 35-60 s on this machine kind). The
 last test kills the EngineCore and checks the failure path, so it must stay last.
-Every wait is bounded; no test asserts on wall-clock durations.
+Every wait is bounded; no test asserts on wall-clock durations. The hostile tests
+(issue 14, finding 1) attack the same leader's admin surface over HTTP and gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import http.client
+import ipaddress
 import json
+import secrets
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +25,7 @@ import psutil
 import pytest
 
 from neuron_serving.triton.launcher import EXIT_UNIT_FAILED
+from neuron_serving.triton.restricted import ADMIN_HEADER, GRPC_METADATA_PREFIX
 from tests.e2e.triton_leader_helpers import (
     LeaderEndpoints,
     get,
@@ -35,6 +41,9 @@ pytestmark = pytest.mark.e2e
 EXECUTOR = "unit"
 MAX_MODEL_LEN = 512
 PROMPT = "Do you have running shoes in size 10?"
+# Known to the tests only so that they can show the restricted APIs work with it
+# (without it a leader picks a random key nobody learns).
+ADMIN_KEY = secrets.token_urlsafe(32)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +51,9 @@ def leader(demo_model: Path, tmp_path_factory) -> LeaderEndpoints:
     tmp = tmp_path_factory.mktemp("leader")
     extra = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", str(256 << 20),
              "--executor", EXECUTOR, "--drain", "1"]  # fmt: skip
-    ldr = start_leader(demo_model, tmp, tp=1, extra=extra)
+    ldr = start_leader(
+        demo_model, tmp, tp=1, extra=extra, env={"NEURON_SERVING_TRITON_ADMIN_KEY": ADMIN_KEY}
+    )
     try:
         wait_ready(ldr)
         yield ldr
@@ -157,6 +168,7 @@ def test_health_endpoints(leader: LeaderEndpoints) -> None:
 
     c = httpclient.InferenceServerClient(leader.http)
     assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("llm")
+    # model-config stays open: the proxy reads the served model_version from it.
     config = c.get_model_config("llm")
     assert config["model_transaction_policy"]["decoupled"] is True
     assert config["max_batch_size"] == 0
@@ -318,6 +330,188 @@ def test_metrics_port_has_triton_and_vllm_metrics(leader: LeaderEndpoints) -> No
         "neuron_serving_steps_total",
     ):
         assert name in text, name
+
+
+# ---- hostile: Triton's admin surface (issue 14, finding 1) ------------------------------
+
+# A Python-backend model.py runs in the stub at load: loading one is code execution.
+_EVIL_MODEL = b"""
+import pathlib
+pathlib.Path(MARKER).write_text("owned")
+class TritonPythonModel:
+    def execute(self, requests):
+        return []
+"""
+_EVIL_CONFIG = json.dumps({"name": "llm", "backend": "python", "max_batch_size": 0})
+
+
+def _evil_files(marker: Path) -> dict[str, bytes]:
+    return {"file:1/model.py": _EVIL_MODEL.replace(b"MARKER", repr(str(marker)).encode())}
+
+
+def _http(leader: LeaderEndpoints, method: str, path: str, body: object = None,
+          headers: dict[str, str] | None = None) -> tuple[int, str]:  # fmt: skip
+    host, port = leader.http.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+def _admin_requests(marker: Path) -> list[tuple[str, str, object]]:
+    """Every restricted HTTP API group, read and write; the load carries a model.py."""
+    files = {k: base64.b64encode(v).decode() for k, v in _evil_files(marker).items()}
+    return [
+        ("POST", "/v2/repository/models/llm/unload", {}),
+        ("POST", "/v2/repository/models/llm/load",
+         {"parameters": {"config": _EVIL_CONFIG, **files}}),
+        ("POST", "/v2/repository/index", {}),
+        ("GET", "/v2/logging", None),
+        ("POST", "/v2/logging", {"log_verbose_level": 1, "log_file": "/tmp/triton-owned.log"}),
+        ("GET", "/v2/trace/setting", None),
+        ("POST", "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}),
+        ("GET", "/v2/models/llm/trace/setting", None),
+        ("GET", "/v2/models/stats", None),
+        ("GET", "/v2/models/llm/stats", None),
+        ("GET", "/v2/systemsharedmemory/status", None),
+        ("POST", "/v2/systemsharedmemory/region/owned/register",
+         {"key": "/dev/shm/owned", "offset": 0, "byte_size": 1 << 30}),
+        ("POST", "/v2/systemsharedmemory/unregister", {}),
+        ("GET", "/v2/cudasharedmemory/status", None),
+        ("GET", "/v2", None),  # server metadata: version and extensions
+        ("GET", "/v2/models/llm", None),  # model metadata
+    ]  # fmt: skip
+
+
+def _triton_tree(leader: LeaderEndpoints) -> dict[str, psutil.Process]:
+    """The leader's own process, tritonserver and the backend stub (not EngineCore:
+    the unit executor's ports are tests/e2e/test_unit.py's)."""
+    root = psutil.Process(leader.proc.pid)
+    procs = {"leader": root}
+    for p in root.children(recursive=True):
+        name = p.name()
+        if name == "tritonserver":
+            procs["tritonserver"] = p
+        elif "triton_python_backend_stub" in name or "triton_python_backend_stub" in " ".join(
+            p.cmdline()[:1]
+        ):
+            procs["stub"] = p
+    assert {"tritonserver", "stub"} <= procs.keys(), procs
+    return procs
+
+
+def _usage(p: psutil.Process) -> tuple[int, int]:
+    return p.memory_info().rss, p.num_threads()
+
+
+async def _still_serves(leader: LeaderEndpoints, client) -> None:
+    assert leader.model_ready(), leader.log_tail()
+    good = await generate(client, PROMPT, stream=True, params={"max_tokens": 4, "temperature": 0})
+    assert good.error is None and good.completion_tokens == 4, good.error
+    code, body = _http(leader, "POST", "/v2/models/llm/generate",
+                       {"text_input": PROMPT, "parameters": {"max_tokens": 2}})  # fmt: skip
+    assert code == 200 and json.loads(body)["completion_tokens"] == 2, body
+
+
+async def test_http_admin_apis_are_refused_without_the_key(
+    leader: LeaderEndpoints, client, tmp_path: Path
+) -> None:
+    marker = tmp_path / "owned"
+    triton = _triton_tree(leader)["tritonserver"]
+    rss0, threads0 = _usage(triton)
+    rounds = 20
+    for _ in range(rounds):
+        for method, path, body in _admin_requests(marker):
+            for headers in ({}, {ADMIN_HEADER: "wrong-" + ADMIN_KEY[6:]}):
+                code, text = _http(leader, method, path, body, headers)
+                assert code == 403, f"{method} {path} with {list(headers)}: {code} {text[:300]}"
+                assert "restricted" in text.lower() or ADMIN_HEADER in text, text[:300]
+    rss1, threads1 = _usage(triton)
+    n = rounds * len(_admin_requests(marker)) * 2
+    print(f"{n} refused admin requests: tritonserver rss {rss0 >> 20} -> {rss1 >> 20} MiB, "
+          f"threads {threads0} -> {threads1}")  # fmt: skip
+    assert rss1 - rss0 < 64 << 20, f"tritonserver grew {(rss1 - rss0) >> 20} MiB over {n}"
+    assert threads1 <= threads0 + 4, f"tritonserver threads {threads0} -> {threads1} over {n}"
+    assert not marker.exists(), "the load API ran a client-supplied model.py"
+    logs = leader.proc.stderr() + leader.proc.stdout()
+    assert ADMIN_KEY not in logs, "the admin key is in the leader's log"
+    await _still_serves(leader, client)
+    # The key opens them (read-only calls): the refusals above are the restriction.
+    code, text = _http(leader, "POST", "/v2/repository/index", {}, {ADMIN_HEADER: ADMIN_KEY})
+    assert code == 200 and '"llm"' in text, (code, text[:300])
+    code, text = _http(leader, "GET", "/v2/models/llm/stats", None, {ADMIN_HEADER: ADMIN_KEY})
+    assert code == 200 and "inference_stats" in text, (code, text[:300])
+
+
+def test_grpc_admin_apis_are_refused_without_the_key(leader: LeaderEndpoints, tmp_path: Path):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    marker = tmp_path / "owned"
+    c = grpcclient.InferenceServerClient(leader.grpc)
+    wrong = {GRPC_METADATA_PREFIX + ADMIN_HEADER: "wrong-" + ADMIN_KEY[6:]}
+    attacks = {
+        "unload_model": lambda h: c.unload_model("llm", headers=h),
+        "load_model": lambda h: c.load_model(
+            "pwned", headers=h, config=_EVIL_CONFIG.replace('"llm"', '"pwned"'),
+            files=_evil_files(marker)),
+        "get_model_repository_index": lambda h: c.get_model_repository_index(headers=h),
+        "get_inference_statistics": lambda h: c.get_inference_statistics("llm", headers=h),
+        "get_log_settings": lambda h: c.get_log_settings(headers=h),
+        "update_log_settings": lambda h: c.update_log_settings({"log_verbose_level": 1}, headers=h),
+        "get_trace_settings": lambda h: c.get_trace_settings(headers=h),
+        "update_trace_settings": lambda h: c.update_trace_settings(
+            settings={"trace_rate": "1"}, headers=h),
+        "get_system_shared_memory_status": lambda h: c.get_system_shared_memory_status(headers=h),
+        "register_system_shared_memory": lambda h: c.register_system_shared_memory(
+            "owned", "/owned", 1 << 30, headers=h),
+        "get_cuda_shared_memory_status": lambda h: c.get_cuda_shared_memory_status(headers=h),
+        "get_server_metadata": lambda h: c.get_server_metadata(headers=h),
+        "get_model_metadata": lambda h: c.get_model_metadata("llm", headers=h),
+    }  # fmt: skip
+    try:
+        for name, call in attacks.items():
+            for headers in (None, wrong):
+                with pytest.raises(InferenceServerException) as e:
+                    call(headers)
+                msg = str(e.value)
+                assert "restricted" in msg.lower() or ADMIN_HEADER in msg, f"{name}: {msg}"
+        assert not marker.exists(), "the load RPC ran a client-supplied model.py"
+        assert c.is_model_ready("llm")
+        key = {GRPC_METADATA_PREFIX + ADMIN_HEADER: ADMIN_KEY}
+        index = c.get_model_repository_index(headers=key, as_json=True)
+        assert [m["name"] for m in index["models"]] == ["llm"], index
+    finally:
+        c.close()
+
+
+async def test_model_still_serves_after_the_attacks(leader: LeaderEndpoints, client) -> None:
+    await _still_serves(leader, client)
+
+
+def test_triton_binds_only_the_configured_host(leader: LeaderEndpoints) -> None:
+    """--host 127.0.0.1: HTTP, gRPC, Triton's own metrics, the merger and vLLM's metrics
+    server listen on loopback only, nothing on 0.0.0.0 or ::."""
+    listening = {}
+    for role, p in _triton_tree(leader).items():
+        for conn in p.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                listening[f"{role}:{conn.laddr.port}"] = conn.laddr.ip
+    wanted = {int(a.rsplit(":", 1)[1]) for a in (leader.http, leader.grpc, leader.metrics)}
+    assert wanted <= {int(k.rsplit(":", 1)[1]) for k in listening}, listening
+    # gRPC listens on an IPv6 socket bound to ::ffff:127.0.0.1: still loopback only.
+    exposed = {k: ip for k, ip in listening.items() if not _is_loopback(ip)}
+    assert not exposed, f"listening beyond loopback: {exposed} (all: {listening})"
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip)
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
 
 
 def test_engine_death_turns_readiness_off_and_leader_exits(leader: LeaderEndpoints) -> None:

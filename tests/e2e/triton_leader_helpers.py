@@ -45,7 +45,9 @@ def metric(metrics_addr: str, name: str, **labels: str) -> float:
     return total
 
 
-def start_leader(model: Path, tmp: Path, *, tp: int, extra: list[str] = ()) -> LeaderEndpoints:
+def start_leader(
+    model: Path, tmp: Path, *, tp: int, extra: list[str] = (), env: dict[str, str] | None = None
+) -> LeaderEndpoints:
     control = free_port_block(4)
     http, grpc, metrics = (free_port() for _ in range(3))
     args = [
@@ -56,7 +58,7 @@ def start_leader(model: Path, tmp: Path, *, tp: int, extra: list[str] = ()) -> L
         # each leader to seconds instead of ~30 s per rank on CPU.
         "--enforce-eager", *extra,
     ]  # fmt: skip
-    proc = Proc("leader", args, tmp, unit_env())
+    proc = Proc("leader", args, tmp, unit_env(**(env or {})))
     print("leader:", " ".join(args), "logs in", tmp)
     return LeaderEndpoints(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}",
                            f"127.0.0.1:{metrics}", control)  # fmt: skip

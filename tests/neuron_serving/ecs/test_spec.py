@@ -89,3 +89,37 @@ def test_ports_namespace_secret_and_url_checks():
     assert "must be a YAML mapping" in str(
         pytest.raises(SpecError, DeploymentSpec.from_dict, []).value
     )
+
+
+def test_multi_node_unit_needs_a_token_secret():
+    """Without a shared secret each rank makes up its own token: the join handshake
+    could never succeed and the unit would never form. Refused up front."""
+    msg = errors(unit_token_secret_arn=None)
+    assert "nodes_per_unit 2 needs unit_token_secret_arn" in msg
+    single = DeploymentSpec.from_dict(
+        spec_dict(nodes_per_unit=1, tp_degree=32, unit_token_secret_arn=None)
+    )
+    assert single.unit_token_secret_arn is None  # one node: nobody joins
+    assert "Secrets Manager" in errors(triton_admin_key_secret_arn="admin-key")
+
+
+def test_model_uri_needs_the_manifest_digest():
+    msg = errors(model_uri="s3://b/v2")
+    assert "model_uri needs model_manifest_sha256" in msg
+    assert "64 lowercase hex" in errors(model_uri="s3://b/v2", model_manifest_sha256="AB" * 32)
+    assert "64 lowercase hex" in errors(model_manifest_sha256="ab" * 31)
+    pinned = DeploymentSpec.from_dict(
+        spec_dict(model_uri="s3://b/v2", model_manifest_sha256="ab" * 32)
+    )
+    assert pinned.model_manifest_sha256 == "ab" * 32
+
+
+def test_security_group_design_checks():
+    assert "must be a security group id" in errors(unit_security_group="default")
+    assert "must be one of security_groups" in errors(
+        unit_security_group="sg-0aa", proxy_security_group="sg-0bb"
+    )
+    assert "need unit_security_group" in errors(proxy_security_group="sg-0bb")
+    assert "needs proxy_security_group" in errors(
+        security_groups=["sg-0aa"], unit_security_group="sg-0aa"
+    )

@@ -56,7 +56,9 @@ def test_task_definition_has_every_device_and_setting(itype, role):
     else:
         assert ports == {9100, 9101}
     hc = c["healthCheck"]
-    assert hc["command"][0] == "CMD-SHELL" and "http://127.0.0.1:9101/healthz" in hc["command"][1]
+    assert hc["command"][0] == "CMD-SHELL" and "http://%s:9101/healthz" in hc["command"][1]
+    assert taskdef.TASK_IP_FILE in hc["command"][1]
+    assert c["user"] == taskdef.NODE_USER != "0"
     assert c["logConfiguration"]["logDriver"] == "awslogs"
     assert c["logConfiguration"]["options"]["awslogs-group"] == "/ecs/llama"
     assert c["logConfiguration"]["options"]["awslogs-stream-prefix"] == role
@@ -91,20 +93,38 @@ def test_commands():
     spec = make_spec()
     leader = taskdef.command(spec, "leader")
     assert "exec neuron-serving leader --model /models/llm --tp 2 --control-port 29500" in leader
-    assert "--http-port 8000 --grpc-port 8001 --metrics-port 8002 --host 0.0.0.0" in leader
-    assert '--control-host "$IP"' in leader and "NEURON_RT_ROOT_COMM_ID:-$IP:29503" in leader
+    assert "--http-port 8000 --grpc-port 8001 --metrics-port 8002" in leader
+    assert '--host "$IP" --control-host "$IP"' in leader
+    assert "NEURON_RT_ROOT_COMM_ID:-$IP:29503" in leader
+    assert 'NEURON_SERVING_HEALTH_HOST="$IP"' in leader
     follower = taskdef.command(spec, "follower")
-    assert follower.startswith("exec neuron-serving follower --world-size 2 --health-port 9100")
-    assert '--leader "$NEURON_SERVING_LEADER_ADDR" --rank "$NEURON_SERVING_RANK"' in follower
+    ip = f'IP="$({taskdef.TASK_IP})" && printf %s "$IP" > {taskdef.TASK_IP_FILE} && '
+    assert leader.startswith(ip) and follower.startswith(ip)
+    assert "exec neuron-serving follower --world-size 2 --health-port 9100" in follower
+    assert '--health-host "$IP" --leader "$NEURON_SERVING_LEADER_ADDR"' in follower
+    assert '--rank "$NEURON_SERVING_RANK"' in follower
+
+
+@pytest.mark.parametrize("role", taskdef.ROLES)
+def test_nothing_binds_every_interface(role):
+    """Every listener of a node binds the task's ENI address; the security group alone
+    decides who reaches it (finding 1 and 12: Triton and /healthz were on 0.0.0.0)."""
+    td = taskdef.task_definition(make_spec(), role)
+    text = json.dumps(td)
+    assert "0.0.0.0" not in text and '"::"' not in text
+    assert "NEURON_SERVING_HEALTH_HOST" not in env_of(td["containerDefinitions"][0])
+
+
+DIGEST = "ab" * 32
 
 
 def test_model_uri_each_rank_fetches_its_shards_first():
-    spec = make_spec(model_uri="s3://ckpt/llama/v2")
+    spec = make_spec(model_uri="s3://ckpt/llama/v2", model_manifest_sha256=DIGEST)
     fetch = 'neuron-serving checkpoint fetch "$NEURON_SERVING_MODEL_URI" /models/llm --rank'
     leader = taskdef.command(spec, "leader")
     assert f"{fetch} 0 && exec neuron-serving leader --model /models/llm" in leader
     follower = taskdef.command(spec, "follower")
-    assert follower.startswith(f'{fetch} "$NEURON_SERVING_RANK" && exec neuron-serving follower')
+    assert f'{fetch} "$NEURON_SERVING_RANK" && exec neuron-serving follower' in follower
     for role in taskdef.ROLES:
         td = taskdef.task_definition(spec, role)
         validate("RegisterTaskDefinition", td)
@@ -115,6 +135,81 @@ def test_model_uri_each_rank_fetches_its_shards_first():
     assert "NEURON_SERVING_MODEL_URI" not in env_of(
         taskdef.task_definition(make_spec(), "leader")["containerDefinitions"][0]
     )
+
+
+def test_every_rank_is_pinned_to_the_deploys_manifest():
+    """The manifest's digest reaches every rank's environment (task definition env +
+    RunTask overrides), and another digest is another task definition revision."""
+    spec = make_spec(model_uri="s3://ckpt/llama/v2", model_manifest_sha256=DIGEST, nodes_per_unit=3)
+    for rank in range(spec.nodes_per_unit):
+        role = "leader" if rank == 0 else "follower"
+        td = taskdef.task_definition(spec, role)
+        validate("RegisterTaskDefinition", td)
+        params = run_task_params(spec, NodeLaunch("llama-0", rank, "10.0.0.5", f"llama-{role}"))
+        override = {e["name"]: e["value"] for e in
+                    params["overrides"]["containerOverrides"][0]["environment"]}  # fmt: skip
+        env = {**env_of(td["containerDefinitions"][0]), **override}
+        assert env["NEURON_SERVING_MODEL_MANIFEST_SHA256"] == DIGEST, rank
+        swapped = taskdef.task_definition(spec.replace(model_manifest_sha256="cd" * 32), role)
+        assert swapped["tags"][-1] != td["tags"][-1]
+    # A model baked into the image or mounted from the host can be pinned too.
+    mounted = make_spec(host_model_dir="/opt/m", model_manifest_sha256=DIGEST)
+    env = env_of(taskdef.task_definition(mounted, "follower")["containerDefinitions"][0])
+    assert env["NEURON_SERVING_MODEL_MANIFEST_SHA256"] == DIGEST
+
+
+def test_triton_admin_key_secret_goes_to_the_leader_only():
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:neuron-serving/triton-admin"
+    spec = make_spec(triton_admin_key_secret_arn=arn)
+    leader = taskdef.task_definition(spec, "leader")["containerDefinitions"][0]
+    follower = taskdef.task_definition(spec, "follower")["containerDefinitions"][0]
+    assert {"name": "NEURON_SERVING_TRITON_ADMIN_KEY", "valueFrom": arn} in leader["secrets"]
+    assert [s["name"] for s in follower["secrets"]] == ["NEURON_SERVING_UNIT_TOKEN"]
+    single = make_spec(nodes_per_unit=1, unit_token_secret_arn=None)
+    assert "secrets" not in taskdef.task_definition(single, "leader")["containerDefinitions"][0]
+
+
+def test_health_check_passes_only_for_a_ready_node(tmp_path):
+    """The rendered health check command, run by sh as ECS would, against a real node
+    health server bound to one address as in a task: this machine's first non-loopback
+    IPv4 address stands in for the ENI (loopback if it has none)."""
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    from neuron_serving.unit.health import HealthServer
+    from neuron_serving.unit.state import NodeState, NodeStatus
+    from tests.procs import free_port_block
+
+    port = free_port_block(2)
+    spec = make_spec(health_port=port)
+    ip_file = tmp_path / "task-ip"
+    (cmd,) = [
+        c.replace(taskdef.TASK_IP_FILE, str(ip_file)).replace("python3 ", f"{sys.executable} ")
+        for c in taskdef.health_check(spec)["command"][1:]
+    ]
+
+    def check() -> int:
+        return subprocess.run(["/bin/sh", "-c", cmd], timeout=30, capture_output=True).returncode
+
+    addrs = [a.address for nic in psutil.net_if_addrs().values() for a in nic
+             if a.family == socket.AF_INET and not a.address.startswith("127.")]  # fmt: skip
+    eni = addrs[0] if addrs else "127.0.0.1"
+    status = NodeStatus("llama-0", 1, 2)
+    server = HealthServer(status, eni, port, poll_interval_s=0.05)
+    server.start()
+    try:
+        assert check() == 1, "no task-ip file yet (the node has not started): unhealthy"
+        ip_file.write_text(eni)
+        assert check() == 1, "state joining: unhealthy"
+        status.set_state(NodeState.READY)
+        assert check() == 0, "state ready: healthy"
+        status.set_state(NodeState.FAILED, "rank 1 lost the leader")
+        assert check() == 1, "state failed: unhealthy"
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("itype", sorted(DEVICES))

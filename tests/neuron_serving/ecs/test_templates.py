@@ -27,3 +27,19 @@ def test_dockerfiles_install_the_task_ip_helper():
     for name in ("Dockerfile.neuron", "Dockerfile.cpu"):
         text = (ECS / name).read_text()
         assert "/opt/neuron-serving/task-ip" in text, name
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.neuron", "Dockerfile.cpu"])
+def test_dockerfiles_run_the_node_as_an_unprivileged_user(name):
+    """No node runs as root: the image's last USER (after every RUN) is the uid the
+    task definitions name, and that user owns where `checkpoint fetch` writes."""
+    from neuron_serving.ecs.taskdef import NODE_USER
+
+    lines = [line.strip() for line in (ECS / name).read_text().splitlines()]
+    users = [i for i, line in enumerate(lines) if line.startswith("USER ")]
+    runs = [i for i, line in enumerate(lines) if line.startswith("RUN ")]
+    assert users and users[-1] > runs[-1], f"{name}: USER must come after the last RUN"
+    uid = lines[users[-1]].split()[1].split(":")[0]
+    assert uid == NODE_USER and uid not in ("0", "root"), lines[users[-1]]
+    text = "\n".join(lines)
+    assert f"--uid {NODE_USER}" in text and f"chown {NODE_USER}:{NODE_USER} /models" in text

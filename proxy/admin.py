@@ -16,7 +16,8 @@ from aiohttp import web
 
 from proxy.config import UnitSpec
 from proxy.errors import APIError, invalid
-from proxy.openai_api import BODY_LIMIT, read_json
+from proxy.http_guard import BODY_GUARD, BodyGuard
+from proxy.openai_api import read_json
 
 if TYPE_CHECKING:
     from proxy.server import ProxyServer
@@ -31,7 +32,7 @@ def _unauthorized(message: str) -> web.Response:
     return err.response()
 
 
-def make_admin_app(proxy: ProxyServer, token: str | None) -> web.Application:
+def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard) -> web.Application:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is None:
@@ -96,7 +97,7 @@ def make_admin_app(proxy: ProxyServer, token: str | None) -> web.Application:
         return web.json_response(proxy.unit_summary(unit))
 
     app = web.Application(middlewares=[auth], client_max_size=proxy.config.max_body_bytes)
-    app[BODY_LIMIT] = proxy.config.max_body_bytes
+    app[BODY_GUARD] = body_guard
     app.add_routes(
         [
             web.get("/admin/units", list_units),

@@ -124,6 +124,44 @@ class AdmissionConfig:
         _check(self.retry_after_s >= 1, "admission.retry_after_s must be >= 1")
 
 
+@dataclass(frozen=True, slots=True)
+class LimitsConfig:
+    """Bounds of the client-facing HTTP server against slow or hostile clients.
+
+    Memory held for request bodies is at most ``max_buffered_body_bytes`` plus aiohttp's
+    per-connection read buffer (about 128 KiB) times ``max_connections``; a connection
+    that sends nothing useful is closed after ``header_timeout_s``.
+    """
+
+    # From accepting a connection (or finishing its last response) to a complete set of
+    # request headers; also the keep-alive idle time (aiohttp's keepalive_timeout).
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0  # from the handler asking for the body to its last byte
+    # A streamed chunk the client does not take within this long ends the stream and
+    # frees its admission slot (a client that stopped reading).
+    write_timeout_s: float = 30.0
+    max_connections: int = 1024  # open client connections; beyond it: 503 and close
+    # Bodies being received at once, in bytes (Content-Length, or max_body_bytes when
+    # chunked); beyond it: 503 + Retry-After without reading the body.
+    max_buffered_body_bytes: int = 64 << 20
+    max_line_size: int = 8190  # request line and each header line (aiohttp's default)
+    max_headers: int = 128  # header count (aiohttp's default)
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s", "write_timeout_s"):
+            v = getattr(self, name)
+            _check(
+                isinstance(v, int | float) and v > 0 and math.isfinite(v),
+                f"limits.{name} must be a positive number",
+            )
+        _check(self.max_connections >= 1, "limits.max_connections must be >= 1")
+        _check(
+            self.max_buffered_body_bytes >= 1024, "limits.max_buffered_body_bytes must be >= 1024"
+        )
+        _check(self.max_line_size >= 1024, "limits.max_line_size must be >= 1024")
+        _check(self.max_headers >= 16, "limits.max_headers must be >= 16")
+
+
 POLICIES = ("prefix_cache_aware", "least_loaded", "round_robin", "session_affinity")
 
 
@@ -217,6 +255,12 @@ class ProxyConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int = 8081
     admin_token_file: str | None = None
+    # Client API keys by tenant (proxy/auth.py); with none here, from --api-key or
+    # NEURON_SERVING_API_KEY, the client API is unauthenticated (and then the proxy
+    # refuses a non-loopback host unless allow_unauthenticated).
+    api_keys_file: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # --api-key; tenant "default"
+    allow_unauthenticated: bool = False
     max_body_bytes: int = 1 << 20
     # How generations reach a leader: "grpc" (ModelStreamInfer) or "http"
     # (generate_stream, for units with leader_http); probes use gRPC either way.
@@ -226,6 +270,7 @@ class ProxyConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     models: tuple[ModelSpec, ...] = ()
     units: tuple[UnitSpec, ...] = ()
@@ -235,6 +280,13 @@ class ProxyConfig:
             p = getattr(self, name)
             _check(0 <= p < 65536, f"{name} must be in [0, 65535] (0 = any free port)")
         _check(self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024")
+        _check(
+            self.limits.max_buffered_body_bytes >= self.max_body_bytes,
+            "limits.max_buffered_body_bytes must be >= max_body_bytes",
+        )
+        _check(
+            isinstance(self.allow_unauthenticated, bool), "allow_unauthenticated must be a boolean"
+        )
         _check(
             self.upstream_protocol in ("grpc", "http"),
             f"upstream_protocol must be 'grpc' or 'http', got {self.upstream_protocol!r}",
@@ -270,6 +322,7 @@ _SECTIONS = {
     "retry": RetryConfig,
     "timeouts": TimeoutConfig,
     "admission": AdmissionConfig,
+    "limits": LimitsConfig,
     "routing": RoutingConfig,
 }
 

@@ -113,7 +113,8 @@ class Dispatcher:
         eligible = self.outlier.eligible(units, time.monotonic())
         if not eligible.units:
             at = "" if job.version is None else f" at version {job.version!r}"
-            raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at}")
+            why = "" if any(u.has_started() for u in units) else " (none has become ready yet)"
+            raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at}{why}")
         # Prefer units this job has not failed on; fall back to all (one unit, a blip).
         fresh = [u for u in eligible.units if u.unit_id not in tried] or eligible.units
         decision = self.policy.choose(RouteRequest(job.model, job.prompt, job.session_id), fresh)
@@ -204,11 +205,15 @@ class Dispatcher:
                         if job.migrations > self.retry.max_migrations:
                             self.metrics.migrations.labels("exhausted").inc()
                             on = "" if job.version is None else f" on version {job.version!r}"
-                            raise UpstreamError(
+                            public = (
                                 f"unit failed mid-stream and {self.retry.max_migrations} "
-                                f"migrations{on} were used: {e}",
+                                f"migrations{on} were used"
+                            )
+                            raise UpstreamError(
+                                f"{public}: {e}",
                                 unit_fault=False,
                                 retriable=False,
+                                client_message=public,
                             ) from e
                         self.metrics.migrations.labels("started").inc()
                     else:

@@ -16,6 +16,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -24,6 +25,9 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}
+        # Close the connection after answering: the request's body was not read (too
+        # large, too slow, over budget), so the connection cannot carry another request.
+        self.close = close
 
     def body(self) -> dict[str, Any]:
         return {
@@ -36,7 +40,10 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        resp = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            resp.force_close()
+        return resp
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -104,8 +104,13 @@ def classify_http_error(status: int, body: bytes) -> UpstreamError:
     if status == 429:
         return UpstreamError(f"upstream HTTP 429: {message}", unit_fault=False, retriable=True,
                              status=503)  # fmt: skip
-    if status >= 500:
-        return UpstreamError(f"upstream HTTP {status}: {message}", unit_fault=True, retriable=True)
+    if status >= 500:  # 503: Triton's "unavailable" (starting, shutting down)
+        return UpstreamError(
+            f"upstream HTTP {status}: {message}",
+            unit_fault=True,
+            retriable=True,
+            status=503 if status == 503 else 502,
+        )
     # Triton answers 400 for a bad request *and* for "model not ready / unknown model":
     # the message tells them apart, as for in-stream errors.
     return classify_stream_error(message)
@@ -186,8 +191,12 @@ class TritonHttpUpstream:
                     raise
                 raise error from None
             except (aiohttp.ClientError, OSError) as e:
+                unreachable = isinstance(e, aiohttp.ClientConnectorError | ConnectionRefusedError)
                 raise UpstreamError(
-                    f"upstream HTTP {type(e).__name__}: {e}", unit_fault=True, retriable=True
+                    f"upstream HTTP {type(e).__name__}: {e}",
+                    unit_fault=True,
+                    retriable=True,
+                    status=503 if unreachable else 502,
                 ) from None
             content = resp.content
             first = True

@@ -33,10 +33,12 @@ class ProxyMetrics:
         # unit: the unit that served the request's (first) token, "" if none did (a bad
         # request, overload, no routable unit). Set by the front ends on the aiohttp
         # request (REQUEST_UNIT) and read when the response is counted.
+        # tenant: the API key's tenant, "" when unauthenticated; only configured tenant
+        # names, so a client cannot grow the label's cardinality.
         self.requests = Counter(
             "proxy_requests",
-            "Client requests by endpoint, HTTP status and serving unit",
-            ["endpoint", "code", "unit"],
+            "Client requests by endpoint, HTTP status, serving unit and tenant",
+            ["endpoint", "code", "unit", "tenant"],
             registry=r,
         )
         self.upstream_attempts = Counter(

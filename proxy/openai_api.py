@@ -21,11 +21,13 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from proxy.admission import Overloaded
 from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
 from proxy.errors import APIError, invalid, server_error
+from proxy.http_guard import read_body, write_bounded
 from proxy.protocol import ParsedRequest, parse_chat, parse_completion
 from proxy.sse import TextTemplate
 from proxy.upstream import GenerationDelta, UpstreamError
@@ -35,26 +37,39 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _FINISH_REASONS = ("stop", "length")
-# Set on every app that reads request bodies; aiohttp enforces it as client_max_size.
-BODY_LIMIT = web.AppKey("max_body_bytes", int)
+# Client-chosen routing/session values are bounded and must be text (no raw bytes that
+# aiohttp surrogate-escaped from invalid UTF-8: they cannot be hashed or forwarded).
+MAX_HEADER_VALUE = 256
 
 
 async def read_json(request: web.Request) -> Any:
+    """The body, bounded (proxy.http_guard.read_body), as JSON. msgspec's decoder
+    rejects what Python's json would let through to fail later as a 500: lone
+    surrogates ("\\ud800" cannot be encoded for the unit), integers too long to print,
+    NaN/Infinity; its recursion limit bounds nesting."""
+    raw = await read_body(request)
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[BODY_LIMIT]
-        raise APIError(
-            413, f"request body exceeds {limit} bytes", code="request_too_large"
-        ) from None
+        return msgspec.json.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        hint = " (a lone UTF-16 surrogate escape?)" if b"\\ud" in raw.lower() else ""
+        raise invalid(f"request body is not valid JSON{hint}: {e}") from None
+    except RecursionError:
+        raise invalid("request body is nested too deeply") from None
+
+
+def text_header(request: web.Request, name: str) -> str | None:
+    """A header a client sets to steer routing, checked: at most MAX_HEADER_VALUE
+    characters of valid UTF-8 text."""
+    value = request.headers.get(name)
+    if value is None:
+        return None
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise invalid(f"request body is not valid UTF-8 (byte {e.start})") from None
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise invalid(f"request body is not valid JSON: {e}") from None
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"header {name} is not valid UTF-8", name) from None
+    if len(value) > MAX_HEADER_VALUE:
+        raise invalid(f"header {name} exceeds {MAX_HEADER_VALUE} characters", name)
+    return value
 
 
 def _openai_finish(reason: str | None) -> str:
@@ -127,6 +142,8 @@ class Completion:
 
 
 def as_api_error(e: Exception) -> APIError:
+    """The client's view of a failure. Upstream detail (addresses, gRPC text) goes to
+    the log only: a client learns the status, a code and when to retry."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, Overloaded):
@@ -139,15 +156,31 @@ def as_api_error(e: Exception) -> APIError:
             {"Retry-After": str(e.retry_after_s)},
         )
     if isinstance(e, NoRoutableUnit):
-        return server_error(503, str(e), "no_routable_unit")
-    if isinstance(e, UpstreamError):
-        if e.status == 400:
-            return invalid(f"rejected by the model server: {e}", code="invalid_request")
-        code = {504: "deadline_exceeded", 503: "upstream_overloaded"}.get(
-            e.status, "upstream_error"
+        # Its message names only the model (and version): no internal detail.
+        return APIError(
+            503, str(e), "server_error", None, "no_routable_unit", {"Retry-After": _RETRY_AFTER}
         )
-        return server_error(e.status, str(e), code)
+    if isinstance(e, UpstreamError):
+        if e.status == 400:  # the unit's own validation message, for the client
+            return invalid(f"rejected by the model server: {e}", code="invalid_request")
+        log.warning("upstream failure answered with %d: %s", e.status, e)
+        if e.status == 503:
+            return APIError(
+                503,
+                "the model is unavailable or overloaded right now; retry later",
+                "server_error",
+                None,
+                "upstream_unavailable",
+                {"Retry-After": _RETRY_AFTER},
+            )
+        if e.status == 504:
+            return server_error(504, "request deadline exceeded", "deadline_exceeded")
+        message = e.client_message or "the model server failed the request"
+        return server_error(e.status, message, "upstream_error")
     raise e
+
+
+_RETRY_AFTER = "1"
 
 
 class OpenAIFrontEnd:
@@ -228,7 +261,7 @@ class OpenAIFrontEnd:
             max_tokens=await self._max_tokens(parsed, prompt),
             sampling=parsed.sampling,
             deadline=start + proxy.config.timeouts.request_s,
-            session_id=request.headers.get(proxy.config.routing.session_header),
+            session_id=text_header(request, proxy.config.routing.session_header),
             version=pinned_version(proxy.registry, parsed.model, request.headers),
         )
         try:
@@ -290,8 +323,13 @@ class OpenAIFrontEnd:
             }
         )
         await resp.prepare(request)
+        limit = self.proxy.config.limits.write_timeout_s
+
+        async def write(data: bytes) -> None:
+            await write_bounded(request, resp, data, limit)
+
         if out.chat:
-            await resp.write(_sse(out.chunk("", None, role=True)))
+            await write(_sse(out.chunk("", None, role=True)))
         # Every text chunk differs only in its text: render the envelope once.
         text_chunk = TextTemplate(lambda t: _sse(out.chunk(t, None)))
         delta: GenerationDelta | None = first
@@ -299,16 +337,16 @@ class OpenAIFrontEnd:
         try:
             while delta is not None:
                 if delta.text:
-                    await resp.write(text_chunk(delta.text))
+                    await write(text_chunk(delta.text))
                 if hop_pending:
                     metrics.first_written(job.upstream_ttft_s, loop.time() - start)
                     hop_pending = False
                 if delta.finish_reason is not None:
                     finish = _openai_finish(delta.finish_reason)
-                    await resp.write(_sse(out.chunk(None if out.chat else "", finish)))
+                    await write(_sse(out.chunk(None if out.chat else "", finish)))
                     if parsed.include_usage:
                         usage = _usage(delta.prompt_tokens, delta.completion_tokens)
-                        await resp.write(_sse(out.usage_chunk(usage)))
+                        await write(_sse(out.usage_chunk(usage)))
                     break
                 delta = await anext(gen, None)
                 t = loop.time()
@@ -316,12 +354,13 @@ class OpenAIFrontEnd:
                 now = t
         except (NoRoutableUnit, UpstreamError) as e:
             log.warning("stream %s failed after the first token: %s", out.id, e)
-            await resp.write(_sse(as_api_error(e).body()))
+            await write(_sse(as_api_error(e).body()))
+        except ConnectionError:  # the client left or stopped reading: nothing to tell it
+            raise
         except Exception:  # a proxy bug must still end the stream cleanly, not hang it
             log.exception("stream %s failed", out.id)
             error = APIError(500, "internal proxy error", "server_error", None, "internal_error")
-            await resp.write(_sse(error.body()))
+            await write(_sse(error.body()))
         metrics.e2e.observe(loop.time() - start)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await write_bounded(request, resp, b"data: [DONE]\n\n", limit, eof=True)
         return resp

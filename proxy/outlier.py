@@ -11,7 +11,8 @@ units are routable (all nodes healthy and not ejected), the proxy routes to all
 of them instead. The proxy's view can be wrong (a partition between proxy and
 probes, a burst of client-caused errors); sending traffic to possibly-bad units
 beats refusing all of it, and retries still skip units that fail fast.
-Draining is an operator decision and is never overridden by panic.
+Draining is an operator decision and is never overridden by panic, and a unit
+that has never become healthy (still starting) is not part of the panic pool.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class OutlierDetector:
                 unit.last_ejection_end += periods * self.cfg.max_ejection_s
 
     def eligible(self, units: list[UnitState], now: float) -> Eligibility:
-        pool = [u for u in units if not u.draining]
+        # A unit none of whose probes has ever passed is still starting (or was never
+        # there): panic does not send to it, since every request would fail with a
+        # connection error. Such requests get 503 + Retry-After instead.
+        pool = [u for u in units if not u.draining and u.has_started()]
         routable = [u for u in pool if u.nodes_healthy() and not u.is_ejected(now)]
         threshold = self.cfg.panic_threshold_pct
         if pool and threshold > 0 and len(routable) * 100 < threshold * len(pool):

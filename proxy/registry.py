@@ -73,6 +73,10 @@ class UnitState:
     def nodes_healthy(self) -> bool:
         return all(n.healthy for n in self.nodes)
 
+    def has_started(self) -> bool:
+        """Every node has passed a probe at least once (it may have failed since)."""
+        return not any(n.initial for n in self.nodes)
+
     def is_ejected(self, now: float) -> bool:
         return now < self.ejected_until
 

@@ -5,27 +5,43 @@ Two listeners: the client port (OpenAI API, ``/status``, ``/metrics``) and the
 admin port (bearer-token API). Both bind 127.0.0.1 unless configured otherwise.
 Client disconnects cancel the handler (``handler_cancellation``), which closes
 the dispatcher's generator and so cancels the upstream gRPC call at once.
+
+Client authentication (proxy/auth.py) runs as the innermost middleware, before any
+handler reads a body: an unauthenticated request costs its headers and nothing
+else. Both listeners run on ``GuardedAppRunner`` (proxy/http_guard.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
 import time
 from typing import Any
 
 from aiohttp import web
 
+from neuron_serving import envs
 from proxy.admin import make_admin_app
 from proxy.admission import AdmissionController
+from proxy.auth import ApiKeys, load_api_keys
 from proxy.config import ProxyConfig
 from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
 from proxy.health import HealthChecker
+from proxy.http_guard import (
+    BODY_GUARD,
+    TENANT,
+    AccessLogger,
+    BodyGuard,
+    GuardedAppRunner,
+    access_log,
+)
 from proxy.http_upstream import TritonHttpUpstream
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
-from proxy.openai_api import BODY_LIMIT, OpenAIFrontEnd
+from proxy.openai_api import OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
 from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
 from proxy.routing import make_policy
@@ -36,6 +52,30 @@ from proxy.triton_api import TritonFrontEnd
 from proxy.upstream import TritonClientPool, TritonUpstream
 
 log = logging.getLogger(__name__)
+
+# Routes any caller may use: liveness, the dashboard page (static; the data it shows
+# comes from /status) and /status (redacted without a key).
+PUBLIC_PATHS = frozenset(("/health", "/healthz", "/dashboard", "/status"))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
+
+
+def unauthorized(message: str = "") -> APIError:
+    return APIError(
+        401,
+        message or "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+        "invalid_request_error",
+        None,
+        "invalid_api_key",
+        {"WWW-Authenticate": "Bearer"},
+    )
 
 
 @web.middleware
@@ -50,7 +90,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         if e.status < 400:
             raise
         kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return APIError(e.status, e.reason, kind, None, None).response()
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return APIError(e.status, e.reason, kind, None, None, allow).response()
     except (ConnectionResetError, TimeoutError) as e:
         log.info("client connection lost: %s", e)
         raise
@@ -80,6 +121,16 @@ class ProxyServer:
             self.transport,
             config.retry,
             self.metrics,
+        )
+        envs_key = envs.NEURON_SERVING_API_KEY
+        # Loaded here, not at start: a bad keys file fails construction, before any port.
+        self.api_keys: ApiKeys = load_api_keys(config.api_keys_file, config.api_key or envs_key)
+        self._admin_token: str | None = None
+        self._exposure_checked = False
+        self.body_guard = BodyGuard(
+            config.max_body_bytes,
+            config.limits.max_buffered_body_bytes,
+            config.limits.body_timeout_s,
         )
         self.health = HealthChecker(self.registry, config.health, self.clients, self._on_probe)
         self.registry.subscribe(self._on_registry_change)
@@ -138,6 +189,24 @@ class ProxyServer:
 
     # -- client-port handlers ---------------------------------------------------------
 
+    def is_admin(self, request: web.Request) -> bool:
+        token = self._admin_token
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return (
+            token is not None
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(
+                given.strip().encode("utf-8", "surrogateescape"), token.encode()
+            )
+        )
+
+    def is_trusted(self, request: web.Request) -> bool:
+        """A caller who may see internal detail: a client key, the admin token, or (with
+        no client keys configured) anyone, if the proxy listens on loopback only."""
+        if TENANT in request or self.is_admin(request):
+            return True
+        return not self.api_keys.enabled and is_loopback(self.config.host)
+
     async def status(self, request: web.Request) -> web.Response:
         now = time.monotonic()
         panic = [
@@ -151,6 +220,7 @@ class ProxyServer:
             queued=self.admission.queued,
             active=self.admission.active,
             panic_models=panic,
+            redact=not self.is_trusted(request),
         )
         return web.json_response(body)
 
@@ -164,6 +234,8 @@ class ProxyServer:
         return web.json_response({"status": "ok"})
 
     def make_app(self) -> web.Application:
+        keys = self.api_keys
+
         @web.middleware
         async def count(request: web.Request, handler: Any) -> web.StreamResponse:
             resp = await handler(request)
@@ -173,13 +245,28 @@ class ProxyServer:
                 else "unmatched"
             )
             unit = request.get(REQUEST_UNIT, "")
-            self.metrics.requests.labels(endpoint, str(resp.status), unit).inc()
+            tenant = request.get(TENANT, "")
+            self.metrics.requests.labels(endpoint, str(resp.status), unit, tenant).inc()
             return resp
 
+        @web.middleware
+        async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+            # Before the handler, hence before any body is read or parsed.
+            if keys.enabled:
+                tenant = keys.tenant_of_header(request.headers.get("Authorization"))
+                if tenant is not None:
+                    request[TENANT] = tenant
+                elif request.path not in PUBLIC_PATHS and not (
+                    request.path == "/metrics" and self.is_admin(request)
+                ):
+                    raise unauthorized()
+            return await handler(request)
+
         app = web.Application(
-            middlewares=[count, error_middleware], client_max_size=self.config.max_body_bytes
+            middlewares=[count, error_middleware, authenticate],
+            client_max_size=self.config.max_body_bytes,
         )
-        app[BODY_LIMIT] = self.config.max_body_bytes
+        app[BODY_GUARD] = self.body_guard
         app.add_routes(OpenAIFrontEnd(self).routes())
         app.add_routes(TritonFrontEnd(self).routes())
         app.add_routes(dashboard_routes())
@@ -187,6 +274,7 @@ class ProxyServer:
             [
                 web.get("/status", self.status),
                 web.get("/metrics", self.metrics_handler),
+                web.get("/health", self.healthz),  # vLLM's name
                 web.get("/healthz", self.healthz),
             ]
         )
@@ -194,8 +282,28 @@ class ProxyServer:
 
     # -- lifecycle --------------------------------------------------------------------
 
+    def check_exposure(self) -> None:
+        """No client keys: serve like ``vllm serve`` does, but never by accident on a
+        non-loopback address. Idempotent (the CLI checks before the event loop runs)."""
+        if not self.api_keys.enabled and not (
+            is_loopback(self.config.host) or self.config.allow_unauthenticated
+        ):
+            raise ValueError(
+                f"refusing to serve the client API on {self.config.host} without an API key: "
+                "set api_keys_file, --api-key or NEURON_SERVING_API_KEY "
+                "(or --allow-unauthenticated)"
+            )
+        if self._exposure_checked:
+            return
+        self._exposure_checked = True
+        if self.api_keys.enabled:
+            log.info("client API keys configured for tenants %s", self.api_keys.tenants())
+        else:
+            log.warning("no client API key configured: the client API is unauthenticated")
+
     async def start(self) -> None:
-        token = self.config.admin_token()
+        self.check_exposure()
+        token = self._admin_token = self.config.admin_token()
         if token is None:
             log.warning("no admin token configured: the admin API refuses every request")
         for model in self.config.models:
@@ -206,15 +314,22 @@ class ProxyServer:
         for app, host, port, attr in (
             (self.make_app(), self.config.host, self.config.port, "port"),
             (
-                make_admin_app(self, token),
+                make_admin_app(self, token, self.body_guard),
                 self.config.admin_host,
                 self.config.admin_port,
                 "admin_port",
             ),
         ):
-            runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            runner = GuardedAppRunner(
+                app,
+                self.config.limits,
+                handler_cancellation=True,
+                access_log=access_log,
+                access_log_class=AccessLogger,
+            )
             await runner.setup()
-            site = web.TCPSite(runner, host, port)
+            # A burst of connects waits in the kernel, not in SYN retransmits (default 128).
+            site = web.TCPSite(runner, host, port, backlog=1024)
             await site.start()
             self._runners.append(runner)
             setattr(self, attr, runner.addresses[0][1])

@@ -1,5 +1,11 @@
 """``GET /status``: the proxy's whole view of the fleet as one JSON document
-(for SREs, ``neuron-serving status`` and the dashboard)."""
+(for SREs, ``neuron-serving status`` and the dashboard).
+
+``redact=True`` (a caller without a client key or the admin token) keeps what
+deploy tooling and load balancers need (unit ids, states, models, checkpoint
+labels, load) and drops what helps an attacker: addresses, probe error text and
+the event log's details.
+"""
 
 from __future__ import annotations
 
@@ -57,18 +63,40 @@ def _unit(u: UnitState, now: float) -> dict[str, Any]:
     }
 
 
+_PUBLIC_UNIT = ("unit_id", "state", "model", "model_version", "draining", "healthy", "in_flight")
+_PUBLIC_NODE = ("node_id", "role", "state")
+
+
+def _redacted(unit: dict[str, Any]) -> dict[str, Any]:
+    out = {k: unit[k] for k in _PUBLIC_UNIT}
+    out["nodes"] = [{k: n[k] for k in _PUBLIC_NODE} for n in unit["nodes"]]
+    return out
+
+
 def build_status(
-    registry: Registry, *, policy: str, queued: int, active: int, panic_models: list[str]
+    registry: Registry,
+    *,
+    policy: str,
+    queued: int,
+    active: int,
+    panic_models: list[str],
+    redact: bool = False,
 ) -> dict[str, Any]:
     now = time.monotonic()
+    units = [_unit(u, now) for u in sorted(registry.units.values(), key=lambda u: u.unit_id)]
+    events = [
+        {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}
+        for e in list(registry.events)[-50:]
+    ]
+    if redact:
+        units = [_redacted(u) for u in units]
+        events = [{k: e[k] for k in ("at", "unit_id", "kind")} for e in events]
     return {
         "time": time.time(),
         "routing_policy": policy,
         "admission": {"active": active, "queued": queued},
         "panic_models": panic_models,
-        "units": [_unit(u, now) for u in sorted(registry.units.values(), key=lambda u: u.unit_id)],
-        "events": [
-            {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}
-            for e in list(registry.events)[-50:]
-        ],
+        "redacted": redact,
+        "units": units,
+        "events": events,
     }

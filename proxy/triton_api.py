@@ -21,12 +21,14 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from proxy.admission import Overloaded
 from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
 from proxy.errors import APIError, invalid
-from proxy.openai_api import as_api_error, read_json
+from proxy.http_guard import write_bounded
+from proxy.openai_api import as_api_error, read_json, text_header
 from proxy.protocol import SAMPLING_FIELDS, int_param, parse_sampling
 from proxy.sse import TextTemplate
 from proxy.upstream import GenerationDelta, UpstreamError
@@ -51,7 +53,10 @@ def _sse(obj: Any) -> bytes:
 
 
 def _triton_error(e: APIError) -> web.Response:
-    return web.json_response({"error": e.message}, status=e.status, headers=e.headers)
+    resp = web.json_response({"error": e.message}, status=e.status, headers=e.headers)
+    if e.close:
+        resp.force_close()
+    return resp
 
 
 def parse_generate(body: Any) -> tuple[str, dict[str, Any], int | None, bool]:
@@ -68,8 +73,9 @@ def parse_generate(body: Any) -> tuple[str, dict[str, Any], int | None, bool]:
     raw = body.get("sampling_parameters")
     if raw is not None:
         try:
-            params = json.loads(raw) if isinstance(raw, str) else None
-        except json.JSONDecodeError:
+            # msgspec, as for the body: bounded nesting, no lone surrogates or huge ints.
+            params = msgspec.json.decode(raw) if isinstance(raw, str) else None
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             params = None
         if not isinstance(params, dict):
             raise invalid(
@@ -145,7 +151,7 @@ class TritonFrontEnd:
                 max_tokens=max_tokens or (spec.default_max_tokens if spec else 16),
                 sampling=sampling,
                 deadline=start + proxy.config.timeouts.request_s,
-                session_id=request.headers.get(proxy.config.routing.session_header),
+                session_id=text_header(request, proxy.config.routing.session_header),
                 version=pinned_version(proxy.registry, model, request.headers),
             )
             async with proxy.admission.slot():
@@ -189,6 +195,11 @@ class TritonFrontEnd:
             }
         )
         await resp.prepare(request)
+        limit = self.proxy.config.limits.write_timeout_s
+
+        async def write(data: bytes) -> None:
+            await write_bounded(request, resp, data, limit)
+
         # Every chunk but the last differs only in its text: render the envelope once.
         chunk = TextTemplate(lambda t: _sse(self._output(job.model, job.version, t, None)))
         d: GenerationDelta = first
@@ -198,11 +209,11 @@ class TritonFrontEnd:
         try:
             while True:
                 if d.finish_reason is not None:
-                    await resp.write(_sse(self._output(job.model, job.version, text, d)))
+                    await write(_sse(self._output(job.model, job.version, text, d)))
                     if hop_pending:
                         self.proxy.metrics.first_written(job.upstream_ttft_s, loop.time() - start)
                     break
-                await resp.write(chunk(text))
+                await write(chunk(text))
                 if hop_pending:
                     self.proxy.metrics.first_written(job.upstream_ttft_s, loop.time() - start)
                     hop_pending = False
@@ -212,10 +223,12 @@ class TritonFrontEnd:
                 now, text = t, d.text
         except (NoRoutableUnit, UpstreamError) as e:
             log.warning("generate_stream failed after the first token: %s", e)
-            await resp.write(f"data: {json.dumps({'error': str(e)})}\n\n".encode())
+            await write(f"data: {json.dumps({'error': as_api_error(e).message})}\n\n".encode())
+        except ConnectionError:  # the client left or stopped reading
+            raise
         except Exception:
             log.exception("generate_stream failed")
-            await resp.write(b'data: {"error": "internal proxy error"}\n\n')
+            await write(b'data: {"error": "internal proxy error"}\n\n')
         self.proxy.metrics.e2e.observe(loop.time() - start)
-        await resp.write_eof()
+        await write_bounded(request, resp, b"", limit, eof=True)
         return resp

@@ -51,11 +51,22 @@ class UpstreamError(Exception):
     unit may succeed. ``status``: the HTTP status to give the client if this is final.
     """
 
-    def __init__(self, message: str, *, unit_fault: bool, retriable: bool, status: int = 502):
+    def __init__(
+        self,
+        message: str,
+        *,
+        unit_fault: bool,
+        retriable: bool,
+        status: int = 502,
+        client_message: str | None = None,
+    ):
         super().__init__(message)
         self.unit_fault = unit_fault
         self.retriable = retriable
         self.status = status
+        # What a client may read (``message`` can hold addresses and upstream text,
+        # which go to the log only); None: a generic message by status.
+        self.client_message = client_message
 
 
 class DeadlineExceeded(UpstreamError):
@@ -169,6 +180,8 @@ def classify_rpc_error(e: grpc.aio.AioRpcError) -> UpstreamError:
         return UpstreamError(msg, unit_fault=False, retriable=False, status=400)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return UpstreamError(msg, unit_fault=False, retriable=True, status=503)
+    if code == grpc.StatusCode.UNAVAILABLE:  # unreachable (starting, restarting): 503
+        return UpstreamError(msg, unit_fault=True, retriable=True, status=503)
     return UpstreamError(msg, unit_fault=True, retriable=True)
 
 

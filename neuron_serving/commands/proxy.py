@@ -22,6 +22,18 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default=None, help="client bind address (default: config, else 127.0.0.1)"
     )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="client API key (tenant 'default'), as vLLM's --api-key; clients send "
+        "'Authorization: Bearer KEY' (default: env NEURON_SERVING_API_KEY)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="serve the client API on a non-loopback host with no API key",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     p.set_defaults(func=run)
     return p
@@ -42,14 +54,20 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         config = load_config(
-            args.config, port=args.port, admin_port=args.admin_port, host=args.host
+            args.config,
+            port=args.port,
+            admin_port=args.admin_port,
+            host=args.host,
+            api_key=args.api_key,
+            allow_unauthenticated=args.allow_unauthenticated,
         )
+        server = ProxyServer(config)  # reads the API keys file
+        server.check_exposure()
     except (OSError, ValueError, TypeError) as e:
         print(f"neuron-serving proxy: bad config {args.config}: {e}", file=sys.stderr)
         return 2
 
     async def serve() -> None:
-        server = ProxyServer(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -27,6 +27,8 @@ CHAT = [
     {"role": "user", "content": "Do you have running shoes in size 10?"},
 ]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+API_KEY = "e2e-client-key-0123456789"  # the proxy requires it (tenant "e2e")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,12 @@ def stack(
     request, leader: LeaderEndpoints, demo_model: Path, tmp_path_factory
 ) -> Iterator[tuple[LeaderEndpoints, str]]:
     tmp = tmp_path_factory.mktemp(f"proxy-{request.param}")
-    config = proxy_config([leader], demo_model, upstream_protocol=request.param)
+    keys = tmp / "api-keys.yaml"
+    keys.write_text(f'tenants:\n  e2e:\n    keys: ["{API_KEY}"]\n')
+    keys.chmod(0o600)
+    config = proxy_config(
+        [leader], demo_model, upstream_protocol=request.param, api_keys_file=str(keys)
+    )
     with running_proxy(config, tmp, name=f"proxy-{request.param}") as base:
         yield leader, base
 
@@ -49,7 +56,7 @@ def stack(
 def client(stack):
     import openai
 
-    c = openai.OpenAI(base_url=stack[1] + "/v1", api_key="unused", timeout=120, max_retries=0)
+    c = openai.OpenAI(base_url=stack[1] + "/v1", api_key=API_KEY, timeout=120, max_retries=0)
     yield c
     c.close()
 
@@ -107,6 +114,20 @@ def test_non_stream_completion_matches_the_leader(client, stack) -> None:
     assert out.usage.prompt_tokens == direct["prompt_tokens"]
 
 
+def test_unauthenticated_requests_get_401_and_no_internal_detail(stack) -> None:
+    import openai
+
+    leader, base = stack
+    anon = openai.OpenAI(base_url=base + "/v1", api_key="not-a-key-0123456789", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        anon.chat.completions.create(model="llm", messages=CHAT, max_tokens=4, stream=True)
+    anon.close()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    code, body = get(base + "/status")  # no key: the redacted view, no leader address
+    assert code == 200 and json.loads(body)["redacted"] is True
+    assert leader.grpc not in body and leader.http not in body
+
+
 def test_bad_requests_get_openai_errors(client, stack) -> None:
     import openai
 
@@ -128,7 +149,9 @@ def test_bad_requests_get_openai_errors(client, stack) -> None:
     # Nothing above reached the unit as a fault, and the proxy keeps serving.
     out = client.completions.create(model="llm", prompt="hi", max_tokens=2, **GREEDY)
     assert out.usage.completion_tokens == 2
-    status = json.loads(get(stack[1] + "/status")[1])
+    req = urllib.request.Request(stack[1] + "/status", headers=AUTH)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        status = json.loads(r.read())
     (unit,) = status["units"]
     assert unit["state"] == "routable" and unit["errors_total"] == 0
     assert unit["requests_total"] >= 4
@@ -150,7 +173,9 @@ def test_client_disconnect_cancels_the_request_in_vllm(stack) -> None:
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     body = {"model": "llm", "prompt": "Tell me about hiking boots.", "max_tokens": 400,
             "stream": True, "ignore_eos": True}  # fmt: skip
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH}
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     chunks = 0

@@ -54,6 +54,7 @@ class Behavior:
     kill_after_tokens: int | None = None  # the whole server dies after this many tokens
     stall_after_tokens: int | None = None  # the stream goes silent (not closed) after N
     finish_separately: bool = False  # the finish reason comes in its own, empty, last response
+    word_repeat: int = 1  # each token's text is the word this many times (bulky output)
     # Checkpoint version: in the model config's parameters and in each request's first
     # response, like neuron_serving's leader (None: an unversioned leader).
     model_version: str | None = None
@@ -225,7 +226,7 @@ class FakeTriton:
                     await asyncio.sleep(3600)  # cancelled when the client gives up
                 if b.token_delay_s:
                     await asyncio.sleep(b.token_delay_s)
-                word = next_word(prompt + out)
+                word = next_word(prompt + out) * b.word_repeat
                 version = b.model_version if i == 0 else None
                 if word == "end" and not ignore_eos:
                     yield "", "stop", len(prompt), i, version

@@ -44,3 +44,19 @@ async def test_cli_serves_and_stops_on_sigterm(tmp_path):
             await proc.wait()
         await triton.stop()
         await follower.stop()
+
+
+def test_cli_refuses_a_public_host_without_a_key(tmp_path):
+    import os
+    import subprocess
+
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps({"units": []}))
+    env = {k: v for k, v in os.environ.items() if k != "NEURON_SERVING_API_KEY"}
+    out = subprocess.run(
+        [sys.executable, "-m", "neuron_serving.cli", "proxy", "--config", str(path),
+         "--host", "0.0.0.0", "--port", "0", "--admin-port", "0"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert "without an API key" in out.stderr and "--allow-unauthenticated" in out.stderr

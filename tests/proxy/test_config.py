@@ -61,6 +61,12 @@ def test_json_is_accepted(tmp_path):
             "unique",
         ),
         ({"port": 70000}, "port"),
+        ({"limits": {"header_timeout_s": 0}}, "limits.header_timeout_s"),
+        ({"limits": {"write_timeout_s": float("inf")}}, "limits.write_timeout_s"),
+        ({"limits": {"max_connections": 0}}, "limits.max_connections"),
+        ({"limits": {"max_buffered_body_bytes": 4096}}, "max_buffered_body_bytes"),
+        ({"limits": {"header_timeout": 5}}, "unknown keys"),
+        ({"allow_unauthenticated": "yes"}, "allow_unauthenticated"),
     ],
 )
 def test_invalid_configs_name_the_field(raw, message):
@@ -107,5 +113,5 @@ def test_readme_example_config_is_valid():
     cfg = config_from_dict(yaml.safe_load(block))
     defaults = ProxyConfig()
     # The README documents the defaults: every section it shows equals the code's.
-    for section in ("health", "outlier", "retry", "timeouts", "admission", "routing"):
+    for section in ("health", "outlier", "retry", "timeouts", "admission", "limits", "routing"):
         assert getattr(cfg, section) == getattr(defaults, section), section

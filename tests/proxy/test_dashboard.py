@@ -134,3 +134,42 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
             await page.wait_for_selector("body.stale")
         finally:
             await browser.close()
+
+
+async def test_dashboard_with_api_keys_redacts_unless_given_a_key(fleet) -> None:
+    """With client keys, the page polls the redacted /status and still renders; opened
+    as /dashboard#key=KEY it sends the key and shows addresses."""
+    chromium = _chromium()
+    from playwright.async_api import async_playwright
+
+    key = "dashboard-key-0123456789"
+    u1 = await fleet.unit("u1")
+    proxy = await fleet.proxy([u1], api_key=key, health={"interval_s": 0.2, "timeout_s": 0.2})
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_ARGS, timeout=60_000
+        )
+        try:
+            page = await browser.new_page()
+            page.set_default_timeout(15_000)
+            await page.goto(url(proxy, "/dashboard?interval=200"))
+            await page.wait_for_selector('tr[data-unit="u1"][data-state="routable"]')
+            await page.wait_for_selector('#updated:has-text("redacted")')
+            assert not await page.evaluate("document.body.classList.contains('stale')")
+            title = await page.locator('[data-node="u1/leader"]').get_attribute("title")
+            assert u1.triton.addr not in (title or "")
+
+            page = await browser.new_page()  # a fresh document: the key is read at load
+            page.set_default_timeout(15_000)
+            await page.goto(url(proxy, f"/dashboard?interval=200#key={key}"))
+            await page.wait_for_selector('tr[data-unit="u1"][data-state="routable"]')
+            leader = page.locator('[data-node="u1/leader"]')
+            for _ in range(100):  # the title (address, last error) comes with the full view
+                if u1.triton.addr in (await leader.get_attribute("title") or ""):
+                    break
+                await asyncio.sleep(0.1)
+            assert u1.triton.addr in (await leader.get_attribute("title") or "")
+            assert "redacted" not in (await page.locator("#updated").text_content())
+            assert await leader.get_attribute("data-state") == "healthy"
+        finally:
+            await browser.close()

@@ -38,16 +38,18 @@ async def test_retry_before_first_token_goes_to_another_unit(fleet):
     assert 'proxy_upstream_attempts_total{outcome="unit_fault",unit="u0"} 1.0' in text
 
 
-async def test_all_attempts_fail_gives_502_and_ejects(fleet):
+async def test_all_attempts_fail_gives_503_and_ejects(fleet):
     a = await fleet.unit("u0")
-    a.behavior.fail_next = 100
+    a.behavior.fail_next = 100  # UNAVAILABLE (HTTP: 503) from the leader
     proxy = await fleet.proxy(
         [a], retry={"max_attempts": 3}, outlier={"consecutive_errors": 3, "panic_threshold_pct": 0}
     )
     s = fleet.session()
     async with s.post(url(proxy, "/v1/completions"), json={"model": "llm", "prompt": "x"}) as r:
-        assert r.status == 502
-        assert (await r.json())["error"]["code"] == "upstream_error"
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        err = (await r.json())["error"]
+        assert err["code"] == "upstream_unavailable"
+        assert "fake" not in err["message"], err  # the upstream's own text stays in the log
     assert a.behavior.started == 3
     unit = proxy.registry.get("u0")
     assert unit.ejections_total == 1 and unit.is_ejected(time.monotonic())

@@ -1,12 +1,16 @@
-"""Hypothesis fuzz of request bodies: whatever a client sends, the proxy itself
-never answers 5xx (upstream is healthy here, so any 5xx would be ours) and keeps
-serving. The proxy runs on its own event loop in a thread because hypothesis
-drives a synchronous test function."""
+"""Hypothesis fuzz of request bodies and headers: whatever a client sends, the proxy
+itself never answers 5xx (upstream is healthy here, so any 5xx would be ours), never
+logs a traceback, and keeps serving. Beyond JSON that Python can produce, raw bodies
+carry what it cannot: lone surrogates, integers past CPython's 4300-digit limit,
+deep nesting (also inside Triton's ``sampling_parameters`` string), invalid UTF-8;
+and hostile header bytes in the session-affinity header. The proxy runs on its own
+event loop in a thread because hypothesis drives a synchronous test function."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 
 import pytest
@@ -71,6 +75,29 @@ def requests(draw):
     return path, body
 
 
+class TracebackCatcher(logging.Handler):
+    """Records every log record with a traceback (or at ERROR and above)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or record.levelno >= logging.ERROR:
+            self.records.append(self.format(record))
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while body:
+        size, _, body = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        out, body = out + body[:n], body[n + 2 :]
+    return out
+
+
 @pytest.fixture(scope="module")
 def live_proxy(tmp_path_factory):
     loop = asyncio.new_event_loop()
@@ -86,19 +113,48 @@ def live_proxy(tmp_path_factory):
         unit = await fleet.unit("u0")
         # max_model_len bounds max_tokens, so no fuzzed body can ask the fake for 2**60 tokens.
         proxy = await fleet.proxy(
-            [unit], models=[{"name": "llm", "model_dir": fleet.model_dir(), "max_model_len": 4096}]
+            [unit],
+            models=[{"name": "llm", "model_dir": fleet.model_dir(), "max_model_len": 4096}],
+            routing={"policy": "session_affinity"},
         )
         return proxy, fleet.session()
 
     proxy, session = run(setup())
+    tracebacks = TracebackCatcher()
+    logging.getLogger().addHandler(tracebacks)
 
-    async def post(path: str, data: bytes) -> tuple[int, bytes]:
-        async with session.post(
-            url(proxy, path), data=data, headers={"Content-Type": "application/json"}
-        ) as r:
-            return r.status, await r.read()
+    async def post(path: str, data: bytes, header: bytes = b"") -> tuple[int, bytes]:
+        if not header:
+            async with session.post(
+                url(proxy, path), data=data, headers={"Content-Type": "application/json"}
+            ) as r:
+                return r.status, await r.read()
+        # Raw, so that the header can hold any byte (aiohttp's client would refuse).
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        try:
+            writer.write(
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode()
+                + b"Content-Type: application/json\r\n"
+                + b"Content-Length: %d\r\n" % len(data)
+                + header
+                + b"\r\n\r\n"
+                + data
+            )
+            raw = await asyncio.wait_for(reader.read(), 20)
+        finally:
+            writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        if b"transfer-encoding: chunked" in head.lower():
+            return int(head.split()[1]), _dechunk(body)
+        return int(head.split()[1]), body
 
-    yield lambda path, data: run(post(path, data))
+    def send(path: str, data: bytes, header: bytes = b"") -> tuple[int, bytes]:
+        status, body = run(post(path, data, header))
+        assert not tracebacks.records, tracebacks.records[-1]
+        return status, body
+
+    yield send
+    logging.getLogger().removeHandler(tracebacks)
     run(fleet.close())
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
@@ -114,6 +170,9 @@ def check(status: int, body: bytes) -> None:
         ]
     if status >= 400:
         err = json.loads(body)["error"]
+        if isinstance(err, str):  # Triton's format, on /v2
+            assert err
+            return
         assert isinstance(err["message"], str) and err["message"]
         assert {"type", "param", "code"} <= set(err)
 
@@ -143,3 +202,56 @@ def test_fuzzed_json_bodies_never_5xx(live_proxy, req):
 )
 def test_fuzzed_raw_bytes_never_5xx(live_proxy, data, path):
     check(*live_proxy(path, data))
+
+
+# Raw JSON fragments Python's json.dumps cannot produce (or that break naive parsing).
+hostile_fragments = st.sampled_from([
+    '"\\ud800"', '"a\\udfffb"', '"\\udbff\\u0041"', '["\\ud800"]',
+    "1" + "0" * 4300, "-" + "9" * 5000, "1" + "0" * 100, "1e999", "-1e999", "NaN",
+    "[" * 5000 + "]" * 5000, '{"a":' * 3000 + "1" + "}" * 3000, '"\\u0000"',
+]) | st.integers(1, 20000).map(lambda n: "[" * n + "]" * n)  # fmt: skip
+
+
+@st.composite
+def raw_bodies(draw):
+    """(path, raw body): a valid body with one value replaced by a hostile fragment;
+    for Triton's generate, the fragment may sit inside ``sampling_parameters``."""
+    path = draw(st.sampled_from([*sorted(valid), "/v2/models/llm/generate"]))
+    fragment = draw(hostile_fragments)
+    if path == "/v2/models/llm/generate":
+        where = draw(st.sampled_from(["text_input", "sampling", "parameters"]))
+        if where == "sampling":
+            inner = '{"temperature": ' + fragment + "}"
+            return path, ('{"text_input": "x", "sampling_parameters": ' + json.dumps(inner) + "}")
+        if where == "parameters":
+            return path, '{"text_input": "x", "parameters": {"seed": ' + fragment + "}}"
+        return path, '{"text_input": ' + fragment + "}"
+    body = draw(valid[path])
+    key = draw(st.sampled_from(["prompt", "max_tokens", "seed", "stop", "temperature", "model"]))
+    if path == "/v1/chat/completions" and key == "prompt":
+        body.pop("messages")
+        return path, json.dumps(body)[:-1] + ', "messages": [{"role": "user", "content": ' + (
+            fragment + "}]}"
+        )
+    body.pop(key, None)
+    return path, json.dumps(body)[:-1] + f', "{key}": ' + fragment + "}"
+
+
+@SETTINGS
+@given(req=raw_bodies())
+def test_fuzzed_hostile_json_never_5xx(live_proxy, req):
+    path, body = req
+    check(*live_proxy(path, body.encode("utf-8", "surrogatepass")))
+
+
+@SETTINGS
+@given(
+    value=st.binary(min_size=1, max_size=400).filter(lambda b: b"\r" not in b and b"\n" not in b)
+    | st.text(max_size=300).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    stream=st.booleans(),
+    name=st.sampled_from([b"x-session-id", b"X-Model-Version"]),
+)
+def test_fuzzed_routing_headers_never_5xx(live_proxy, value, stream, name):
+    body = {"model": "llm", "prompt": "hello", "max_tokens": 2, "stream": stream}
+    value = value.replace(b"\r", b"").replace(b"\n", b"")
+    check(*live_proxy("/v1/completions", json.dumps(body).encode(), name + b": " + value))

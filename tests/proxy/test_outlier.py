@@ -3,10 +3,11 @@ from proxy.outlier import OutlierDetector
 from proxy.registry import make_unit_state
 
 
-def unit(uid: str, healthy: bool = True, draining: bool = False):
+def unit(uid: str, healthy: bool = True, draining: bool = False, started: bool = True):
     u = make_unit_state(UnitSpec(unit_id=uid, leader_grpc="127.0.0.1:1"))
     for n in u.nodes:
         n.healthy = healthy
+        n.initial = not started  # started: every node has passed a probe once
     u.draining = draining
     return u
 
@@ -79,3 +80,12 @@ def test_panic_disabled_means_no_units():
     det = OutlierDetector(OutlierConfig(panic_threshold_pct=0))
     e = det.eligible([unit("a", healthy=False)], now=0)
     assert e.units == [] and not e.panic
+
+
+def test_panic_never_routes_to_units_that_have_not_started():
+    det = OutlierDetector(OutlierConfig(panic_threshold_pct=50))
+    starting = unit("s", healthy=False, started=False)
+    assert det.eligible([starting], now=0).units == []  # 503 + Retry-After, not a refused connect
+    was_up = unit("b", healthy=False)
+    e = det.eligible([starting, was_up], now=0)
+    assert e.panic and [u.unit_id for u in e.units] == ["b"]

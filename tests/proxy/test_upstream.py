@@ -210,7 +210,7 @@ async def test_finished_streams_reuse_one_connection(triton, make):
 @pytest.mark.parametrize(
     "status, body, unit_fault, retriable, client_status",
     [
-        (503, b'{"error": "server is shutting down"}', True, True, 502),
+        (503, b'{"error": "server is shutting down"}', True, True, 503),
         (400, b'{"error": "Request for unknown model: \'llm\' is not found"}', True, True, 502),
         (400, b'{"error": "invalid sampling parameters: top_p"}', False, False, 400),
         (429, b'{"error": "too many requests"}', False, True, 503),

@@ -36,6 +36,8 @@ import psutil
 
 from neuron_serving.bench.common import write_result
 from neuron_serving.local.probe import get_json
+from neuron_serving.local.proxy_config import read_api_key
+from neuron_serving.local.spec import API_KEY_FILE
 
 BUDGET_RSS_GIB = 12.0
 
@@ -100,10 +102,10 @@ class TreeSampler(threading.Thread):
             self.peak_pss = max(self.peak_pss, pss)
 
 
-def _stream(url: str, model: str, max_tokens: int, out: dict[str, Any]) -> None:
+def _stream(url: str, key: str, model: str, max_tokens: int, out: dict[str, Any]) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, timeout=120, max_retries=0)
     try:
         stream = client.chat.completions.create(
             model=model, stream=True, max_tokens=max_tokens, temperature=0,
@@ -117,8 +119,8 @@ def _stream(url: str, model: str, max_tokens: int, out: dict[str, Any]) -> None:
         out["error"] = f"{type(e).__name__}: {e}"
 
 
-def _unit(url: str, unit_id: str) -> dict[str, Any]:
-    status = get_json(f"{url}/status", 2.0) or {"units": []}
+def _unit(url: str, key: str, unit_id: str) -> dict[str, Any]:
+    status = get_json(f"{url}/status", 2.0, token=key) or {"units": []}
     return next((u for u in status["units"] if u["unit_id"] == unit_id), {})
 
 
@@ -132,26 +134,27 @@ def _wait(pred, timeout_s: float, interval_s: float = 0.05) -> bool:
 
 
 def _failover(url: str, run_dir: Path, model: str, victim: str, streams: int) -> dict[str, Any]:
+    key = read_api_key(run_dir / API_KEY_FILE) or ""  # `up` generates one per run
     state = lambda: json.loads((run_dir / "supervisor.json").read_text())  # noqa: E731
     unit0 = lambda: next(u for u in state()["units"] if u["unit_id"] == "unit-0")  # noqa: E731
     restarts = unit0()["restarts"]
     pid = next(p["pid"] for p in unit0()["processes"] if p["name"] == victim)
     results: list[dict[str, Any]] = [{} for _ in range(streams)]
-    threads = [threading.Thread(target=_stream, args=(url, model, 48, r), daemon=True)
+    threads = [threading.Thread(target=_stream, args=(url, key, model, 48, r), daemon=True)
                for r in results]  # fmt: skip
     for t in threads:
         t.start()
-    _wait(lambda: _unit(url, "unit-0").get("in_flight", 0) > 0, 60)
-    in_flight = _unit(url, "unit-0").get("in_flight", 0)
+    _wait(lambda: _unit(url, key, "unit-0").get("in_flight", 0) > 0, 60)
+    in_flight = _unit(url, key, "unit-0").get("in_flight", 0)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    _wait(lambda: _unit(url, "unit-0").get("state") != "routable", 30)
+    _wait(lambda: _unit(url, key, "unit-0").get("state") != "routable", 30)
     ejection_s = time.monotonic() - killed
     for t in threads:
         t.join(300)
     errors = [r["error"] for r in results if "error" in r]
     _wait(lambda: unit0()["restarts"] > restarts and unit0()["phase"] == "ready"
-          and _unit(url, "unit-0").get("state") == "routable", 600, 1.0)  # fmt: skip
+          and _unit(url, key, "unit-0").get("state") == "routable", 600, 1.0)  # fmt: skip
     back_s = time.monotonic() - killed
     out = {
         "victim": f"unit-0/{victim}",

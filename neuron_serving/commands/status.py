@@ -4,6 +4,11 @@ Merges two sources by unit id: the proxy's ``GET /status`` (health, routability,
 load, model version, probe errors) and, when this machine runs the cluster with
 `neuron-serving up`, the supervisor's state file (process state, restarts, last
 failure). Either alone is enough to print a table.
+
+The proxy's /status is redacted (no addresses, versions or probe errors) without
+a client API key, so `status` sends ``Authorization: Bearer`` with the first key
+it finds: ``--api-key``, else ``NEURON_SERVING_API_KEY``, else the ``api-key`` file
+`up` wrote next to the supervisor state (the same run directory).
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--state",
         default=None,
         help="supervisor state file (default: the `up` run dir of the proxy's port)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="client API key for the proxy (default: $NEURON_SERVING_API_KEY, else the "
+        "api-key file of the local cluster's run dir)",
     )
     p.add_argument("--json", action="store_true", help="print the merged view as JSON")
     p.set_defaults(func=run)
@@ -90,25 +101,43 @@ def _state_path(args: argparse.Namespace) -> Path:
     return default_run_dir(port) / "supervisor.json"
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key to send: flag, environment, then the local cluster's ``api-key`` file."""
+    from neuron_serving import envs
+    from neuron_serving.local.proxy_config import read_api_key
+    from neuron_serving.local.spec import API_KEY_FILE
+
+    if args.api_key:
+        return args.api_key
+    if envs.NEURON_SERVING_API_KEY:
+        return envs.NEURON_SERVING_API_KEY
+    return read_api_key(_state_path(args).parent / API_KEY_FILE)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from neuron_serving.local.cluster import _pid_alive, read_state
-    from neuron_serving.local.probe import get_json
+    from neuron_serving.local.probe import get_json, http_status
 
     base = args.proxy.rstrip("/")
-    proxy = get_json(f"{base}/status", 3.0)
+    key = api_key(args)
+    proxy = get_json(f"{base}/status", 3.0, token=key)
+    problem = "unreachable"
+    if proxy is None and http_status(f"{base}/status", 3.0, token=key) == 401:
+        problem = "refused the API key (401): pass --api-key or set NEURON_SERVING_API_KEY"
     state = read_state(_state_path(args))
     if state is not None and not _pid_alive(state.get("pid")):
         state = None  # a dead supervisor's file describes nothing that runs
     rows = merge(proxy, state)
     if args.json:
-        print(json.dumps({"proxy": base, "reachable": proxy is not None, "units": rows}))
+        out = {"proxy": base, "reachable": proxy is not None, "units": rows}
+        print(json.dumps(out if proxy is not None else {**out, "error": problem}))
         return 0 if proxy is not None else 1
     console = Console()
     if proxy is None:
-        console.print(f"[red]proxy {base} unreachable[/red]" + (
+        console.print(f"[red]proxy {base} {problem}[/red]" + (
             "; showing the supervisor's view only" if state else ""))  # fmt: skip
         if state is None:
             return 1

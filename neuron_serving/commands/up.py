@@ -35,6 +35,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per unit start")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds on Ctrl-C")
     p.add_argument(
+        "--log-max-mb",
+        type=float,
+        default=16.0,
+        help="each process's log is rotated at this size (default 16 MiB)",
+    )
+    p.add_argument(
+        "--log-backups",
+        type=int,
+        default=1,
+        help="rotated logs kept per process (default 1: at most 2 x --log-max-mb each)",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="skip torch.compile warm-up in every rank: units start (and restart) in "
@@ -43,19 +55,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _examples(base: str, model: str) -> str:
+def _examples(base: str, model: str, api_key: str) -> str:
     body = (
         f'{{"model": "{model}", "messages": [{{"role": "user", "content": '
         f'"Is this coffee maker in stock?"}}], "max_tokens": 32, "stream": true}}'
     )
     # No indentation: the heredoc's closing PY must start its line to be pasted as is.
     return f"""\
-curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
-  -d '{body}'
+curl -sN {base}/v1/chat/completions -H 'Authorization: Bearer {api_key}' \\
+  -H 'Content-Type: application/json' -d '{body}'
 
 {sys.executable} - <<'PY'
 from openai import OpenAI
-client = OpenAI(base_url="{base}/v1", api_key="unused")
+client = OpenAI(base_url="{base}/v1", api_key="{api_key}")
 stream = client.chat.completions.create(
     model="{model}", stream=True, max_tokens=32,
     messages=[{{"role": "user", "content": "Is this coffee maker in stock?"}}])
@@ -72,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
 
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+    def say(msg: str, stamp: bool = True) -> None:
+        try:
+            print(f"[{time.monotonic() - t0:6.1f}s] {msg}" if stamp else msg, flush=True)
+        except OSError:
+            pass  # stdout redirected to a full disk: the cluster matters more than its log
 
     try:
         model = Path(args.model) if args.model else demo_model_dir(say)
@@ -90,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             ready_timeout_s=args.ready_timeout,
             drain_timeout_s=args.drain_timeout,
+            log_max_bytes=int(args.log_max_mb * (1 << 20)),
+            log_backups=args.log_backups,
             extra_leader_args=("--enforce-eager",) if args.enforce_eager else (),
         )
     except ValueError as e:
@@ -119,23 +136,26 @@ def run(args: argparse.Namespace) -> int:
         cluster.start()
         took = cluster.wait_ready(spec.ready_timeout_s * 3)
         base = spec.proxy_url
-        print(
+        status_cmd = f"neuron-serving status --proxy {base}"
+        if spec.run_dir != default_run_dir(spec.port):
+            status_cmd += f" --state {spec.state_file}"
+        say(
             f"""
 neuron-serving up: {spec.units} unit(s) x TP={spec.tp} ready in {took:.1f} s
   OpenAI API  {base}/v1        model "{spec.served_model_name}"
   Triton API  {base}/v2/models/{spec.served_model_name}/generate_stream
-  status      {base}/status    (or: neuron-serving status --proxy {base})
+  status      {base}/status    (or: {status_cmd})
   metrics     {base}/metrics   dashboard {base}/dashboard
   admin       {spec.admin_url}  (bearer token in {spec.run_dir / "admin-token"})
-  logs        {spec.run_dir / "logs"}/<unit>/<process>.log
+  API key     {cluster.api_key}  (tenant "local"; also in {spec.api_key_file})
+  logs        {spec.run_dir / "logs"}/<unit>/<process>.log  (rotated at {spec.log_max_bytes / (1 << 20):g} MiB)
 
-{_examples(base, spec.served_model_name)}
+{_examples(base, spec.served_model_name, cluster.api_key)}
 
 Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
-            flush=True,
+            stamp=False,
         )
-        while not stop.wait(1.0):
-            cluster.write_state()
+        cluster.serve(stop)
     except StartupFailed as e:
         if not stop.is_set():
             print(f"neuron-serving up: start-up failed: {e}", file=sys.stderr, flush=True)

@@ -1,10 +1,13 @@
 """`ClusterSupervisor`: the proxy and K inference units of one `up`, started and stopped together.
 
-    prepare()   run dir (0700), ports free?, unit token + admin token (0600), proxy.yaml
+    prepare()   run dir (0700), ports free?, unit token + admin token + client API key
+                (0600), proxy.yaml
     start()     proxy group (one process) + one UnitSupervisor per unit, all in parallel
     wait_ready  until the proxy and every unit were ready once; a unit failing
                 ``max_start_failures`` times before its first ready aborts start-up
-    (serving)   write_state() keeps supervisor.json fresh for `neuron-serving status`
+    serve()     every second, write_state() keeps supervisor.json fresh for
+                `neuron-serving status`; a failed write (full disk) is reported once
+                and retried on the next tick: the units keep serving
     control     supervisor.sock (control.py): `deploy` recreates a unit on another
                 model directory through it (admin token required)
     shutdown()  drain through the proxy admin API (stop admitting, wait for in-flight
@@ -33,6 +36,7 @@ from neuron_serving.local.probe import admin_call, get_json, http_status
 from neuron_serving.local.process import ProcessSpec
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
 from neuron_serving.local.spec import ClusterSpec
+from neuron_serving.local.throttle import Throttle
 from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
 
 STATE_VERSION = 1
@@ -69,6 +73,7 @@ class ClusterSupervisor:
         self.on_event = on_event
         self.max_start_failures = max_start_failures
         self.admin_token = ""
+        self.api_key = ""
         self.proxy: UnitSupervisor | None = None
         self.units: list[UnitSupervisor] = []
         self.started_at: float | None = None
@@ -78,6 +83,7 @@ class ClusterSupervisor:
         self.control: ControlServer | None = None
         self._token_file: Path | None = None
         self._recreate_lock = threading.Lock()
+        self._state_errors = Throttle(on_event)
 
     # ---- start ---------------------------------------------------------------------
 
@@ -95,7 +101,7 @@ class ClusterSupervisor:
         write_secret(token_file)
         self._token_file = token_file
         self.unit_models = {spec.unit_id(i): spec.model_dir for i in range(spec.units)}
-        config_path, self.admin_token = write_proxy_config(spec)
+        config_path, self.admin_token, self.api_key = write_proxy_config(spec)
         logs = spec.run_dir / "logs"
         self.proxy = UnitSupervisor(
             UnitPlan(
@@ -111,6 +117,8 @@ class ClusterSupervisor:
                 stop_timeout_s=spec.stop_timeout_s,
                 restart_stop_timeout_s=spec.restart_stop_timeout_s,
                 backoff=RestartBackoff(spec.backoff_base_s, spec.backoff_max_s, spec.stable_s),
+                log_max_bytes=spec.log_max_bytes,
+                log_backups=spec.log_backups,
             ),
             self.on_event,
         )
@@ -126,6 +134,8 @@ class ClusterSupervisor:
                     stop_timeout_s=spec.stop_timeout_s,
                     restart_stop_timeout_s=spec.restart_stop_timeout_s,
                     backoff=plan.unit_backoff(spec),
+                    log_max_bytes=spec.log_max_bytes,
+                    log_backups=spec.log_backups,
                 ),
                 self.on_event,
             )
@@ -189,7 +199,9 @@ class ClusterSupervisor:
             "leader_http": f"http://127.0.0.1:{self.spec.unit_ports(index).http}",
         }
 
-    def recreate_unit(self, unit_id: str, model_dir: Path) -> int:
+    def recreate_unit(
+        self, unit_id: str, model_dir: Path, manifest_sha256: str | None = None
+    ) -> int:
         """Recreate one unit on ``model_dir``; returns the generation that will serve it.
         KeyError for an unknown unit, RuntimeError while shutting down."""
         if self.stopping.is_set():
@@ -199,7 +211,9 @@ class ClusterSupervisor:
             raise KeyError(unit_id)
         assert self._token_file is not None
         with self._recreate_lock:
-            procs = plan.unit_processes(self.spec, index, self._token_file, Path(model_dir))
+            procs = plan.unit_processes(
+                self.spec, index, self._token_file, Path(model_dir), manifest_sha256
+            )
             generation = self.units[index].recreate(procs)
             self.unit_models[unit_id] = Path(model_dir)
         self.on_event(f"{unit_id} will be recreated on {model_dir}")
@@ -224,10 +238,34 @@ class ClusterSupervisor:
             "units": [self._unit_snapshot(u) for u in self.units],
         }
 
-    def write_state(self) -> None:
-        tmp = self.spec.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.snapshot(), indent=1))
-        os.replace(tmp, self.spec.state_file)  # readers never see half a file
+    def write_state(self) -> bool:
+        """Refresh supervisor.json; never raises on a failed write (full disk, removed
+        run directory): reported once (then at most once a minute) and retried by the
+        next call, since the state file is a view for `status`, not what keeps units up.
+        Returns whether the write succeeded."""
+        path = self.spec.state_file
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(self.snapshot(), indent=1))
+            os.replace(tmp, path)  # readers never see half a file
+        except OSError as e:
+            try:
+                tmp.unlink(missing_ok=True)  # a partial temp file holds space for nothing
+            except OSError:
+                pass
+            self._state_errors.failed(
+                f"cannot write {path}: {e}; still serving, retrying every tick "
+                "(`neuron-serving status` shows stale supervisor state meanwhile)"
+            )
+            return False
+        self._state_errors.recovered(f"{path} written again")
+        return True
+
+    def serve(self, stop: threading.Event, tick_s: float = 1.0) -> None:
+        """The main loop of `up` once ready: keep the state file fresh until ``stop``.
+        Nothing in it may end it but ``stop``: its ``finally`` would shut every unit down."""
+        while not stop.wait(tick_s):
+            self.write_state()
 
     def pids(self) -> list[int]:
         groups = [g for g in (self.proxy, *self.units) if g is not None]
@@ -247,7 +285,7 @@ class ClusterSupervisor:
                 self.on_event(f"drain {u.unit_id}: admin API answered {status}: {body}")
         left = 0
         while time.monotonic() - start < timeout_s:
-            status = get_json(f"{self.spec.proxy_url}/status", 2.0)
+            status = get_json(f"{self.spec.proxy_url}/status", 2.0, token=self.admin_token)
             if status is None:
                 left = 0  # no proxy, nothing in flight through it
                 break

@@ -4,7 +4,8 @@ A running `neuron-serving up` serves a small HTTP API on a Unix socket in its ru
 directory (``supervisor.sock``):
 
     GET  /units                       every unit: phase, generation, model dir, restarts
-    POST /units/{unit_id}/recreate    {"model_dir": DIR} -> {"generation": G, ...}
+    POST /units/{unit_id}/recreate    {"model_dir": DIR, "manifest_sha256": PIN?}
+                                      -> {"generation": G, ...}
                                       (planned: graceful stop, start on DIR, no backoff;
                                       ready when phase is "ready" at generation >= G)
 
@@ -26,6 +27,7 @@ import hmac
 import http.client
 import json
 import os
+import re
 import socket
 import threading
 from pathlib import Path
@@ -39,7 +41,9 @@ class Recreatable(Protocol):
 
     def units_view(self) -> dict[str, Any]: ...
 
-    def recreate_unit(self, unit_id: str, model_dir: Path) -> int: ...
+    def recreate_unit(
+        self, unit_id: str, model_dir: Path, manifest_sha256: str | None = None
+    ) -> int: ...
 
 
 class ControlServer:
@@ -124,8 +128,18 @@ class ControlServer:
                 )
             if not Path(model_dir).is_dir():
                 return web.json_response({"error": f"{model_dir} is not a directory"}, status=400)
+            # The deploy's pin (checkpoint/pin.py): the unit's processes refuse any other
+            # manifest, restarts included; "" = unpinned (an unversioned directory).
+            pin = body.get("manifest_sha256")
+            if pin is not None and (
+                not isinstance(pin, str) or (pin and not re.fullmatch(r"[0-9a-f]{64}", pin))
+            ):
+                return web.json_response(
+                    {"error": "'manifest_sha256' must be 64 lowercase hex digits"}, status=400
+                )
+            pinned = {} if pin is None else {"manifest_sha256": pin}
             try:
-                generation = self.cluster.recreate_unit(unit_id, Path(model_dir))
+                generation = self.cluster.recreate_unit(unit_id, Path(model_dir), **pinned)
             except KeyError:
                 return web.json_response({"error": f"unit {unit_id!r} not found"}, status=404)
             except RuntimeError as e:
@@ -204,6 +218,8 @@ class ControlClient:
     def units(self) -> dict[str, Any]:
         return self._call("GET", "/units")
 
-    def recreate(self, unit_id: str, model_dir: Path) -> int:
+    def recreate(self, unit_id: str, model_dir: Path, manifest_sha256: str | None = None) -> int:
         body = {"model_dir": str(Path(model_dir).resolve())}
+        if manifest_sha256 is not None:
+            body["manifest_sha256"] = manifest_sha256
         return int(self._call("POST", f"/units/{unit_id}/recreate", body)["generation"])

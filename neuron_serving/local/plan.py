@@ -40,9 +40,15 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def unit_processes(
-    spec: ClusterSpec, index: int, token_file: Path, model_dir: Path | None = None
+    spec: ClusterSpec,
+    index: int,
+    token_file: Path,
+    model_dir: Path | None = None,
+    manifest_sha256: str | None = None,
 ) -> list[ProcessSpec]:
-    """``model_dir`` overrides the cluster's model for this unit (a deploy's version)."""
+    """``model_dir`` overrides the cluster's model for this unit (a deploy's version);
+    ``manifest_sha256`` is its deploy's pin, given to every rank ("" = none, None =
+    this process's environment)."""
     unit_id = spec.unit_id(index)
     ports = spec.unit_ports(index)
     env = child_env(
@@ -52,6 +58,10 @@ def unit_processes(
             "VLLM_CPU_OMP_THREADS_BIND": spec.cpu_bind,
         }
     )
+    if manifest_sha256 is not None:
+        env.pop("NEURON_SERVING_MODEL_MANIFEST_SHA256", None)
+        if manifest_sha256:
+            env["NEURON_SERVING_MODEL_MANIFEST_SHA256"] = manifest_sha256
     run = spec.run_dir / unit_id
     leader = ProcessSpec(
         "leader",

@@ -16,10 +16,13 @@ import urllib.request
 from typing import Any
 
 
-def http_status(url: str, timeout_s: float = 2.0) -> int:
+def http_status(url: str, timeout_s: float = 2.0, token: str | None = None) -> int:
     """HTTP status of a GET, 0 when the server cannot be reached."""
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -27,10 +30,14 @@ def http_status(url: str, timeout_s: float = 2.0) -> int:
         return 0
 
 
-def get_json(url: str, timeout_s: float = 2.0) -> Any | None:
-    """Decoded JSON body of a 200 GET, or None."""
+def get_json(url: str, timeout_s: float = 2.0, token: str | None = None) -> Any | None:
+    """Decoded JSON body of a 200 GET, or None. ``token`` is sent as
+    ``Authorization: Bearer`` (the proxy's /status is redacted without a key)."""
+    req = urllib.request.Request(url)
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
             if r.status != 200:
                 return None
             return json.loads(r.read())

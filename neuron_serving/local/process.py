@@ -7,8 +7,10 @@ links: a SIGKILLed leader's tritonserver, backend stub and EngineCore are
 re-parented to init but keep the session id. Descendants are also remembered on
 every ``poll`` as a second net for anything that left the session.
 
-stdout and stderr go to ``<log_dir>/<name>.log`` (appended, with a marker line
-per start, so a recreated unit's history stays in one file).
+stdout and stderr go through a pipe to ``<log_dir>/<name>.log`` (rotating_log.py:
+size-capped, rotated to ``.log.1``; appended with a marker line per start, so a
+recreated unit's recent history stays together). The child never writes to the
+disk itself, so a full disk costs log lines, never the child.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from pathlib import Path
 
 import psutil
 
+from neuron_serving.local.rotating_log import LogPump, RotatingLog
+
 _TREE_REFRESH_S = 1.0
+DEFAULT_LOG_MAX_BYTES = 16 << 20
+DEFAULT_LOG_BACKUPS = 1
+# How long log_tail waits for an exited process's last output to reach the file.
+_LOG_DRAIN_S = 1.0
 _PR_SET_PDEATHSIG = 1
 # Resolved before any fork: dlopen in a forked child of a threaded parent can deadlock.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -74,9 +82,17 @@ def _alive(p: psutil.Process) -> bool:
 
 
 class ManagedProcess:
-    def __init__(self, spec: ProcessSpec, log_dir: Path) -> None:
+    def __init__(
+        self,
+        spec: ProcessSpec,
+        log_dir: Path,
+        log_max_bytes: int = DEFAULT_LOG_MAX_BYTES,
+        log_backups: int = DEFAULT_LOG_BACKUPS,
+    ) -> None:
         self.spec = spec
         self.log_path = Path(log_dir) / f"{spec.name}.log"
+        self.log = RotatingLog(self.log_path, log_max_bytes, log_backups)
+        self.pump: LogPump | None = None
         self.popen: subprocess.Popen | None = None
         self.started_at: float | None = None  # time.time()
         self._tree: dict[int, psutil.Process] = {}
@@ -93,23 +109,27 @@ class ManagedProcess:
     def start(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid})")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._tree.clear()
-        with open(self.log_path, "ab") as log:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            log.write(f"\n===== {stamp} start {self.name}: {' '.join(self.spec.argv)}\n".encode())
-            log.flush()
-            # The child holds its own descriptor; ours closes at the end of the block.
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        # Never raises: a full disk loses the marker, not the start.
+        self.log.write(f"\n===== {stamp} start {self.name}: {' '.join(self.spec.argv)}\n".encode())
+        pump = LogPump(self.log, self.name)
+        try:
             self.popen = subprocess.Popen(
                 self.spec.argv,
                 env=self.spec.env or None,
                 cwd=self.spec.cwd,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=pump.child_fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=_die_with_supervisor,
             )
+        except BaseException:
+            pump.abort()
+            raise
+        pump.start()
+        self.pump = pump
         self.started_at = time.time()
 
     def poll(self) -> int | None:
@@ -189,6 +209,8 @@ class ManagedProcess:
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of this process's log (since its last start)."""
+        if self.pump is not None and self.popen is not None and self.popen.poll() is not None:
+            self.pump.join(_LOG_DRAIN_S)  # its last words (the error) are still in the pipe
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)

@@ -1,9 +1,12 @@
 """The proxy's config and the cluster's secrets, written into the run directory.
 
-Secrets are fresh per `up` (``secrets.token_hex``) and written 0600 before any
-process that reads them starts: the unit token authenticates ranks of one unit
-to each other (so two local clusters cannot cross-join), the admin token guards
-the proxy's admin API (drain on shutdown goes through it).
+Secrets are fresh per `up` and written 0600 (``O_EXCL``) before any process that
+reads them starts: the unit token authenticates ranks of one unit to each other
+(so two local clusters cannot cross-join), the admin token guards the proxy's
+admin API (drain on shutdown goes through it), and the client API key (tenant
+"local") is what every client of the cluster sends as ``Authorization: Bearer``.
+The key is in two files: ``api-keys.yaml`` (the proxy's ``api_keys_file``) and
+``api-key`` (plain, for `neuron-serving status`, tests and scripts).
 """
 
 from __future__ import annotations
@@ -17,19 +20,47 @@ import yaml
 
 from neuron_serving.local.spec import ClusterSpec
 
+API_KEYS_FILE = "api-keys.yaml"
+LOCAL_TENANT = "local"
 
-def write_secret(path: Path) -> str:
-    token = secrets.token_hex(24)
+
+def _write_private(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     # O_EXCL + mode: the file never exists with wider permissions, not even briefly.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+        f.write(text)
+
+
+def write_secret(path: Path) -> str:
+    token = secrets.token_hex(24)
+    _write_private(path, token + "\n")
     return token
 
 
-def proxy_config(spec: ClusterSpec, admin_token_file: Path) -> dict[str, Any]:
+def write_api_key(spec: ClusterSpec) -> tuple[Path, str]:
+    """A fresh client API key: ``api-keys.yaml`` (tenant "local") and ``api-key``.
+    Returns (keys file path, key)."""
+    key = secrets.token_urlsafe(32)  # 43 URL-safe characters: pastes into curl as is
+    keys_file = spec.run_dir / API_KEYS_FILE
+    _write_private(keys_file, yaml.safe_dump({"tenants": {LOCAL_TENANT: {"keys": [key]}}}))
+    _write_private(spec.api_key_file, key + "\n")
+    return keys_file, key
+
+
+def read_api_key(path: Path) -> str | None:
+    """The key in an ``api-key`` file, or None when there is none to read."""
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return key or None
+
+
+def proxy_config(
+    spec: ClusterSpec, admin_token_file: Path, api_keys_file: Path | None = None
+) -> dict[str, Any]:
     units = []
     for i in range(spec.units):
         ports = spec.unit_ports(i)
@@ -50,6 +81,7 @@ def proxy_config(spec: ClusterSpec, admin_token_file: Path) -> dict[str, Any]:
         "admin_host": spec.host,
         "admin_port": spec.admin_port,
         "admin_token_file": str(admin_token_file),
+        **({"api_keys_file": str(api_keys_file)} if api_keys_file else {}),
         # A dead unit leaves rotation within unhealthy_threshold x interval (+ timeout);
         # one success brings a recreated unit back (never-seen-healthy rule), then two.
         "health": {
@@ -77,10 +109,12 @@ def proxy_config(spec: ClusterSpec, admin_token_file: Path) -> dict[str, Any]:
     }
 
 
-def write_proxy_config(spec: ClusterSpec) -> tuple[Path, str]:
-    """Write ``proxy.yaml`` and ``admin-token``; returns (config path, admin token)."""
+def write_proxy_config(spec: ClusterSpec) -> tuple[Path, str, str]:
+    """Write ``proxy.yaml``, ``admin-token`` and the API key files; returns
+    (config path, admin token, client API key)."""
     token_file = spec.run_dir / "admin-token"
     token = write_secret(token_file)
+    keys_file, api_key = write_api_key(spec)
     path = spec.run_dir / "proxy.yaml"
-    path.write_text(yaml.safe_dump(proxy_config(spec, token_file), sort_keys=False))
-    return path, token
+    path.write_text(yaml.safe_dump(proxy_config(spec, token_file, keys_file), sort_keys=False))
+    return path, token, api_key

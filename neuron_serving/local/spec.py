@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CONTROL_PORTS = 4  # see UnitConfig: control, store, dist, Neuron bootstrap
+API_KEY_FILE = "api-key"  # in the run directory; `neuron-serving status` looks for it there
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,11 @@ class ClusterSpec:
     backoff_max_s: float = 60.0
     stable_s: float = 60.0  # ready this long -> the crash-loop backoff resets
     drain_timeout_s: float = 30.0
+    # Per-process logs (rotating_log.py): <name>.log up to this size, then rotated
+    # into log_backups older files, so each process uses at most
+    # log_max_bytes * (log_backups + 1) of disk.
+    log_max_bytes: int = 16 << 20
+    log_backups: int = 1
     extra_leader_args: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -144,6 +150,8 @@ class ClusterSpec:
                 raise ValueError(f"{name} must be > 0")
         if self.health_timeout_s > self.health_interval_s:
             raise ValueError("health_timeout_s must be <= health_interval_s")
+        if self.log_max_bytes < 64 << 10 or not 0 <= self.log_backups <= 20:
+            raise ValueError("log_max_bytes must be >= 64 KiB and log_backups 0..20")
         if self.backoff_max_s < self.backoff_base_s:
             raise ValueError("backoff_max_s must be >= backoff_base_s")
 
@@ -172,6 +180,11 @@ class ClusterSpec:
     @property
     def state_file(self) -> Path:
         return self.run_dir / "supervisor.json"
+
+    @property
+    def api_key_file(self) -> Path:
+        """The client API key `up` generated, plain (what `status` and clients read)."""
+        return self.run_dir / API_KEY_FILE
 
 
 def default_served_name(model_dir: Path) -> str:

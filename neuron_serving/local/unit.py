@@ -28,7 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from neuron_serving.local.backoff import RestartBackoff
-from neuron_serving.local.process import ManagedProcess, ProcessSpec
+from neuron_serving.local.process import (
+    DEFAULT_LOG_BACKUPS,
+    DEFAULT_LOG_MAX_BYTES,
+    ManagedProcess,
+    ProcessSpec,
+)
+from neuron_serving.local.rotating_log import MIN_MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +84,9 @@ class UnitPlan:
     stop_timeout_s: float = 10.0
     restart_stop_timeout_s: float = 3.0
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    # Each process's log: <name>.log up to log_max_bytes, then rotated (rotating_log.py).
+    log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
+    log_backups: int = DEFAULT_LOG_BACKUPS
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.processes]
@@ -88,13 +97,15 @@ class UnitPlan:
         for name in ("ready_timeout_s", "stop_timeout_s", "restart_stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{self.unit_id}: {name} must be > 0")
+        if self.log_max_bytes < MIN_MAX_BYTES or self.log_backups < 0:
+            raise ValueError(f"{self.unit_id}: log_max_bytes >= {MIN_MAX_BYTES}, log_backups >= 0")
 
 
 class UnitSupervisor:
     def __init__(self, plan: UnitPlan, on_event: Callable[[str], None] | None = None) -> None:
         self.plan = plan
-        self.procs = [ManagedProcess(spec, plan.log_dir) for spec in plan.processes]
-        self._on_event = on_event or (lambda msg: log.info("%s", msg))
+        self.procs = [self._managed(spec) for spec in plan.processes]
+        self._sink = on_event or (lambda msg: log.info("%s", msg))
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,6 +212,18 @@ class UnitSupervisor:
 
     # ---- supervisor thread ---------------------------------------------------------
 
+    def _managed(self, spec: ProcessSpec) -> ManagedProcess:
+        return ManagedProcess(spec, self.plan.log_dir, self.plan.log_max_bytes,
+                              self.plan.log_backups)  # fmt: skip
+
+    def _on_event(self, msg: str) -> None:
+        # The sink prints (`up`'s terminal may be a file on a full disk): a failed
+        # report must not end the thread, which would tear the whole group down.
+        try:
+            self._sink(msg)
+        except Exception:  # noqa: BLE001
+            log.warning("%s: event not reported: %s", self.unit_id, msg)
+
     def _set(self, **fields: object) -> None:
         with self._lock:
             for k, v in fields.items():
@@ -261,7 +284,7 @@ class UnitSupervisor:
         self._teardown(self.plan.stop_timeout_s)
         if new is not None:
             self.plan.processes = new
-            self.procs = [ManagedProcess(spec, self.plan.log_dir) for spec in new]
+            self.procs = [self._managed(spec) for spec in new]
         self.plan.backoff.consecutive = 0
 
     def _launch(self) -> None:

@@ -44,6 +44,7 @@ class Cluster:
     url: str
     run_dir: Path
     model: str
+    api_key: str = ""  # the key `up` generated (run_dir/api-key), read once it is ready
     seen_pids: set[int] = field(default_factory=set)
 
     def state(self) -> dict:
@@ -53,7 +54,7 @@ class Cluster:
         return next(u for u in self.state()["units"] if u["unit_id"] == unit_id)
 
     def proxy_unit(self, unit_id: str) -> dict | None:
-        status = get_json(f"{self.url}/status", 2.0)
+        status = get_json(f"{self.url}/status", 2.0, token=self.api_key)
         if status is None:
             return None
         return next(u for u in status["units"] if u["unit_id"] == unit_id)
@@ -78,9 +79,9 @@ class Cluster:
         self.seen_pids.update(pids)
         return pids
 
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=120.0,
-                             max_retries=0)  # fmt: skip
+    def client(self, api_key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key,
+                             timeout=120.0, max_retries=0)  # fmt: skip
 
     def log_tail(self) -> str:
         return "\n".join(self.proc.stdout().splitlines()[-40:])
@@ -118,6 +119,7 @@ def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
             if time.monotonic() > deadline:
                 pytest.fail(f"cluster not ready in {START_TIMEOUT_S:.0f} s:\n{c.log_tail()}")
             time.sleep(1.0)
+        c.api_key = (run_dir / "api-key").read_text().strip()
         wait_for(lambda: c.routable("unit-0") and c.routable("unit-1"), 30, what="routable")
         print(f"cluster ready after {time.monotonic() - started:.1f} s")
         print(c.log_tail())
@@ -234,6 +236,31 @@ def test_openai_client_streams_a_chat_completion(cluster: Cluster) -> None:
     assert out.finish_reason == "length" and out.text
     models = [m.id for m in cluster.client().models.list()]
     assert models == [cluster.model]
+
+
+def test_client_api_requires_the_generated_key(cluster: Cluster) -> None:
+    import stat
+    import urllib.error
+    import urllib.request
+
+    # Issue 14, finding 9: `up` generates a key, keeps it private, prints it in its examples.
+    for name in ("api-key", "api-keys.yaml"):
+        mode = stat.S_IMODE((cluster.run_dir / name).stat().st_mode)
+        assert mode == 0o600, f"{name} has mode {mode:o}"
+    assert f"Authorization: Bearer {cluster.api_key}" in cluster.proc.stdout()
+    assert f'api_key="{cluster.api_key}"' in cluster.proc.stdout()
+    # Without the key or with a wrong one: 401 in OpenAI's format, nothing generated.
+    with pytest.raises(openai.AuthenticationError):
+        cluster.client("wrong-key-0123456789abcdef").models.list()
+    body = json.dumps({"model": cluster.model, "prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(f"{cluster.url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == 401 and e.value.headers["WWW-Authenticate"].startswith("Bearer")
+    assert "error" in json.loads(e.value.read())
+    # With it, the same request works.
+    _chat(cluster)
 
 
 def test_follower_sigkill_under_load(cluster: Cluster) -> None:

@@ -13,6 +13,7 @@ from neuron_serving.commands.status import merge
 from neuron_serving.local import plan
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
 from neuron_serving.local.spec import ClusterSpec, stride
+from proxy.auth import load_api_keys
 from proxy.config import load_config
 
 
@@ -57,9 +58,15 @@ def test_spec_needs_a_model_dir(tmp_path: Path) -> None:
 
 def test_proxy_config_is_accepted_by_the_proxy(model_dir: Path, tmp_path: Path) -> None:
     spec = ClusterSpec(model_dir, tmp_path / "run", units=2, tp=3, port=18080, base_port=30000)
-    path, token = write_proxy_config(spec)
+    path, token, api_key = write_proxy_config(spec)
     cfg = load_config(path)
     assert cfg.admin_token() == token
+    # The generated client key is the "local" tenant's, read by the proxy's own loader.
+    keys = load_api_keys(cfg.api_keys_file)
+    assert keys.tenant_of(api_key) == "local" and keys.tenant_of(api_key[:-1] + "x") is None
+    assert spec.api_key_file.read_text().strip() == api_key
+    for f in (Path(cfg.api_keys_file), spec.api_key_file):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
     assert [u.unit_id for u in cfg.units] == ["unit-0", "unit-1"]
     u0 = cfg.units[0]
     ports = spec.unit_ports(0)

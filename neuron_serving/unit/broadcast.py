@@ -19,6 +19,11 @@ Invariants:
   follower rejects anything else (no replay, no reordering).
 - The MAC (HMAC-SHA256, key from the unit token and the session nonce) covers
   header fields and payload and is checked before a byte is unpickled.
+- ``payload_len`` is bounded (``max_payload``, NEURON_SERVING_BROADCAST_MAX_BYTES)
+  before anything is allocated from it: the MAC covers the whole payload, so a
+  forged header could otherwise make a follower allocate up to 2**64 bytes
+  before the check fails. The sender refuses larger payloads, so a legitimate
+  unit never trips the bound.
 - A Gloo broadcast cannot be cancelled, so liveness is not this module's job:
   the control connection's heartbeats (``control_server``/``follower``) detect
   dead or hung peers, and the group's timeout is only a backstop.
@@ -34,8 +39,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from neuron_serving import envs
 from neuron_serving.unit import auth
 from neuron_serving.unit.stats import BroadcastStats
+from neuron_serving.unit.store import tcp_store
 
 MAGIC = b"NSCB"
 WIRE_VERSION = 1
@@ -63,14 +70,14 @@ def make_group(
     """A Gloo group of the whole unit on its own TCPStore (independent of vLLM's groups).
 
     Returns the store too: the group must not outlive it (the leader's store is
-    the server other ranks reconnect to)."""
-    store = dist.TCPStore(
+    the server other ranks reconnect to). The leader's store listens on
+    ``store_host`` only (``store.tcp_store``), not on every interface."""
+    store = tcp_store(
         store_host,
         store_port,
         world_size,
         is_master=is_master,
         timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
     )
     prefixed = dist.PrefixStore("neuron-serving/control", store)
     opts = dist.ProcessGroupGloo._Options()
@@ -89,9 +96,17 @@ class ControlBroadcast:
         rank: int,
         key: bytes,
         inline_bytes: int,
+        max_payload: int | None = None,
     ):
         if inline_bytes <= HEADER.size:
             raise ValueError(f"inline_bytes must exceed the {HEADER.size}-byte header")
+        self.max_payload = (
+            envs.NEURON_SERVING_BROADCAST_MAX_BYTES if max_payload is None else max_payload
+        )
+        if self.max_payload < inline_bytes:
+            raise ValueError(
+                f"max_payload ({self.max_payload}) must be >= inline_bytes ({inline_bytes})"
+            )
         self.group, self._store = group
         self.rank = rank
         self.key = key
@@ -111,6 +126,13 @@ class ControlBroadcast:
     def send(self, kind: int, payload: bytes = b"") -> int:
         """Rank 0 only. Returns the message's seq."""
         assert self.rank == 0, "only the leader broadcasts"
+        if len(payload) > self.max_payload:
+            # Refused before anything is sent: the followers stay in lockstep
+            # and the caller's error names the limit instead of a rank failing.
+            raise BroadcastError(
+                f"control broadcast of {len(payload)} bytes exceeds the limit of "
+                f"{self.max_payload} (NEURON_SERVING_BROADCAST_MAX_BYTES)"
+            )
         with self._send_lock:
             t0 = time.perf_counter()
             self._seq += 1
@@ -141,6 +163,12 @@ class ControlBroadcast:
         if magic != MAGIC or version != WIRE_VERSION:
             raise BroadcastError(
                 f"bad control broadcast header (magic={magic!r}, version={version})"
+            )
+        if length > self.max_payload:
+            # Before allocating from an unauthenticated length.
+            raise BroadcastError(
+                f"control broadcast seq {seq} announces {length} bytes, over the limit of "
+                f"{self.max_payload} (NEURON_SERVING_BROADCAST_MAX_BYTES)"
             )
         first = self.inline - HEADER.size
         payload = raw[HEADER.size : HEADER.size + min(length, first)]

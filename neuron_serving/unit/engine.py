@@ -9,12 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from neuron_serving.checkpoint.compat import (
-    UnitShape,
-    check_unit,
-    engine_overrides,
-    is_sharded_checkpoint,
-)
+from neuron_serving.checkpoint.compat import UnitShape, engine_overrides, is_sharded_checkpoint
+from neuron_serving.checkpoint.pin import env_pin
+from neuron_serving.checkpoint.trust import check_leader
 from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 
 UNIT_EXECUTOR = "neuron_serving.unit.executor.UnitExecutor"
@@ -53,11 +50,12 @@ def engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
-    if is_sharded_checkpoint(Path(model)):
+    if is_sharded_checkpoint(Path(model)) or env_pin():
         # A sharded checkpoint version (neuron-serving checkpoint shard): refuse a unit
-        # of the wrong size here, before any follower is waited for, and make every
+        # of the wrong size, a manifest other than the deploy's pin or a changed config
+        # or tokenizer file here, before any follower is waited for, and make every
         # rank read only its own model-rank-{rank}-part-* files in the shards' dtype.
-        manifest = check_unit(Path(model), UnitShape(tp, unit.device))
+        manifest = check_leader(Path(model), UnitShape(tp, unit.device))
         if extra.get("dtype") in (None, "auto"):
             extra.pop("dtype", None)
         kwargs.update(engine_overrides(manifest))

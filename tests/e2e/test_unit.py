@@ -8,12 +8,18 @@ operator would, and checks results, failure detection and the process table.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import grpc
+import psutil
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.procs import Proc, free_port_block, leftover, unit_env, wait_for
 
@@ -65,6 +71,115 @@ def _healthz(port: int) -> dict | None:
         return json.loads(e.read())
     except OSError:
         return None
+
+
+def _listeners(proc: Proc) -> dict[str, list[tuple[str, int]]]:
+    """Listening TCP sockets of every process in ``proc``'s session (its whole
+    tree, re-parented children included), by "name pid"."""
+    out = {}
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if os.getsid(p.pid) != proc.pid:
+                continue
+            socks = [
+                (c.laddr.ip, c.laddr.port)
+                for c in p.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN
+            ]
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
+        out[f"{proc.name}/{p.info['name']} {p.pid}"] = sorted(socks)
+    return out
+
+
+def _assert_unit_binds_only(host: str, port: int, *procs: Proc) -> None:
+    """Issue 14: every port of the unit (control, both torch.distributed stores,
+    Gloo pairs, health servers, vLLM's own) binds the configured host."""
+    listening = {}
+    for p in procs:
+        listening.update(_listeners(p))
+    # gRPC binds an IPv6 socket with the v4-mapped address: the same host.
+    on_host = {host, f"::ffff:{host}"}
+    elsewhere = {who: [a for a in socks if a[0] not in on_host] for who, socks in listening.items()}
+    elsewhere = {who: socks for who, socks in elsewhere.items() if socks}
+    assert not elsewhere, (
+        f"listeners not on {host} (0.0.0.0/:: = every interface): {elsewhere}; "
+        f"all listeners: {listening}"
+    )
+    found = {a for socks in listening.values() for a in socks}
+    # The control-plane store (+1) and vLLM's world store (+2) are up and host-bound.
+    for expected in ((host, port + 1), (host, port + 2)):
+        assert expected in found, f"{expected} not listening; all listeners: {listening}"
+    print(f"unit listeners (all on {host}): {listening}")
+
+
+def _grpc_serving(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _slow_loris(port: int, result: dict) -> None:
+    # One byte of a never-ending request head every 0.2 s, for at most 60 s.
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /healthz HTTP/1.0\r\n")
+    sock.settimeout(0.2)
+    t0 = time.monotonic()
+    result["cut"] = False
+    while time.monotonic() - t0 < 60:
+        try:
+            sock.sendall(b"X")
+            if sock.recv(64) == b"":
+                result["cut"] = True
+                break
+        except TimeoutError:
+            continue
+        except OSError:
+            result["cut"] = True
+            break
+    result["after_s"] = time.monotonic() - t0
+    sock.close()
+
+
+def _attack_health_server(proc: Proc, health_port: int) -> None:
+    """Finding 12 against a serving node: 200 idle connections to each of its
+    health ports and a slow-loris sender; threads stay bounded, the sender is
+    cut off, health keeps answering and the unit keeps stepping."""
+    node = psutil.Process(proc.pid)
+    steps_before = (_healthz(health_port) or {}).get("steps", 0)
+    threads_before = node.num_threads()
+    loris: dict = {}
+    loris_thread = threading.Thread(target=_slow_loris, args=(health_port + 1, loris))
+    loris_thread.start()
+    flood = []
+    try:
+        for _ in range(200):
+            flood.append(socket.create_connection(("127.0.0.1", health_port), timeout=5))
+            flood.append(socket.create_connection(("127.0.0.1", health_port + 1), timeout=5))
+        time.sleep(1.0)
+        threads_flood = node.num_threads()
+        # Two pools of 4 (gRPC, HTTP), plus slack for the engine's own threads.
+        assert threads_flood - threads_before <= 16, (
+            f"{proc.name}: {threads_before} -> {threads_flood} threads with 400 idle "
+            "health connections (bound: +16)"
+        )
+        assert _grpc_serving(health_port), "gRPC health stopped answering under the flood"
+    finally:
+        loris_thread.join(timeout=90)
+        for s in flood:
+            s.close()
+    assert loris.get("cut"), f"slow-loris sender still connected: {loris}"
+    print(
+        f"{proc.name}: threads {threads_before} -> {threads_flood} under 400 idle health "
+        f"connections; slow-loris cut after {loris['after_s']:.1f} s"
+    )
+    wait_for(
+        lambda: (_healthz(health_port) or {}).get("steps", 0) > steps_before,
+        timeout=60,
+        what=f"{proc.name} to answer /healthz and keep stepping after the attack",
+    )
+    assert node.num_threads() - threads_before <= 16, (threads_before, node.num_threads())
 
 
 def _shm_segments() -> set[str]:
@@ -175,24 +290,33 @@ def _start_long_unit(procs, demo_model, port):
         what="follower to run 20 steps",
     )
     assert leader.popen.poll() is None
+    _assert_unit_binds_only("127.0.0.1", port, leader, follower)
     return leader, follower
 
 
 @pytest.mark.parametrize(
-    ("victim", "sig", "expect"),
+    ("victim", "sig", "expect", "attack_health"),
     [
         # A SIGKILLed follower closes its control connection: detected at once.
-        ("follower", signal.SIGKILL, ("rank 1", "failed")),
+        # Before that, its health server is attacked (issue 14, finding 12).
+        ("follower", signal.SIGKILL, ("rank 1", "failed"), "follower"),
         # A SIGSTOPped follower keeps its sockets open: only heartbeats reveal it.
-        ("follower", signal.SIGSTOP, ("rank 1", "no heartbeat")),
-        # A SIGKILLed leader: the follower exits non-zero on its own.
-        ("leader", signal.SIGKILL, ("lost the leader",)),
+        ("follower", signal.SIGSTOP, ("rank 1", "no heartbeat"), None),
+        # A SIGKILLed leader: the follower exits non-zero on its own. Before
+        # that, the leader's health server is attacked while it serves.
+        ("leader", signal.SIGKILL, ("lost the leader",), "leader"),
     ],
     ids=["follower-sigkill", "follower-sigstop", "leader-sigkill"],
 )
-def test_rank_failure_fails_the_unit_within_5s(procs, demo_model, victim, sig, expect):
+def test_rank_failure_fails_the_unit_within_5s(
+    procs, demo_model, victim, sig, expect, attack_health
+):
     port = free_port_block(32)
     leader, follower = _start_long_unit(procs, demo_model, port)
+    if attack_health == "follower":
+        _attack_health_server(follower, port + 10)
+    elif attack_health == "leader":
+        _attack_health_server(leader, port + 20)
     target, survivor = (follower, leader) if victim == "follower" else (leader, follower)
     target.signal(sig)
     t0 = time.monotonic()

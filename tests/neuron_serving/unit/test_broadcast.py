@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import threading
 
+import psutil
 import pytest
 
-from neuron_serving.unit.broadcast import KIND_CALL, BroadcastError, ControlBroadcast, make_group
+from neuron_serving.unit.broadcast import (
+    HEADER,
+    KIND_CALL,
+    MAGIC,
+    WIRE_VERSION,
+    BroadcastError,
+    ControlBroadcast,
+    make_group,
+)
 from tests.procs import free_port_block
 
 
@@ -84,3 +93,51 @@ def test_only_leader_sends():
     leader, follower = _pair()
     with pytest.raises(AssertionError):
         follower.send(KIND_CALL, b"x")
+
+
+def test_oversized_length_in_header_is_refused_before_allocation():
+    # A forged first frame announcing 1 GiB: the follower must refuse it from the
+    # header alone, not allocate the rest and wait for a second broadcast.
+    leader, follower = _pair()
+    follower.max_payload = 1 << 20
+    announced = 1 << 30
+    forged = HEADER.pack(MAGIC, WIRE_VERSION, KIND_CALL, 1, announced, b"\0" * 32)
+    view = leader._buf.numpy()
+    view[: HEADER.size] = memoryview(forged)
+    rss_before = psutil.Process().memory_info().rss
+    errors = []
+
+    def recv():
+        try:
+            follower.recv()
+        except Exception as e:
+            errors.append(e)
+
+    t = threading.Thread(target=recv)
+    t.start()
+    leader._bcast(leader._buf)
+    t.join(timeout=30)
+    assert not t.is_alive(), "the follower waited for the announced second broadcast"
+    grown = psutil.Process().memory_info().rss - rss_before
+    assert isinstance(errors[0], BroadcastError) and "over the limit" in str(errors[0]), errors
+    assert grown < 64 << 20, f"RSS grew {grown >> 20} MiB for a {announced >> 20} MiB header"
+
+
+def test_leader_refuses_to_send_over_the_limit_and_stays_in_lockstep():
+    leader, follower = _pair()
+    leader.max_payload = follower.max_payload = 4096
+    with pytest.raises(BroadcastError, match="exceeds the limit"):
+        leader.send(KIND_CALL, b"x" * 4097)
+    # Nothing went on the wire: the next message is seq 1 and arrives intact.
+    got, errors = _exchange(leader, follower, [b"y" * 4096])
+    assert not errors and got == [(KIND_CALL, 1, b"y" * 4096)]
+
+
+def test_leader_store_listens_on_the_store_host_only():
+    leader, _ = _pair()
+    port = leader._store.port
+    listening = [
+        c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
+    ]
+    mine = [a for a in listening if a.port == port]
+    assert [a.ip for a in mine] == ["127.0.0.1"], f"store port {port} listens on {mine}"

@@ -7,8 +7,10 @@ a test started, because exit codes alone do not prove nothing is left.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -125,3 +127,12 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
             return value
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def non_loopback_ipv4() -> str | None:
+    """An IPv4 address of this host that is not loopback (to test what strangers see)."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
+                return a.address
+    return None

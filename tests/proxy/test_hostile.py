@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.procs import REPO
+from tests.procs import REPO, wait_for
 from tests.proxy.fakes import Behavior, FakeFollower, FakeTriton
 
 KEY = "acme-key-0123456789abcdef"  # tenant "acme"
@@ -152,16 +152,6 @@ def openai_error(status: int, headers: dict[str, str], body: bytes, expected: in
     return err
 
 
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory) -> Iterator[Hostile]:
     tmp = tmp_path_factory.mktemp("hostile")
@@ -225,7 +215,7 @@ def hostile(tmp_path_factory) -> Iterator[Hostile]:
             units = {u["unit_id"]: u for u in json.loads(raw)["units"]}
             return status == 200 and {units[u]["state"] for u in ("u0", "bulk0")} == {"routable"}
 
-        wait_for(ready, 30, "units u0 and bulk0 routable")
+        wait_for(ready, 30, what="units u0 and bulk0 routable")
         yield h
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -439,7 +429,7 @@ def test_stalled_bodies_are_bounded_and_cut(hostile):
     counts = {code: statuses.count(code) for code in set(statuses)}
     assert set(counts) <= {408, 503}, counts
     assert counts.get(503, 0) >= n - (LIMITS["max_buffered_body_bytes"] >> 20), counts
-    wait_for(lambda: _connections_settled(hostile, fds0), 10, f"fds back near {fds0}")
+    wait_for(lambda: _connections_settled(hostile, fds0), 10, what=f"fds back near {fds0}")
     hostile.assert_legit_works()
 
 
@@ -465,7 +455,7 @@ def test_half_sent_headers_are_dropped_after_the_header_timeout(hostile):
         s.close()
     waited = time.monotonic() - t0
     assert waited < 10, f"half-open connections lived {waited:.1f}s"
-    wait_for(lambda: _connections_settled(hostile, fds0), 10, f"fds back near {fds0}")
+    wait_for(lambda: _connections_settled(hostile, fds0), 10, what=f"fds back near {fds0}")
     hostile.assert_legit_works()
 
 
@@ -491,7 +481,7 @@ def test_connection_cap(hostile):
     # idle connections go at the header timeout, and service resumes.
     for s in socks:
         s.close()
-    wait_for(lambda: _connections_settled(hostile, fds0), 10, f"fds back near {fds0}")
+    wait_for(lambda: _connections_settled(hostile, fds0), 10, what=f"fds back near {fds0}")
     hostile.assert_legit_works()
 
 
@@ -521,8 +511,8 @@ def test_slow_readers_lose_their_admission_slots(hostile):
 
     # Every slot is held (before the fix, every other client then got 429 for the 600 s
     # request deadline); a slow reader is cut write_timeout_s after its socket fills.
-    wait_for(lambda: active() == MAX_CONCURRENT, 10, "slow readers holding every slot")
-    wait_for(lambda: active() == 0, 15, "slow readers' slots freed by the write timeout")
+    wait_for(lambda: active() == MAX_CONCURRENT, 10, what="slow readers holding every slot")
+    wait_for(lambda: active() == 0, 15, what="slow readers' slots freed by the write timeout")
     whole = 2000 * 8192 * 3  # what an uncut stream would carry, at least
     for s in socks:  # each was cut: a reset, or EOF before the end of the stream
         s.settimeout(10)
@@ -531,5 +521,5 @@ def test_slow_readers_lose_their_admission_slots(hostile):
         s.close()
     log = hostile.log_text()
     assert "stopped reading" in log, log[-2000:]
-    wait_for(lambda: _connections_settled(hostile, fds0), 10, f"fds back near {fds0}")
+    wait_for(lambda: _connections_settled(hostile, fds0), 10, what=f"fds back near {fds0}")
     hostile.assert_legit_works()

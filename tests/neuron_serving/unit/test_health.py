@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import socket
 import time
@@ -16,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from neuron_serving.unit.health import HealthLimits, HealthServer
 from neuron_serving.unit.state import NodeState, NodeStatus
-from tests.procs import free_port_block
+from tests.procs import free_port_block, non_loopback_ipv4
 
 
 def _grpc_status(port):
@@ -187,14 +186,6 @@ def test_slow_loris_is_cut_off(port_offset):
         server.stop()
 
 
-def _non_loopback_ipv4() -> str | None:
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
-                return a.address
-    return None
-
-
 def _raw_get(host, port, path, headers=b""):
     sock = _connect(host, port)
     try:
@@ -209,7 +200,7 @@ def _raw_get(host, port, path, headers=b""):
 
 
 def test_healthz_tells_strangers_only_the_state():
-    host = _non_loopback_ipv4()
+    host = non_loopback_ipv4()
     if host is None:
         pytest.skip("no non-loopback IPv4 address to call from")
     server = _started(host=host, detail_token="health-secret-0123456789")

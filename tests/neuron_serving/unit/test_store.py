@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from neuron_serving.unit import store
-from tests.procs import REPO, free_port_block
+from tests.procs import REPO, free_port_block, non_loopback_ipv4
 
 
 def _listening(pid: int | None = None) -> list[tuple[str, int]]:
@@ -85,14 +83,6 @@ _RANK = textwrap.dedent(
 )
 
 
-def _non_loopback_ipv4() -> str | None:
-    for addrs in psutil.net_if_addrs().values():
-        for a in addrs:
-            if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback:
-                return a.address
-    return None
-
-
 def test_process_group_over_ns_tcp_binds_everything_to_its_host():
     # Two real processes rendezvous as vLLM's workers do (init_process_group
     # with the unit's init method, then a Gloo subgroup): the world store on
@@ -100,7 +90,7 @@ def test_process_group_over_ns_tcp_binds_everything_to_its_host():
     # non-loopback host (where there is one) also shows Gloo's pairs follow the
     # unit's address, not the one the host name resolves to (loopback here);
     # tests/e2e/test_unit.py checks a loopback unit with real vLLM.
-    host = _non_loopback_ipv4() or "127.0.0.1"
+    host = non_loopback_ipv4() or "127.0.0.1"
     port = free_port_block()
     env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
     procs = [

@@ -14,17 +14,16 @@ leader loads and its own rank's files (``check_follower``).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.checkpoint.errors import CheckpointMismatch, CheckpointUntrusted
 from neuron_serving.checkpoint.layout import MANIFEST_NAME
-from neuron_serving.checkpoint.manifest import Manifest
+from neuron_serving.checkpoint.manifest import Manifest, read_manifest_bytes, sha256_bytes
+from neuron_serving.checkpoint.pin import check_pin, env_pin
 
-
-class CheckpointMismatch(ValueError):
-    pass
+__all__ = ["CheckpointMismatch", "CheckpointUntrusted", "UnitShape"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +99,12 @@ def manifest_identity(model_dir: Path) -> tuple[str, str]:
     path = Path(model_dir) / MANIFEST_NAME
     if not path.is_file():
         return "", ""
-    raw = path.read_bytes()
     try:
+        raw = read_manifest_bytes(path)  # bounded: it may be a hostile file
         version = Manifest.from_json(raw).version
     except ValueError as e:
         raise CheckpointMismatch(f"{path}: {e}") from e
-    return version, hashlib.sha256(raw).hexdigest()
+    return version, sha256_bytes(raw)
 
 
 def check_follower(
@@ -115,10 +114,21 @@ def check_follower(
     version as the leader's (same manifest bytes), and rank ``rank``'s shard and
     config files with the manifest's sizes. Raises ``CheckpointMismatch`` naming
     both versions, or the file. ``version == ""``: the leader does not load a
-    sharded checkpoint, and neither may this host."""
+    sharded checkpoint, and neither may this host. With a deploy's pin (this process's
+    ``NEURON_SERVING_MODEL_MANIFEST_SHA256``) the local manifest must also be the
+    pinned one, so a leader started on a swapped manifest is refused here too. The
+    files' hashes are checked at load (``trust.verify_before_load``), where all ranks
+    hash in parallel."""
     model_dir = Path(model_dir)
     local_version, local_sha = manifest_identity(model_dir)
     where = f"{host}:{model_dir}"
+    pin = env_pin()
+    if pin is not None:
+        if not local_version:
+            raise CheckpointUntrusted(
+                f"{where} has no {MANIFEST_NAME}, but the deploy pinned manifest sha256 {pin}"
+            )
+        check_pin(local_sha, pin, f"{where}/{MANIFEST_NAME}")
     if not version:
         if local_version:
             raise CheckpointMismatch(

@@ -5,16 +5,28 @@ by ``publish``): a directory or prefix without it is an incomplete version and
 is refused. It lists every other file with its sha256 and size, so ``verify``
 needs nothing but the directory, and names the canary prompts whose greedy
 token ids were recorded at shard time (a deploy replays them on a new unit).
+
+A manifest is untrusted input (it arrives from S3 and decides what every rank
+reads), so reading one costs O(MAX_MANIFEST_BYTES) at most: the byte size is
+bounded before anything is read or parsed, JSON is decoded straight into the
+typed dataclasses below (msgspec: a wrong type fails at its path instead of
+building arbitrary Python objects), and every count, size and degree is bounded
+in ``__post_init__`` before anything is allocated from it (``tp_degree`` 1e7 used
+to build ten-million-element lists: 383 MiB for a 511-byte file).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from neuron_serving.checkpoint.layout import (
     MANIFEST_NAME,
@@ -29,20 +41,68 @@ FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-HASH_CHUNK = 1 << 20
+
+# Bounds of a manifest (see the module doc). Generous for real checkpoints: a 405B
+# model at tp=128 in 5 GiB parts lists ~300 files (~60 KB of manifest).
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_TP_DEGREE = 1024
+MAX_FILES = 8192
+MAX_PARTS_PER_RANK = 1024
+MAX_FILE_BYTES = 1 << 42  # 4 TiB: no single safetensors file comes near it
+MAX_CANARIES = 64
+MAX_CANARY_TOKENS = 4096
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_TEXT = 4096  # names, paths, prompts, created_by values
+MAX_CREATED_BY = 32
+MAX_SOURCE_FILES = 1 << 20
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+    # hashlib.file_digest reads into one reused buffer and hashes with the GIL
+    # released, so ranks and threads hash in parallel.
     with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_manifest_bytes(path: Path) -> bytes:
+    """The bytes of a manifest file, refused (ValueError) past MAX_MANIFEST_BYTES
+    before they are read, and never blocking: a FIFO or device planted under the
+    name is refused, not opened for a read that would hang or never end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(
+                f"{path} is {st.st_size} bytes; a manifest is at most {MAX_MANIFEST_BYTES}"
+            )
+        # The size can grow between fstat and read: read one byte past the bound.
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ValueError(f"{path} grew past {MAX_MANIFEST_BYTES} bytes while being read")
+    return raw
+
+
+def _check_text(what: str, value: str, limit: int = MAX_TEXT) -> None:
+    if len(value) > limit:
+        raise ValueError(f"{what} is {len(value)} characters; at most {limit}")
+
+
+def _check_int(what: str, value: int, lo: int, hi: int) -> None:
+    # bool is an int subclass: True is not a size.
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{what} must be an integer in {lo}..{hi}, got {value!r}")
 
 
 def _check_relpath(name: str) -> None:
     # Manifests arrive from S3: a name must never escape the directory.
     p = Path(name)
+    _check_text("file name", name)
     if not name or p.is_absolute() or ".." in p.parts or name != p.as_posix():
         raise ValueError(f"file name must be a relative path inside the checkpoint: {name!r}")
 
@@ -54,9 +114,8 @@ class FileEntry:
 
     def __post_init__(self) -> None:
         if not _SHA256_RE.match(self.sha256):
-            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256!r}")
-        if self.size < 0:
-            raise ValueError(f"size must be >= 0, got {self.size}")
+            raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256[:80]!r}")
+        _check_int("size", self.size, 0, MAX_FILE_BYTES)
 
     @classmethod
     def of(cls, path: Path) -> FileEntry:
@@ -74,9 +133,13 @@ class Canary:
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("canary prompt must not be empty")
+        _check_text("canary prompt", self.prompt)
+        _check_int("canary max_tokens", self.max_tokens, 1, MAX_CANARY_TOKENS)
+        for t in self.token_ids:
+            _check_int("canary token id", t, 0, MAX_TOKEN_ID)
         if self.max_tokens < 1 or not 0 < len(self.token_ids) <= self.max_tokens:
             raise ValueError(
-                f"canary {self.prompt!r}: need 1..{self.max_tokens} token ids, "
+                f"canary {self.prompt[:80]!r}: need 1..{self.max_tokens} token ids, "
                 f"got {len(self.token_ids)}"
             )
 
@@ -91,7 +154,9 @@ class SourceInfo:
 
     def __post_init__(self) -> None:
         if not _SHA256_RE.match(self.sha256):
-            raise ValueError(f"source sha256 must be 64 hex digits, got {self.sha256!r}")
+            raise ValueError(f"source sha256 must be 64 hex digits, got {self.sha256[:80]!r}")
+        _check_text("source path", self.path)
+        _check_int("source files", self.files, 0, MAX_SOURCE_FILES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +171,10 @@ class NeuronLayoutInfo:
 
     def __post_init__(self) -> None:
         if self.layout != NXDI_LAYOUT:
-            raise ValueError(f"neuron layout must be {NXDI_LAYOUT!r}, got {self.layout!r}")
+            raise ValueError(f"neuron layout must be {NXDI_LAYOUT!r}, got {self.layout[:80]!r}")
+        _check_text("neuron note", self.note)
+        if len(self.files) > MAX_TP_DEGREE:
+            raise ValueError(f"neuron lists {len(self.files)} files; at most {MAX_TP_DEGREE}")
 
 
 @dataclass(slots=True)
@@ -129,18 +197,43 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(f"unsupported manifest format_version {self.format_version}")
+        # Scalars and collection sizes first: everything after may iterate over or
+        # build from them (range(tp_degree), nxdi_shard_files), so it must be bounded.
+        _check_int("format_version", self.format_version, FORMAT_VERSION, FORMAT_VERSION)
         if self.layout != VLLM_LAYOUT or self.shard_pattern != VLLM_SHARD_PATTERN:
-            raise ValueError(f"unsupported layout {self.layout!r} / {self.shard_pattern!r}")
+            raise ValueError(
+                f"unsupported layout {self.layout[:80]!r} / {self.shard_pattern[:80]!r}"
+            )
         if not self.model_name:
             raise ValueError("model_name must not be empty")
+        _check_text("model_name", self.model_name)
+        _check_text("architecture", self.architecture)
         if not _VERSION_RE.match(self.version):
-            raise ValueError(f"version must match {_VERSION_RE.pattern}, got {self.version!r}")
-        if self.tp_degree < 1:
-            raise ValueError(f"tp_degree must be >= 1, got {self.tp_degree}")
+            raise ValueError(f"version must match {_VERSION_RE.pattern}, got {self.version[:80]!r}")
+        _check_int("tp_degree", self.tp_degree, 1, MAX_TP_DEGREE)
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype[:80]!r}")
+        for what, n, limit in (
+            ("files", len(self.files), MAX_FILES),
+            ("rank_files", len(self.rank_files), MAX_TP_DEGREE),
+            ("config_files", len(self.config_files), MAX_FILES),
+            ("tokenizer_files", len(self.tokenizer_files), MAX_FILES),
+            ("canaries", len(self.canaries), MAX_CANARIES),
+            ("created_by", len(self.created_by), MAX_CREATED_BY),
+        ):
+            if n > limit:
+                raise ValueError(f"{what} has {n} entries; at most {limit}")
+        for rank, names in self.rank_files.items():
+            if len(names) > MAX_PARTS_PER_RANK:
+                raise ValueError(
+                    f"rank {rank} lists {len(names)} parts; at most {MAX_PARTS_PER_RANK}"
+                )
+        for c in self.canaries:
+            if len(c.token_ids) > MAX_CANARY_TOKENS:
+                raise ValueError(f"a canary has {len(c.token_ids)} token ids")
+        for k, v in self.created_by.items():
+            _check_text("created_by key", k)
+            _check_text("created_by value", v)
         for name in self.files:
             _check_relpath(name)
             if name == MANIFEST_NAME:
@@ -188,41 +281,26 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        """From already-decoded JSON (strict types: ``"2"`` or ``2.0`` is not a tp degree)."""
         try:
-            return cls(
-                model_name=d["model_name"],
-                version=d["version"],
-                architecture=d["architecture"],
-                tp_degree=int(d["tp_degree"]),
-                dtype=d["dtype"],
-                files={n: FileEntry(**e) for n, e in d["files"].items()},
-                rank_files={int(r): list(v) for r, v in d["rank_files"].items()},
-                config_files=list(d["config_files"]),
-                tokenizer_files=list(d["tokenizer_files"]),
-                source=SourceInfo(**d["source"]),
-                canaries=[Canary(**c) for c in d["canaries"]],
-                neuron=NeuronLayoutInfo(**d["neuron"]),
-                layout=d["layout"],
-                shard_pattern=d["shard_pattern"],
-                created_by=dict(d.get("created_by", {})),
-                format_version=int(d["format_version"]),
-            )
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed manifest: {type(e).__name__}: {e}") from e
+            return msgspec.convert(d, cls, str_keys=True)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"malformed manifest: {e}") from None
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        if len(text) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest is {len(text)} bytes; at most {MAX_MANIFEST_BYTES}")
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"manifest is not valid JSON: {e}") from e
-        if not isinstance(data, dict):
-            raise ValueError("manifest must be a JSON object")
-        return cls.from_dict(data)
+            return _DECODER.decode(text)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"malformed manifest: {e}") from None
+        except msgspec.DecodeError as e:
+            raise ValueError(f"manifest is not valid JSON: {e}") from None
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
-        return cls.from_json((directory / MANIFEST_NAME).read_bytes())
+        return cls.from_json(read_manifest_bytes(directory / MANIFEST_NAME))
 
     def write(self, directory: Path) -> Path:
         """Write atomically (temp file + rename): a reader sees no manifest or all of it."""
@@ -231,6 +309,11 @@ class Manifest:
         tmp.write_text(self.to_json())
         tmp.replace(path)
         return path
+
+
+# Decoding straight into the dataclasses: a JSON value of the wrong type fails at its
+# path (``$.tp_degree``) without building Python objects for it first.
+_DECODER = msgspec.json.Decoder(Manifest)
 
 
 def source_hash(model_dir: Path) -> SourceInfo:

@@ -22,6 +22,12 @@ on disk. Invariants:
 - **Per rank**: ``fetch(..., rank=R)`` downloads only rank R's shards plus the
   config and tokenizer files and the manifest (all a follower host needs), then
   verifies just those.
+- **Pinned**: ``fetch(..., pin=SHA)`` (a deploy's pin, ``--manifest-sha256`` or
+  ``NEURON_SERVING_MODEL_MANIFEST_SHA256``) refuses a manifest whose sha256 is not
+  the pin before anything else is downloaded: a manifest swapped in S3 after the
+  deploy is never loaded by a later restart.
+- **Bounded**: a manifest object is refused past ``MAX_MANIFEST_BYTES`` from its
+  Content-Length, before its body is read.
 """
 
 from __future__ import annotations
@@ -35,7 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.checkpoint.layout import MANIFEST_NAME
-from neuron_serving.checkpoint.manifest import FileEntry, Manifest, sha256_file
+from neuron_serving.checkpoint.manifest import (
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    sha256_bytes,
+    sha256_file,
+)
+from neuron_serving.checkpoint.pin import check_pin_format
 from neuron_serving.checkpoint.verify import verify
 
 S3_MIN_PART = 5 << 20  # S3's minimum for every part but the last
@@ -164,7 +177,7 @@ class S3Store:
         assert manifest is not None
         local_manifest = (directory / MANIFEST_NAME).read_bytes()
         result = TransferResult("publish", str(loc), manifest.version)
-        remote = self._get_bytes(loc, MANIFEST_NAME)
+        remote = self._get_manifest_bytes(loc)
         if remote is not None:
             if remote == local_manifest:
                 result.already_complete = True
@@ -294,13 +307,20 @@ class S3Store:
         return upload_id, parts
 
     # -- fetch --------------------------------------------------------------
-    def read_manifest(self, loc: S3Location) -> tuple[bytes, Manifest]:
-        """The published version's manifest (its bytes and parsed); StoreError if none."""
-        raw = self._get_bytes(loc, MANIFEST_NAME)
+    def read_manifest(self, loc: S3Location, pin: str | None = None) -> tuple[bytes, Manifest]:
+        """The published version's manifest (its bytes and parsed); StoreError if none,
+        if it is oversized, or if its sha256 is not ``pin`` (checked before parsing)."""
+        raw = self._get_manifest_bytes(loc)
         if raw is None:
             raise StoreError(
                 f"{loc}: no {MANIFEST_NAME}: the version is incomplete (publish interrupted) "
                 "or was never published"
+            )
+        if pin is not None and sha256_bytes(raw) != check_pin_format(pin):
+            raise StoreError(
+                f"{loc}/{MANIFEST_NAME}: sha256 {sha256_bytes(raw)} is not the deployed "
+                f"manifest's ({pin}): the version was changed after the deploy checked it; "
+                "nothing fetched"
             )
         try:
             return raw, Manifest.from_json(raw)
@@ -322,8 +342,14 @@ class S3Store:
                 problems.append(f"{name}: sha256 metadata differs from the manifest")
         return problems
 
-    def fetch(self, loc: S3Location, directory: Path, rank: int | None = None) -> TransferResult:
-        raw, manifest = self.read_manifest(loc)
+    def fetch(
+        self,
+        loc: S3Location,
+        directory: Path,
+        rank: int | None = None,
+        pin: str | None = None,
+    ) -> TransferResult:
+        raw, manifest = self.read_manifest(loc, pin)
         ranks = None
         if rank is not None:
             if rank not in manifest.rank_files:
@@ -437,10 +463,26 @@ class S3Store:
                 return None
             raise
 
-    def _get_bytes(self, loc: S3Location, name: str) -> bytes | None:
+    def _get_manifest_bytes(self, loc: S3Location) -> bytes | None:
+        """The manifest object's bytes; refused from its Content-Length, before the body
+        is read, past MAX_MANIFEST_BYTES (and past it while reading, should the header lie)."""
+        key = loc.key(MANIFEST_NAME)
         try:
-            return self.client.get_object(Bucket=loc.bucket, Key=loc.key(name))["Body"].read()
+            resp = self.client.get_object(Bucket=loc.bucket, Key=key)
         except Exception as e:
             if _is_missing(e):
                 return None
             raise
+        body = resp["Body"]
+        try:
+            if resp.get("ContentLength", 0) > MAX_MANIFEST_BYTES:
+                raise StoreError(
+                    f"s3://{loc.bucket}/{key}: {resp['ContentLength']} bytes; a manifest is "
+                    f"at most {MAX_MANIFEST_BYTES}"
+                )
+            raw = body.read(MAX_MANIFEST_BYTES + 1)
+        finally:
+            body.close()
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise StoreError(f"s3://{loc.bucket}/{key}: longer than {MAX_MANIFEST_BYTES} bytes")
+        return raw

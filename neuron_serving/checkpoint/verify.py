@@ -16,6 +16,9 @@ Checks, in order, each problem naming the file it is about:
 
 ``ranks`` limits checks 2 and 4 to those ranks' shard files (plus config and
 tokenizer): a follower host fetched with ``fetch --rank R`` holds only its own.
+``pin`` (a deploy's sha256 of the manifest bytes) makes check 1 refuse any other
+manifest; the report's ``manifest_sha256`` is the digest of the bytes checked,
+read once, so a deploy pins exactly what it verified.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.checkpoint.layout import MANIFEST_NAME, parse_vllm_shard_name
-from neuron_serving.checkpoint.manifest import Manifest, sha256_file
+from neuron_serving.checkpoint.manifest import (
+    Manifest,
+    read_manifest_bytes,
+    sha256_bytes,
+    sha256_file,
+)
 
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _MAX_HEADER = 100 << 20
@@ -50,6 +58,7 @@ class VerifyReport:
     checked_files: int = 0
     checked_bytes: int = 0
     ranks: list[int] | None = None  # None: every rank
+    manifest_sha256: str = ""  # of the manifest bytes this report checked
 
     @property
     def ok(self) -> bool:
@@ -89,14 +98,28 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def verify(directory: Path, *, hashes: bool = True, ranks: list[int] | None = None) -> VerifyReport:
+def verify(
+    directory: Path,
+    *,
+    hashes: bool = True,
+    ranks: list[int] | None = None,
+    pin: str | None = None,
+) -> VerifyReport:
     report = VerifyReport(str(directory), ranks=sorted(ranks) if ranks is not None else None)
     if not (directory / MANIFEST_NAME).is_file():
         report.add(MANIFEST_NAME, "missing: incomplete or not a checkpoint version")
         return report
     try:
-        manifest = Manifest.read(directory)
-    except ValueError as e:
+        raw = read_manifest_bytes(directory / MANIFEST_NAME)
+        report.manifest_sha256 = sha256_bytes(raw)
+        if pin is not None and report.manifest_sha256 != pin:
+            report.add(
+                MANIFEST_NAME,
+                f"sha256 {report.manifest_sha256} is not the pinned {pin}: another manifest",
+            )
+            return report
+        manifest = Manifest.from_json(raw)
+    except (OSError, ValueError) as e:
         report.add(MANIFEST_NAME, f"invalid: {e}")
         return report
     report.manifest = manifest

@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("dir")
     v.add_argument("--no-hash", action="store_true", help="sizes and structure only")
     v.add_argument("--rank", type=int, default=None, help="check only this rank's shards")
+    _pin_arg(v)
     v.set_defaults(func=run_verify)
 
     pub = cmds.add_parser("publish", help="upload a verified version to s3://BUCKET/PREFIX")
@@ -52,8 +53,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="only this rank's shards (+ config, tokenizer, manifest): a follower host",
     )
+    _pin_arg(f)
     _transfer_args(f)
     f.set_defaults(func=run_fetch)
+
+
+def _pin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--manifest-sha256",
+        default=None,
+        metavar="HEX",
+        help="refuse a manifest with another sha256 (a deploy's pin; default "
+        "$NEURON_SERVING_MODEL_MANIFEST_SHA256, as ECS task definitions set it)",
+    )
+
+
+def _pin(args: argparse.Namespace) -> str | None:
+    from neuron_serving.checkpoint.pin import check_pin_format, env_pin
+
+    return check_pin_format(args.manifest_sha256) if args.manifest_sha256 else env_pin()
 
 
 def _transfer_args(p: argparse.ArgumentParser) -> None:
@@ -117,7 +135,12 @@ def run_verify(args: argparse.Namespace) -> int:
     from neuron_serving.checkpoint.verify import verify
 
     ranks = None if args.rank is None else [args.rank]
-    report = verify(Path(args.dir), hashes=not args.no_hash, ranks=ranks)
+    try:
+        pin = _pin(args)
+    except ValueError as e:
+        print(f"{PROG} verify: {e}", file=sys.stderr)
+        return 2
+    report = verify(Path(args.dir), hashes=not args.no_hash, ranks=ranks, pin=pin)
     print(report.render(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
 
@@ -147,7 +170,7 @@ def run_fetch(args: argparse.Namespace) -> int:
 
     try:
         loc = parse_s3_url(args.url)
-        result = _store(args).fetch(loc, Path(args.dir), rank=args.rank)
+        result = _store(args).fetch(loc, Path(args.dir), rank=args.rank, pin=_pin(args))
     except (StoreError, ValueError) as e:
         print(f"{PROG} fetch: {e}", file=sys.stderr)
         return 1

@@ -82,7 +82,7 @@ class Target:
     proxy: ProxyAdmin
     resolve: Callable[[UnitShape], Release]
     ready_timeout_s: float
-    done_note: str = ""  # said after a successful deploy
+    done_note: Callable[[Release], str] | None = None  # said after a successful deploy
 
 
 def local_target(args: argparse.Namespace) -> Target:
@@ -143,9 +143,12 @@ def ecs_target(args: argparse.Namespace) -> Target:
             args.version, args.source, shape, endpoint_url=args.endpoint_url
         ),
         spec.ready_timeout_s if args.ready_timeout is None else args.ready_timeout,
-        done_note=f"now set `version: {args.version}` and `model_uri: {uri}` in "
-        f"{args.unit_spec}{' (and remove host_model_dir)' if spec.host_model_dir else ''}: "
-        "`neuron-serving ecs deploy|watch` roll units to the spec's version",
+        done_note=lambda release: (
+            f"now set `version: {args.version}`, `model_uri: {uri}` and "
+            f"`model_manifest_sha256: {release.manifest_sha256}` in {args.unit_spec}"
+            f"{' (and remove host_model_dir)' if spec.host_model_dir else ''}: "
+            "`neuron-serving ecs deploy|watch` roll units to the spec's version"
+        ),
     )
 
 
@@ -177,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
         shape = target.units.fleet().shape
         say(f"resolving {args.version} from {args.source} ...")
         release = target.resolve(shape)
-        say(f"{release.version}: verified ({release.location})")
+        pin = f"; units pinned to manifest sha256 {release.manifest_sha256}"
+        say(f"{release.version}: verified ({release.location}){pin}")
         report = Rollout(release, settings, target.proxy, target.units, say).run()
     except (DeployError, RecreateError, ValueError) as e:
         console.print(f"[red]{PROG}: {e}[/]")
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(report.message if report.ok else f"[red]{report.message}[/]")
     if report.ok and target.done_note:
-        console.print(target.done_note)
+        console.print(target.done_note(release))
     if args.json:
         print(json.dumps(report.as_dict()))
     sys.stdout.flush()

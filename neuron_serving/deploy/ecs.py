@@ -6,8 +6,10 @@ release's s3:// prefix. Everything is done by the ECS package's `UnitController`
 on the unit spec with the release filled in:
 
     recreate(unit, release)
-        spec'     the spec with version = the release's, model_uri = its s3:// prefix
-                  (each task runs `checkpoint fetch URI model_dir --rank R` first)
+        spec'     the spec with version = the release's, model_uri = its s3:// prefix,
+                  model_manifest_sha256 = its pin (each task runs `checkpoint fetch URI
+                  model_dir --rank R` first, which refuses another manifest, and every
+                  rank checks the pin and its files' sha256 again before loading)
         task definitions of spec' (a new revision only if the content changed)
         retire    StopTask x N (the unit stays in the proxy, drained: see below)
         launch    RunTask per rank, Cloud Map or the leader's IP as in `ecs deploy`;
@@ -18,7 +20,8 @@ on the unit spec with the release filled in:
                   a rank stopped, or the timeout -> the unit is retired, StartupFailed
     location      of a running unit: NEURON_SERVING_MODEL_URI in its leader's task
                   definition, else the spec's model_dir (a model in the image or on
-                  the host)
+                  the host); its pin: NEURON_SERVING_MODEL_MANIFEST_SHA256 there, so a
+                  rollback relaunches what was deployed, not what S3 holds now
 
 Generation: retiring a unit sets every task's desired status to STOPPED at once, and
 the fleet lists only tasks ECS wants RUNNING, so after ``recreate`` every task the
@@ -37,7 +40,8 @@ import threading
 from typing import Any
 
 from neuron_serving.checkpoint.compat import UnitShape
-from neuron_serving.checkpoint.manifest import Manifest
+from neuron_serving.checkpoint.manifest import Manifest, sha256_bytes
+from neuron_serving.checkpoint.pin import PIN_VAR
 from neuron_serving.deploy.recreator import (
     READY,
     FleetState,
@@ -90,7 +94,9 @@ class EcsRecreator:
         self._lock = threading.Lock()
         self._pending: dict[str, UnitController] = {}  # unit -> controller of its release
         self._environments: dict[str, dict[str, str]] = {}  # task definition ARN -> env
-        self._manifests: dict[str, Manifest | None] = {}  # s3:// prefix -> its manifest
+        # s3:// prefix -> (its manifest, sha256 of its bytes), None when unreadable
+        self._manifests: dict[str, tuple[Manifest, str] | None] = {}
+        self._pins: dict[str, str] = {}  # s3:// prefix -> pin in a running unit's TD
 
     @property
     def spec(self) -> DeploymentSpec:
@@ -102,9 +108,12 @@ class EcsRecreator:
         version = release.version or self.spec.version
         if release.location.startswith("s3://"):
             return self.spec.replace(
-                version=version, model_uri=release.location, host_model_dir=None
+                version=version,
+                model_uri=release.location,
+                model_manifest_sha256=release.manifest_sha256 or None,
+                host_model_dir=None,
             )
-        return self.spec.replace(version=version, model_uri=None)
+        return self.spec.replace(version=version, model_uri=None, model_manifest_sha256=None)
 
     def _controller(self, spec: DeploymentSpec) -> UnitController:
         b = self.base
@@ -161,7 +170,11 @@ class EcsRecreator:
             env = {e["name"]: e["value"] for e in container.get("environment", [])}
             with self._lock:
                 self._environments[arn] = env
-        return env.get(MODEL_URI_VAR) or self.spec.model_dir
+        uri = env.get(MODEL_URI_VAR)
+        if uri and env.get(PIN_VAR):
+            with self._lock:
+                self._pins[uri] = env[PIN_VAR]
+        return uri or self.spec.model_dir
 
     def recreate(self, unit_id: str, release: Release) -> int:
         try:
@@ -206,12 +219,20 @@ class EcsRecreator:
     def release_at(self, location: str, label: str) -> Release:
         if not location.startswith("s3://"):
             return Release(label or self.spec.version, location, None)
-        manifest = self._manifest(location)
-        if manifest is None:
-            return Release(label, location, None)
-        return Release(manifest.version, location, manifest)
+        found = self._manifest(location)
+        with self._lock:
+            pin = self._pins.get(location)
+        if found is None:
+            return Release(label, location, None, pin or "")
+        manifest, digest = found
+        if pin and pin != digest:
+            # S3 now holds another manifest than the unit was deployed with: relaunch on
+            # the deployed pin (its fetch refuses the swapped one: the rollback fails
+            # instead of loading it), without canaries from the untrusted manifest.
+            return Release(label, location, None, pin)
+        return Release(manifest.version, location, manifest, pin or digest)
 
-    def _manifest(self, location: str) -> Manifest | None:
+    def _manifest(self, location: str) -> tuple[Manifest, str] | None:
         """A published version's manifest (versions are immutable: read once); None when
         it cannot be read, as for a local directory without one."""
         from neuron_serving.checkpoint.store import S3Store, StoreError, parse_s3_url
@@ -221,9 +242,10 @@ class EcsRecreator:
                 return self._manifests[location]
         try:
             store = S3Store.from_env(endpoint_url=self.endpoint_url)
-            _, manifest = store.read_manifest(parse_s3_url(location))
+            raw, manifest = store.read_manifest(parse_s3_url(location))
+            found: tuple[Manifest, str] | None = (manifest, sha256_bytes(raw))
         except (StoreError, ValueError, *_aws_errors()):
-            manifest = None
+            found = None
         with self._lock:
-            self._manifests[location] = manifest
-        return manifest
+            self._manifests[location] = found
+        return found

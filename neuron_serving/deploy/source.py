@@ -7,6 +7,12 @@ the cluster's run directory first. Either way the version is verified (every
 file's sha256, completeness, config) and checked against the units' tp degree
 before any unit is touched: a bad version never costs capacity.
 
+A ``Release`` carries the pin: the sha256 of the manifest bytes the deploy checked.
+Every unit started on it gets the pin (``NEURON_SERVING_MODEL_MANIFEST_SHA256``) and
+refuses any other manifest, at fetch and on every rank before loading, so a restart
+long after the deploy (supervisor backoff, a replaced ECS task) loads what was
+checked or nothing.
+
 ``resolve_published`` (ECS): the units fetch the version themselves, each rank only
 its own shards (``checkpoint fetch --rank R`` in the task), so the deploy host reads
 just the manifest and checks every object's size and sha256 metadata; the bytes are
@@ -25,7 +31,7 @@ from neuron_serving.checkpoint.compat import (
     check_unit,
 )
 from neuron_serving.checkpoint.layout import MANIFEST_NAME
-from neuron_serving.checkpoint.manifest import Manifest
+from neuron_serving.checkpoint.manifest import Manifest, read_manifest_bytes, sha256_bytes
 
 
 class DeployError(RuntimeError):
@@ -41,6 +47,8 @@ class Release:
     # s3:// prefix (each rank fetches its own shards from it when its task starts).
     location: str
     manifest: Manifest | None  # None: an unversioned Hugging Face directory (rollback only)
+    # sha256 of the manifest.json bytes checked; "" for an unversioned directory.
+    manifest_sha256: str = ""
 
 
 def resolve(
@@ -72,11 +80,18 @@ def check_release(version: str, model_dir: Path, unit: UnitShape, *, hashes: boo
     except CheckpointMismatch as e:
         raise DeployError(str(e)) from None
     _check_manifest(version, manifest, f"{model_dir}/{MANIFEST_NAME}")
+    # The pin is the digest of the bytes verify() checked (it reads the manifest once).
     report = verify(model_dir, hashes=hashes)
     if not report.ok:
         raise DeployError(f"version {version} failed verification:\n{report.render()}")
-    _check_canaries(manifest)
-    return Release(version, str(model_dir.resolve()), manifest)
+    assert report.manifest is not None
+    try:
+        check_shape(report.manifest, unit)
+    except CheckpointMismatch as e:
+        raise DeployError(str(e)) from None
+    _check_manifest(version, report.manifest, f"{model_dir}/{MANIFEST_NAME}")
+    _check_canaries(report.manifest)
+    return Release(version, str(model_dir.resolve()), report.manifest, report.manifest_sha256)
 
 
 def resolve_published(
@@ -97,7 +112,7 @@ def resolve_published(
     try:
         loc = parse_s3_url(url)
         store = S3Store.from_env(endpoint_url=endpoint_url)
-        _, manifest = store.read_manifest(loc)
+        raw, manifest = store.read_manifest(loc)
     except errors as e:
         raise DeployError(f"reading {url}: {e}") from None
     try:
@@ -112,7 +127,7 @@ def resolve_published(
         raise DeployError(f"checking the objects of {url}: {e}") from None
     if problems:
         raise DeployError(f"version {version} at {url} is not intact: " + "; ".join(problems))
-    return Release(version, str(loc), manifest)
+    return Release(version, str(loc), manifest, sha256_bytes(raw))
 
 
 def _check_manifest(version: str, manifest: Manifest, where: str) -> None:
@@ -129,13 +144,15 @@ def _check_canaries(manifest: Manifest) -> None:
 
 
 def current_release(model_dir: Path | str, label: str) -> Release:
-    """What a unit runs now (the rollback target); its manifest if it has one."""
+    """What a unit runs now (the rollback target); its manifest if it has one, pinned
+    as it reads now (the supervisor does not keep the pin a unit was started with)."""
     model_dir = Path(model_dir)
     try:
-        manifest = Manifest.read(model_dir)
-    except (FileNotFoundError, ValueError):
-        manifest = None
-    return Release(manifest.version if manifest else label, str(model_dir), manifest)
+        raw = read_manifest_bytes(model_dir / MANIFEST_NAME)
+        manifest = Manifest.from_json(raw)
+    except (OSError, ValueError):
+        return Release(label, str(model_dir), None)
+    return Release(manifest.version, str(model_dir), manifest, sha256_bytes(raw))
 
 
 def _fetch(version: str, source: str, cache_dir: Path, endpoint_url: str | None) -> Path:

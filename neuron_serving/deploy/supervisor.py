@@ -1,7 +1,9 @@
 """`SupervisorRecreator`: the `UnitRecreator` of a local `neuron-serving up` cluster.
 
 Speaks the supervisor's control socket (local/control.py): ``GET /units`` and
-``POST /units/{id}/recreate {model_dir}`` -> generation G. The supervisor restarts
+``POST /units/{id}/recreate {model_dir, manifest_sha256}`` -> generation G (the
+pin goes into every unit process's environment, so the supervisor's own restarts
+of that unit load the checked manifest or nothing). The supervisor restarts
 a failed unit by itself (with backoff), so a failed start shows as its restart
 count growing while the unit is at generation >= G, with the failure's reason and
 log tail in ``last_failure``.
@@ -67,7 +69,9 @@ class SupervisorRecreator:
 
     def recreate(self, unit_id: str, release: Release) -> int:
         restarts = int(self._unit(unit_id).get("restarts", 0))
-        generation = self._call(self.control.recreate, unit_id, Path(release.location))
+        generation = self._call(
+            self.control.recreate, unit_id, Path(release.location), release.manifest_sha256
+        )
         with self._lock:
             self._restarts_before[unit_id] = restarts
         return generation

@@ -2,8 +2,12 @@
 
 ``measured_load_model`` is what the unit executor broadcasts instead of a bare
 ``load_model``: every rank runs it on its local worker and answers with a
-``LoadStats`` (a gathered call). Counters come from ``/proc/self/io`` of the
-rank's process, sampled right before and after ``load_model``:
+``LoadStats`` (a gathered call). Before ``load_model``, every rank checks what
+it is about to read (``checkpoint.trust.verify_before_load``): the manifest is the
+one the deploy pinned and each of the rank's files has the manifest's sha256; a
+mismatch raises naming the file, so the rank fails before a weight is loaded.
+All ranks hash at once, each its own files. Counters come from ``/proc/self/io``
+of the rank's process, sampled right before and after ``load_model``:
 
 - ``rchar``: bytes returned by read()-family syscalls, page-cache hits
   included; socket reads count too (the follower's heartbeats: tens of bytes).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 PROC_IO = "/proc/self/io"
@@ -44,27 +49,43 @@ class LoadStats:
     seconds: float
     rchar: int
     read_bytes: int
+    # The sha256 check before load_model (0: not a sharded checkpoint, nothing pinned).
+    verify_seconds: float = 0.0
+    verified_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def render(self) -> str:
+        verified = (
+            f"; sha256 of {self.verified_bytes / 1e6:.1f} MB checked in "
+            f"{self.verify_seconds:.2f} s before it"
+            if self.verified_bytes
+            else ""
+        )
         return (
             f"rank {self.rank} ({self.host}): load_model {self.seconds:.2f} s, "
             f"rchar {self.rchar / 1e6:.1f} MB, read_bytes {self.read_bytes / 1e6:.1f} MB"
+            f"{verified}"
         )
 
 
 def measured_load_model(worker: Any) -> LoadStats:
-    """Run ``worker.load_model()`` (vLLM's ``WorkerWrapperBase``) and measure it."""
+    """Check, then run ``worker.load_model()`` (vLLM's ``WorkerWrapperBase``) and
+    measure it."""
+    from neuron_serving.checkpoint.trust import verify_before_load
+
+    rank = getattr(worker, "rpc_rank", -1)
+    checked = verify_before_load(Path(worker.vllm_config.model_config.model), rank)
     before, t0 = read_proc_io(), time.perf_counter()
     worker.load_model()
     seconds, after = time.perf_counter() - t0, read_proc_io()
-    rank = getattr(worker, "rpc_rank", -1)
     return LoadStats(
         rank=rank,
         host=socket.gethostname(),
         seconds=seconds,
         rchar=after.get("rchar", 0) - before.get("rchar", 0),
         read_bytes=after.get("read_bytes", 0) - before.get("read_bytes", 0),
+        verify_seconds=checked.seconds if checked else 0.0,
+        verified_bytes=checked.bytes if checked else 0,
     )

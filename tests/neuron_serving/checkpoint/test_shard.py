@@ -3,8 +3,10 @@ follower process started by the command itself. One run per module (about a minu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,74 @@ def test_tp2_unit_loads_its_shards_and_reproduces_the_canaries(sharded, tmp_path
         leader.stop()
         follower.stop()
     assert leftover([leader, follower]) == []
+
+
+def _copy_version(sharded: Path, to: Path) -> Path:
+    shutil.copytree(sharded, to)
+    return to
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: a size check cannot see it
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tampered_shard_is_refused_by_its_rank_before_loading(sharded, tmp_path, rank):
+    """The attack: one byte flipped in a shard of rank ``rank`` (same size). That rank, a
+    real process, hashes its own files before load_model and refuses, naming the file;
+    the unit fails instead of serving altered weights. One rank per run: the first
+    rank to fail ends the whole unit, so a second refusal in the same run would race."""
+    m = Manifest.read(sharded)
+    bad = _copy_version(sharded, tmp_path / "tampered")
+    name = m.rank_files[rank][-1]
+    _flip_byte(bad / name)
+    # Pinned as a deploy pins it: the manifest itself is intact, only a shard changed.
+    pin = hashlib.sha256((bad / "manifest.json").read_bytes()).hexdigest()
+    env = unit_env(NEURON_SERVING_MODEL_MANIFEST_SHA256=pin)
+    port = free_port_block()
+    follower = Proc(
+        "follower", ["follower", "--leader", f"127.0.0.1:{port}", "--rank", "1"], tmp_path, env
+    )
+    args = ["generate", "--model", str(bad), "--tp", "2", "--control-port", str(port),
+            "--json", "--enforce-eager", "--prompt", "hi", "--max-tokens", "2"]  # fmt: skip
+    leader = Proc("leader", args, tmp_path, env)
+    try:
+        assert leader.wait(timeout=240) != 0, "the unit served a tampered checkpoint"
+        assert follower.wait(timeout=60) != 0
+        logs = {0: leader.stderr(), 1: follower.stderr()}
+        refusal = f"{bad / name}: sha256 [0-9a-f]{{64}}, the manifest says {m.files[name].sha256}"
+        assert re.search(refusal, logs[rank]), logs[rank][-3000:]
+        assert "refusing to load it" in logs[0]  # the unit's failure names it either way
+        # The refusing rank never measured a load_model: it did not run.
+        assert not re.search(rf"rank {rank} \(.*\): load_model", logs[rank])
+        assert "neuron-serving generate" in logs[0] or "inference unit" in logs[0]
+    finally:
+        leader.stop()
+        follower.stop()
+    assert leftover([leader, follower]) == []
+
+
+def test_a_manifest_swapped_after_the_deploy_is_refused_by_the_pin(sharded, tmp_path):
+    """The attack: the deployed version's manifest is replaced (here: another
+    self-consistent manifest naming other canaries) before a restart. The leader,
+    started with the deploy's pin, refuses before building its engine."""
+    good_pin = hashlib.sha256((sharded / "manifest.json").read_bytes()).hexdigest()
+    swapped = _copy_version(sharded, tmp_path / "swapped")
+    m = Manifest.read(swapped)
+    m.canaries = m.canaries[:1]
+    m.write(swapped)
+    assert verify(swapped).ok  # consistent on its own: only the pin can tell
+    env = unit_env(NEURON_SERVING_MODEL_MANIFEST_SHA256=good_pin)
+    args = ["generate", "--model", str(swapped), "--tp", "2", "--control-port",
+            str(free_port_block()), "--prompt", "hi", "--json", "--enforce-eager"]  # fmt: skip
+    leader = Proc("leader-swapped", args, tmp_path, env)
+    try:
+        assert leader.wait(timeout=120) != 0
+        err = leader.stderr()
+        assert f"is not the deployed one ({good_pin})" in err, err[-3000:]
+        assert "Traceback" not in err.split("neuron-serving generate:")[-1]
+    finally:
+        leader.stop()
+    assert leftover([leader]) == []

@@ -198,3 +198,40 @@ def test_fetch_one_rank_for_a_follower_host(ckpt, bucket, tmp_path, capsys):
     assert again.files_transferred == [m.rank_files[1][0]]
     with pytest.raises(StoreError, match="no rank 2"):
         _store().fetch(parse_s3_url(url), tmp_path / "h2", rank=2)
+
+
+def test_fetch_refuses_a_manifest_swapped_after_the_deploy(ckpt, bucket, tmp_path, monkeypatch):
+    """The attack: v1 is deployed (pinned), then s3://.../v1/manifest.json and the shards
+    are replaced by another self-consistent version. A task restarted later runs
+    `checkpoint fetch` with the pin in its environment: refused, nothing downloaded."""
+    from neuron_serving.checkpoint.manifest import sha256_bytes
+
+    loc = S3Location(bucket, "demo/v1")
+    _store().publish(ckpt, loc)
+    pin = sha256_bytes((ckpt / "manifest.json").read_bytes())
+    other = tmp_path / "other"
+    make_checkpoint(other, seed=5)
+    client = _store().client
+    for p in sorted(other.iterdir()):  # shards first, manifest last, as an attacker would
+        if p.name != "manifest.json":
+            client.put_object(Bucket=bucket, Key=loc.key(p.name), Body=p.read_bytes())
+    client.put_object(
+        Bucket=bucket, Key=loc.key("manifest.json"), Body=(other / "manifest.json").read_bytes()
+    )
+    # Unpinned, the swap is invisible: the new manifest matches the new shards.
+    assert verify(_fetch_ok(loc, tmp_path / "unpinned")).ok
+    out = tmp_path / "pinned"
+    with pytest.raises(StoreError, match=f"is not the deployed manifest's \\({pin}\\)"):
+        _store().fetch(loc, out, pin=pin)
+    assert not out.exists() or not any(out.iterdir())  # nothing downloaded
+    # The task's command: the pin comes from NEURON_SERVING_MODEL_MANIFEST_SHA256.
+    monkeypatch.setenv("NEURON_SERVING_MODEL_MANIFEST_SHA256", pin)
+    url = f"s3://{bucket}/demo/v1"
+    assert cli.main(["checkpoint", "fetch", url, str(out), "--rank", "1"]) == 1
+    assert not out.exists() or not any(out.iterdir())
+    # A fetch of what was deployed passes the same pin.
+    good = S3Location(bucket, "good/v1")
+    _store().publish(ckpt, good)
+    assert cli.main(["checkpoint", "fetch", f"s3://{bucket}/good/v1", str(tmp_path / "g")]) == 0
+    assert cli.main(["checkpoint", "verify", str(tmp_path / "g")]) == 0  # pinned too
+    assert cli.main(["checkpoint", "verify", str(tmp_path / "unpinned")]) == 1

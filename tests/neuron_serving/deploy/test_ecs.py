@@ -12,10 +12,9 @@ import pytest
 
 from neuron_serving.deploy.ecs import EcsRecreator
 from neuron_serving.deploy.recreator import StartupFailed
-from neuron_serving.deploy.source import Release
 from neuron_serving.ecs import fleet
 from neuron_serving.ecs.taskdef import TASK_IP
-from tests.neuron_serving.deploy.conftest import publish
+from tests.neuron_serving.deploy.conftest import BUCKET, published
 from tests.neuron_serving.ecs.test_controller import make_controller
 
 
@@ -58,12 +57,13 @@ def _run_command(tmp_path: Path, task: dict, td: dict) -> list[list[str]]:
 
 
 def test_recreate_runs_the_unit_on_the_release_prefix(aws, proxy, deployed, tmp_path):
-    uri, manifest = publish(tmp_path, "v2")
+    release = published(tmp_path, "v2")
+    uri = release.location
     before = fleet.units(aws.ecs, deployed.spec)
     old = {n.task_arn for n in before["llama-0"].tasks()}
     kept = {n.task_arn for n in before["llama-1"].tasks()}
 
-    generation = deployed.recreate("llama-0", Release("v2", uri, manifest))
+    generation = deployed.recreate("llama-0", release)
     deployed.wait_ready("llama-0", generation, timeout_s=30)
 
     after = fleet.units(aws.ecs, deployed.spec)
@@ -81,7 +81,11 @@ def test_recreate_runs_the_unit_on_the_release_prefix(aws, proxy, deployed, tmp_
     )["tasks"]
     for rank, task in enumerate(tasks):
         td = _task_definition(aws, task["taskDefinitionArn"])
-        assert _env(td["containerDefinitions"][0]["environment"])["NEURON_SERVING_MODEL_URI"] == uri
+        env = _env(td["containerDefinitions"][0]["environment"])
+        assert env["NEURON_SERVING_MODEL_URI"] == uri
+        # Every rank is pinned to the manifest the deploy checked (its fetch and its
+        # load refuse any other).
+        assert env["NEURON_SERVING_MODEL_MANIFEST_SHA256"] == release.manifest_sha256
         argv = _run_command(tmp_path, task, td)
         assert argv[0] == ["checkpoint", "fetch", uri, "/models/llm", "--rank", str(rank)]
         assert len(argv) == 2
@@ -104,13 +108,14 @@ def test_recreate_runs_the_unit_on_the_release_prefix(aws, proxy, deployed, tmp_
 
 
 def test_rollback_target_is_what_the_unit_ran(aws, proxy, deployed, tmp_path):
-    uri, manifest = publish(tmp_path, "v2")
-    deployed.wait_ready("llama-0", deployed.recreate("llama-0", Release("v2", uri, manifest)), 30)
+    release = published(tmp_path, "v2")
+    deployed.wait_ready("llama-0", deployed.recreate("llama-0", release), 30)
 
     current = deployed.release_at(deployed.fleet().units["llama-0"].location, "v2")
-    assert current.version == "v2" and current.manifest == manifest  # read back from S3
+    assert current == release  # read back from S3, pinned as deployed
     old = deployed.release_at(deployed.fleet().units["llama-1"].location, "v1")
     assert (old.version, old.location, old.manifest) == ("v1", "/models/llm", None)
+    assert deployed.spec_for(old).model_manifest_sha256 is None
 
     deployed.wait_ready("llama-0", deployed.recreate("llama-0", old), 30)
     view = fleet.units(aws.ecs, deployed.spec)["llama-0"]
@@ -123,7 +128,7 @@ def test_rollback_target_is_what_the_unit_ran(aws, proxy, deployed, tmp_path):
 
 
 def test_failed_launch_is_a_startup_failure(aws, proxy, deployed, tmp_path):
-    uri, manifest = publish(tmp_path, "v2")
+    release = published(tmp_path, "v2")
     # The unit's own two instances are being drained (scale-in, maintenance) while it
     # is recreated, and the two spare ones are taken: RunTask places nothing.
     view = fleet.units(aws.ecs, deployed.spec)["llama-0"]
@@ -137,14 +142,14 @@ def test_failed_launch_is_a_startup_failure(aws, proxy, deployed, tmp_path):
     assert occupy.reconcile().ok  # the 2 free instances
 
     with pytest.raises(StartupFailed, match="launch on v2 failed: llama-0 rank 0: RunTask placed"):
-        deployed.recreate("llama-0", Release("v2", uri, manifest))
+        deployed.recreate("llama-0", release)
     assert "llama-0" not in fleet.units(aws.ecs, deployed.spec)  # nothing half-started
     assert "llama-0" in proxy.units()  # still addressable by id for the rollback
 
 
 def test_rank_that_stops_during_start_fails_it(aws, proxy, deployed, tmp_path):
-    uri, manifest = publish(tmp_path, "v2")
-    generation = deployed.recreate("llama-0", Release("v2", uri, manifest))
+    release = published(tmp_path, "v2")
+    generation = deployed.recreate("llama-0", release)
     follower = fleet.units(aws.ecs, deployed.spec)["llama-0"].nodes[1].task_arn
     # What a rank whose `checkpoint fetch` fails looks like: its container exits.
     aws.ecs.stop_task(cluster="trn", task=follower, reason="Essential container exited")
@@ -152,3 +157,26 @@ def test_rank_that_stops_during_start_fails_it(aws, proxy, deployed, tmp_path):
         deployed.wait_ready("llama-0", generation, timeout_s=30)
     assert "llama-0" not in fleet.units(aws.ecs, deployed.spec)  # the survivor is stopped
     assert "llama-0" in proxy.units()  # drained, still addressable by the rollout
+
+
+def test_rollback_after_a_manifest_swap_keeps_the_deployed_pin(aws, proxy, deployed, tmp_path):
+    """The attack: after v2 was deployed, its manifest in S3 is replaced (another tp=2
+    version's, with its own valid hashes). A rollback to the unit's release must not
+    pick up the new manifest: the pin stays the task definition's, so each rank's fetch
+    refuses what S3 now holds, and no canary comes from the untrusted manifest."""
+    import boto3
+
+    release = published(tmp_path, "v2")
+    deployed.wait_ready("llama-0", deployed.recreate("llama-0", release), 30)
+    other = published(tmp_path / "attacker", "v2", prefix="elsewhere", seed=1)
+    s3 = boto3.client("s3")
+    key = "llama/v2/manifest.json"
+    body = s3.get_object(Bucket=BUCKET, Key="elsewhere/v2/manifest.json")["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=key, Body=body)
+
+    fresh = EcsRecreator(deployed.base)  # a later deploy: no cached manifest
+    target = fresh.release_at(fresh.fleet().units["llama-0"].location, "v2")
+    assert target.manifest_sha256 == release.manifest_sha256 != other.manifest_sha256
+    assert target.manifest is None, "canaries must not come from the swapped manifest"
+    spec = fresh.spec_for(target)
+    assert spec.model_manifest_sha256 == release.manifest_sha256

@@ -15,6 +15,7 @@ from neuron_serving.deploy.supervisor import SupervisorRecreator
 from neuron_serving.local.control import ControlClient, ControlServer
 
 TOKEN = "supervisor-recreator-token"
+PIN = "ab" * 32
 
 
 class FakeCluster:
@@ -29,14 +30,18 @@ class FakeCluster:
             "last_failure": None,
         }
         self.recreated: list[Path] = []
+        self.pins: list[str | None] = []
 
     def units_view(self) -> dict[str, Any]:
         return {"tp": 2, "device": "cpu", "units": [dict(self.unit)]}
 
-    def recreate_unit(self, unit_id: str, model_dir: Path) -> int:
+    def recreate_unit(
+        self, unit_id: str, model_dir: Path, manifest_sha256: str | None = None
+    ) -> int:
         if unit_id != "unit-0":
             raise KeyError(unit_id)
         self.recreated.append(model_dir)
+        self.pins.append(manifest_sha256)
         self.unit.update(phase="starting", generation=self.unit["generation"] + 1)
         return self.unit["generation"]
 
@@ -59,8 +64,8 @@ def test_fleet_recreate_and_ready(cluster, tmp_path: Path):
     assert unit.ready and unit.location == str(tmp_path) and unit.generation == 1
     new = tmp_path / "v2"
     new.mkdir()
-    generation = units.recreate("unit-0", Release("v2", str(new), None))
-    assert generation == 2 and fake.recreated == [new.resolve()]
+    generation = units.recreate("unit-0", Release("v2", str(new), None, PIN))
+    assert generation == 2 and fake.recreated == [new.resolve()] and fake.pins == [PIN]
     with pytest.raises(StartupFailed, match="not ready within 0 s"):
         units.wait_ready("unit-0", generation, timeout_s=0.05)
     fake.unit["phase"] = "ready"
@@ -79,3 +84,25 @@ def test_a_restart_at_the_new_generation_is_a_startup_failure(cluster, tmp_path:
     )
     with pytest.raises(StartupFailed, match="leader exited with code 1\na\nCheckpointMismatch"):
         units.wait_ready("unit-0", generation, timeout_s=5)
+
+
+def test_the_pin_reaches_every_unit_process(cluster, tmp_path: Path, monkeypatch):
+    """The supervisor gives the deploy's pin to the leader and every follower (and keeps
+    it for its own restarts of that unit); "" clears one inherited from `up`'s shell."""
+    from neuron_serving.local import plan
+    from neuron_serving.local.spec import ClusterSpec
+
+    fake, units = cluster
+    client = units.control
+    with pytest.raises(Exception, match="64 lowercase hex"):
+        client.recreate("unit-0", tmp_path, "not-a-digest")
+    assert fake.pins == []
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setenv("NEURON_SERVING_MODEL_MANIFEST_SHA256", "cd" * 32)
+    spec = ClusterSpec(model_dir=tmp_path / "m", tp=3, run_dir=tmp_path / "run")
+    token = tmp_path / "token"
+    for pin, want in ((PIN, PIN), ("", None), (None, "cd" * 32)):
+        procs = plan.unit_processes(spec, 0, token, tmp_path / "m", pin)
+        assert len(procs) == 3
+        assert [p.env.get("NEURON_SERVING_MODEL_MANIFEST_SHA256") for p in procs] == [want] * 3

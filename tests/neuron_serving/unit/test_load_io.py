@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import os
 import urllib.request
+from types import SimpleNamespace
 
+import pytest
+
+from neuron_serving.checkpoint.errors import CheckpointUntrusted
 from neuron_serving.unit.health import HealthServer
 from neuron_serving.unit.load_io import LoadStats, measured_load_model, read_proc_io
 from neuron_serving.unit.metrics import NodeCollector
 from neuron_serving.unit.state import NodeStatus
+from tests.neuron_serving.checkpoint.synthetic import make_checkpoint
 from tests.procs import free_port_block
 
 
@@ -18,10 +23,14 @@ class FileReadingWorker:
 
     rpc_rank = 1
 
-    def __init__(self, path):
+    def __init__(self, path, model_dir=None):
         self.path = path
+        self.loaded = False
+        model = str(model_dir or path.parent)  # no manifest: nothing to check
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=model))
 
     def load_model(self):
+        self.loaded = True
         with open(self.path, "rb") as f:
             while f.read(1 << 20):
                 pass
@@ -37,6 +46,23 @@ def test_measured_load_model_counts_bytes_read(tmp_path):
     assert 3 << 20 <= st.rchar < (3 << 20) + (1 << 20)
     assert st.read_bytes >= 0
     assert "rank 1" in st.render() and "rchar 3.1 MB" in st.render()
+
+
+def test_every_rank_hashes_its_files_before_load_model(tmp_path, monkeypatch):
+    monkeypatch.delenv("NEURON_SERVING_MODEL_MANIFEST_SHA256", raising=False)
+    m = make_checkpoint(tmp_path / "v")
+    shard = tmp_path / "v" / m.rank_files[1][0]
+    st = measured_load_model(FileReadingWorker(shard, tmp_path / "v"))
+    want = sum(m.files[n].size for n in m.rank_files[1] + m.config_files)
+    assert st.verified_bytes == want and "sha256 of" in st.render()
+    # One byte flipped, same size: refused naming the file, and load_model never runs.
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    worker = FileReadingWorker(shard, tmp_path / "v")
+    with pytest.raises(CheckpointUntrusted, match=f"{shard.name}: sha256 .* the manifest says"):
+        measured_load_model(worker)
+    assert not worker.loaded
 
 
 def test_read_proc_io_tolerates_a_kernel_without_it(tmp_path):

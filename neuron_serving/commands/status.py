@@ -5,10 +5,13 @@ load, model version, probe errors) and, when this machine runs the cluster with
 `neuron-serving up`, the supervisor's state file (process state, restarts, last
 failure). Either alone is enough to print a table.
 
-The proxy's /status is redacted (no addresses, versions or probe errors) without
-a client API key, so `status` sends ``Authorization: Bearer`` with the first key
-it finds: ``--api-key``, else ``NEURON_SERVING_API_KEY``, else the ``api-key`` file
-`up` wrote next to the supervisor state (the same run directory).
+The proxy's /status is redacted (no addresses, probe errors or request counts)
+without a client API key, so `status` sends ``Authorization: Bearer`` with the first
+key it finds: ``--api-key``, else ``NEURON_SERVING_API_KEY``, else the ``api-key``
+file `up` wrote next to the supervisor state (the same run directory). The proxy
+answers a missing or wrong key on /status with 200 and ``"redacted": true``, not
+401, so that flag is what tells `status` its key was not accepted; it then says so
+(a warning line, ``"warning"`` in ``--json``) instead of showing blanks silently.
 """
 
 from __future__ import annotations
@@ -114,6 +117,18 @@ def api_key(args: argparse.Namespace) -> str | None:
     return read_api_key(_state_path(args).parent / API_KEY_FILE)
 
 
+def redaction_warning(proxy: dict[str, Any] | None, key: str | None) -> str | None:
+    """What to tell the user when the proxy showed its redacted view (None otherwise)."""
+    if not proxy or not proxy.get("redacted"):
+        return None
+    why = (
+        "none found (--api-key, NEURON_SERVING_API_KEY, the run dir's api-key file)"
+        if key is None
+        else "the proxy did not accept the one sent"
+    )
+    return f"no valid API key ({why}): addresses, probe errors and request counts hidden"
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -125,17 +140,26 @@ def run(args: argparse.Namespace) -> int:
     key = api_key(args)
     proxy = get_json(f"{base}/status", 3.0, token=key)
     problem = "unreachable"
-    if proxy is None and http_status(f"{base}/status", 3.0, token=key) == 401:
-        problem = "refused the API key (401): pass --api-key or set NEURON_SERVING_API_KEY"
+    if proxy is None and (code := http_status(f"{base}/status", 3.0, token=key)):
+        problem = f"answered /status with HTTP {code}"  # not the proxy, or not its port
+    warning = redaction_warning(proxy, key)
     state = read_state(_state_path(args))
     if state is not None and not _pid_alive(state.get("pid")):
         state = None  # a dead supervisor's file describes nothing that runs
     rows = merge(proxy, state)
     if args.json:
-        out = {"proxy": base, "reachable": proxy is not None, "units": rows}
-        print(json.dumps(out if proxy is not None else {**out, "error": problem}))
+        out: dict[str, Any] = {"proxy": base, "reachable": proxy is not None, "units": rows}
+        if proxy is None:
+            out["error"] = problem
+        else:
+            out["redacted"] = bool(proxy.get("redacted"))
+        if warning:
+            out["warning"] = warning
+        print(json.dumps(out))
         return 0 if proxy is not None else 1
     console = Console()
+    if warning:
+        console.print(f"[yellow]warning: {warning}[/yellow]")
     if proxy is None:
         console.print(f"[red]proxy {base} {problem}[/red]" + (
             "; showing the supervisor's view only" if state else ""))  # fmt: skip
@@ -153,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
         return f"[{colors[v]}]{v}[/]" if v in colors else ("" if v is None else str(v))
 
     for r in rows:
-        load = "" if r["in_flight"] is None else (
-            f"{r['in_flight']} in flight ({r['requests_total']} req, {r['errors_total']} err)")  # fmt: skip
+        load = "" if r["in_flight"] is None else f"{r['in_flight']} in flight"
+        if r["requests_total"] is not None:  # absent from a redacted view
+            load += f" ({r['requests_total']} req, {r['errors_total']} err)"
         failure = ""
         if r["last_failure"]:
             failure = f"{r['last_failure']} ({_age(r['last_failure_at'])})"

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.proxy.conftest import Fleet, url
+from tests.proxy.http_raw import parse_response
 
 FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -87,17 +88,6 @@ class TracebackCatcher(logging.Handler):
             self.records.append(self.format(record))
 
 
-def _dechunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size, _, body = body.partition(b"\r\n")
-        n = int(size, 16)
-        if n == 0:
-            break
-        out, body = out + body[:n], body[n + 2 :]
-    return out
-
-
 @pytest.fixture(scope="module")
 def live_proxy(tmp_path_factory):
     loop = asyncio.new_event_loop()
@@ -143,10 +133,8 @@ def live_proxy(tmp_path_factory):
             raw = await asyncio.wait_for(reader.read(), 20)
         finally:
             writer.close()
-        head, _, body = raw.partition(b"\r\n\r\n")
-        if b"transfer-encoding: chunked" in head.lower():
-            return int(head.split()[1]), _dechunk(body)
-        return int(head.split()[1]), body
+        status, _, body = parse_response(raw)
+        return status, body
 
     def send(path: str, data: bytes, header: bytes = b"") -> tuple[int, bytes]:
         status, body = run(post(path, data, header))

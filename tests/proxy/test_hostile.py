@@ -30,6 +30,7 @@ import pytest
 
 from tests.procs import REPO, wait_for
 from tests.proxy.fakes import Behavior, FakeFollower, FakeTriton
+from tests.proxy.http_raw import parse_response, recv_all
 
 KEY = "acme-key-0123456789abcdef"  # tenant "acme"
 ADMIN_TOKEN = "hostile-admin-token-0123456789"
@@ -110,38 +111,6 @@ class Hostile:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def recv_all(s: socket.socket, limit: int = 1 << 22) -> bytes:
-    chunks, n = [], 0
-    with contextlib.suppress(ConnectionResetError, TimeoutError):
-        while n < limit:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            n += len(chunk)
-    return b"".join(chunks)
-
-
-def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    head, _, body = raw.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    assert lines[0].startswith("HTTP/1."), raw[:200]
-    headers = {}
-    for line in lines[1:]:
-        k, _, v = line.partition(":")
-        headers[k.strip().lower()] = v.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        out, rest = b"", body
-        while rest:
-            size, _, rest = rest.partition(b"\r\n")
-            n = int(size, 16)
-            if n == 0:
-                break
-            out, rest = out + rest[:n], rest[n + 2 :]
-        body = out
-    return int(lines[0].split()[1]), headers, body
 
 
 def openai_error(status: int, headers: dict[str, str], body: bytes, expected: int) -> dict:
@@ -392,7 +361,14 @@ def test_parser_level_errors_are_json(hostile):
 
 
 def test_stalled_bodies_are_bounded_and_cut(hostile):
-    """300 authenticated uploads announce 1 MiB and send half of it, then stall."""
+    """250 authenticated uploads announce 1 MiB and send half of it, then stall.
+
+    How many get 503 (over the body budget, at once) and how many 408 (a reserved
+    body not finished within ``body_timeout_s``) depends on how fast the uploads
+    reach the proxy: on a loaded machine the first reservations may already have
+    timed out, freeing budget, before the last uploads arrive. So the split is not
+    asserted; what is: memory stays bounded, and every upload is answered with one
+    of the two and closed."""
     n, half = 250, 512 << 10
     fds0, rss0, threads0 = hostile.fds(), hostile.rss_mib(), hostile.threads()
     socks = []
@@ -427,8 +403,7 @@ def test_stalled_bodies_are_bounded_and_cut(hostile):
         statuses.append(int(data.split()[1]) if data.startswith(b"HTTP/1.1 ") else 0)
         s.close()
     counts = {code: statuses.count(code) for code in set(statuses)}
-    assert set(counts) <= {408, 503}, counts
-    assert counts.get(503, 0) >= n - (LIMITS["max_buffered_body_bytes"] >> 20), counts
+    assert set(counts) <= {408, 503}, f"statuses of {n} stalled uploads: {counts}"
     wait_for(lambda: _connections_settled(hostile, fds0), 10, what=f"fds back near {fds0}")
     hostile.assert_legit_works()
 
@@ -441,7 +416,9 @@ def test_half_sent_headers_are_dropped_after_the_header_timeout(hostile):
         s = hostile.connect()
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow-%d: aaa" % i)
         socks.append(s)
-    assert hostile.fds() >= fds0 + n // 2  # the attack did reach the proxy
+    # The attack did reach the proxy (its accept loop may lag behind the connects;
+    # each connection then lives header_timeout_s from its accept, so this is seen).
+    wait_for(lambda: hostile.fds() >= fds0 + n // 2, 10, what=f"{n // 2} more fds than {fds0}")
     t0 = time.monotonic()
     for s in socks:
         s.settimeout(10)

@@ -1,8 +1,12 @@
-"""`neuron-serving status` sends the client API key; `up` prints it in its examples.
+"""`neuron-serving status` sends the client API key and says when the proxy refused it;
+`up` prints the key in its examples.
 
-The server is a small real aiohttp app on loopback that answers /status only to
-the right bearer key (as the proxy does with its full view), so the test sees
-exactly what the command puts on the wire.
+The server is the real proxy app (``ProxyServer`` with an ``api_keys_file``, on
+loopback, on its own event loop in a thread): its ``/status`` answers a missing or
+wrong key with 200 and the redacted view, never 401, so what these tests check is
+what `status` makes of that view. The one unit's leader is a port nothing listens
+on (a unit still starting): no upstream is needed to tell the two views apart, since
+request counts are in the full view only.
 """
 
 from __future__ import annotations
@@ -10,97 +14,114 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
+from neuron_serving.cli import main
 from neuron_serving.commands.status import api_key
 from neuron_serving.commands.up import _examples
 from neuron_serving.local.spec import API_KEY_FILE
 from neuron_serving.triton.launcher import free_port
-from tests.procs import REPO
+from proxy.config import config_from_dict
+from proxy.server import ProxyServer
 
-KEY = "k" * 43
-STATUS = {"units": [{"unit_id": "unit-0", "state": "routable", "in_flight": 0,
-                     "requests_total": 3, "errors_total": 0, "model_version": "v1",
-                     "nodes": []}], "routing_policy": "least_loaded"}  # fmt: skip
+KEY = "k" * 43  # tenant "local", as `up` writes it
+WRONG = "w" * 43
 
 
 @pytest.fixture(scope="module")
-def fake_proxy() -> Iterator[tuple[str, list[str | None]]]:
-    seen: list[str | None] = []
-
-    async def status(request: web.Request) -> web.Response:
-        auth = request.headers.get("Authorization")
-        seen.append(auth)
-        if auth != f"Bearer {KEY}":
-            return web.json_response({"error": {"code": 401}}, status=401)
-        return web.json_response(STATUS)
-
-    port = free_port()
+def proxy_url(tmp_path_factory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("status-proxy")
+    keys = tmp / "api-keys.yaml"
+    keys.write_text(f'tenants:\n  local:\n    keys: ["{KEY}"]\n')
+    keys.chmod(0o600)
+    config = config_from_dict(
+        {
+            "port": 0,
+            "admin_port": 0,
+            "api_keys_file": str(keys),
+            "health": {"interval_s": 0.5, "timeout_s": 0.2},
+            "models": [{"name": "llm"}],
+            "units": [{"unit_id": "unit-0", "leader_grpc": f"127.0.0.1:{free_port()}"}],
+        }
+    )
     loop = asyncio.new_event_loop()
-    started = threading.Event()
-    runner: list[web.AppRunner] = []
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
 
-    async def serve() -> None:
-        app = web.Application()
-        app.add_routes([web.get("/status", status)])
-        r = web.AppRunner(app, access_log=None)
-        await r.setup()
-        await web.TCPSite(r, "127.0.0.1", port).start()
-        runner.append(r)
-        started.set()
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
 
-    t = threading.Thread(target=lambda: (loop.run_until_complete(serve()), loop.run_forever()),
-                         daemon=True)  # fmt: skip
-    t.start()
-    assert started.wait(10)
-    yield f"http://127.0.0.1:{port}", seen
-    asyncio.run_coroutine_threadsafe(runner[0].cleanup(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(10)
+    async def start() -> ProxyServer:
+        server = ProxyServer(config)
+        await server.start()
+        return server
 
-
-def _status(url: str, state: Path, *extra: str, env: dict[str, str] | None = None):
-    import os
-
-    e = {k: v for k, v in os.environ.items() if k != "NEURON_SERVING_API_KEY"}
-    e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "neuron_serving.cli", "status", "--proxy", url,
-         "--state", str(state), "--json", *extra],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=e,
-    )  # fmt: skip
+    server = run(start())
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        run(server.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
-def test_status_sends_the_run_dirs_key(fake_proxy, tmp_path: Path) -> None:
-    url, seen = fake_proxy
+@pytest.fixture(autouse=True)
+def no_env_key(monkeypatch) -> None:
+    monkeypatch.delenv("NEURON_SERVING_API_KEY", raising=False)
+
+
+def _status(capsys, url: str, state: Path, *extra: str) -> tuple[int, str]:
+    rc = main(["status", "--proxy", url, "--state", str(state), *extra])
+    return rc, capsys.readouterr().out
+
+
+def _status_json(capsys, url: str, state: Path, *extra: str) -> tuple[int, dict]:
+    rc, out = _status(capsys, url, state, "--json", *extra)
+    return rc, json.loads(out)
+
+
+def test_status_sends_the_run_dirs_key_and_gets_the_full_view(proxy_url, tmp_path, capsys):
     (tmp_path / API_KEY_FILE).write_text(KEY + "\n")
-    out = _status(url, tmp_path / "supervisor.json")
-    assert out.returncode == 0, out.stderr
-    assert seen[-1] == f"Bearer {KEY}"
-    assert json.loads(out.stdout)["units"][0]["requests_total"] == 3
+    rc, body = _status_json(capsys, proxy_url, tmp_path / "supervisor.json")
+    assert rc == 0 and body["reachable"] is True, body
+    assert body["redacted"] is False and "warning" not in body, body
+    unit = body["units"][0]
+    assert unit["unit_id"] == "unit-0" and unit["requests_total"] == 0, unit
 
 
-def test_status_without_a_key_is_refused_and_says_so(fake_proxy, tmp_path: Path) -> None:
-    url, seen = fake_proxy
-    out = _status(url, tmp_path / "supervisor.json")  # no api-key file, no env, no flag
-    assert seen[-1] is None
-    body = json.loads(out.stdout)
-    assert out.returncode == 1 and body["reachable"] is False
-    assert "401" in body["error"] and "--api-key" in body["error"]
+def test_status_with_a_wrong_key_warns_that_the_view_is_redacted(
+    proxy_url, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / API_KEY_FILE).write_text(KEY + "\n")  # the flag wins over the file
+    rc, body = _status_json(capsys, proxy_url, tmp_path / "supervisor.json", "--api-key", WRONG)
+    assert rc == 0 and body["reachable"] is True, body
+    assert body["redacted"] is True, body
+    assert "did not accept" in body["warning"] and "hidden" in body["warning"], body
+    unit = body["units"][0]
+    assert unit["unit_id"] == "unit-0" and unit["requests_total"] is None, unit
+    # The table says so too, above the (redacted) table.
+    monkeypatch.setenv("COLUMNS", "200")  # rich's width off a terminal: no wrapped cells
+    rc, out = _status(capsys, proxy_url, tmp_path / "supervisor.json", "--api-key", WRONG)
+    text = " ".join(out.split())
+    assert rc == 0 and "warning: no valid API key" in text and "unit-0" in text, out
+    assert "0 in flight" in text and "req," not in text, out  # no counts to show
+
+
+def test_status_without_any_key_warns_where_it_looked(proxy_url, tmp_path, capsys):
+    rc, body = _status_json(capsys, proxy_url, tmp_path / "supervisor.json")  # no file, env, flag
+    assert rc == 0 and body["redacted"] is True, body
+    assert "none found" in body["warning"] and "--api-key" in body["warning"], body
 
 
 def test_key_precedence_flag_env_file(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / API_KEY_FILE).write_text("from-file-0123456789\n")
     args = argparse.Namespace(api_key=None, state=str(tmp_path / "supervisor.json"),
                               proxy="http://127.0.0.1:1")  # fmt: skip
-    monkeypatch.delenv("NEURON_SERVING_API_KEY", raising=False)
     assert api_key(args) == "from-file-0123456789"
     monkeypatch.setenv("NEURON_SERVING_API_KEY", "from-env-0123456789")
     assert api_key(args) == "from-env-0123456789"

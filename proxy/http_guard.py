@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from aiohttp.abc import AbstractAccessLogger
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
+from neuron_serving.logsafe import RateLimitedLog, printable
 from proxy.config import LimitsConfig
 from proxy.errors import APIError
 
@@ -43,38 +43,8 @@ access_log = logging.getLogger("proxy.access")
 TENANT = web.RequestKey("proxy_tenant", str)
 
 
-def printable(value: object, limit: int = 200) -> str:
-    """A client-supplied string made safe for one log line: control characters,
-    surrogates and non-ASCII escaped, length capped."""
-    s = str(value)
-    if len(s) > limit:
-        s = s[:limit] + "..."
-    return s.encode("unicode_escape").decode("ascii")
-
-
-class RateLimitedLog:
-    """At most ``per_s`` lines a second; the rest are counted and summarised, so a flood
-    of bad requests cannot fill the disk or the log pipeline."""
-
-    def __init__(self, logger: logging.Logger, per_s: float = 5.0) -> None:
-        self.logger, self.per_s = logger, per_s
-        self._window = 0.0
-        self._count = self._dropped = 0
-
-    def log(self, level: int, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._window >= 1.0:
-            if self._dropped:
-                self.logger.log(level, "%d similar messages suppressed", self._dropped)
-            self._window, self._count, self._dropped = now, 0, 0
-        if self._count >= self.per_s:
-            self._dropped += 1
-            return
-        self._count += 1
-        self.logger.log(level, msg, *args)
-
-
-_rejections = RateLimitedLog(log)
+# Rejections of clients, at most 5 lines a second in all (a flood costs a count).
+_rejections = RateLimitedLog(log, burst=5, interval_s=1.0)
 
 
 def _json_error(status: int, message: str, code: str) -> web.Response:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import logging
 import time
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from neuron_serving import envs
+from neuron_serving.netaddr import is_loopback
 from proxy.admin import make_admin_app
 from proxy.admission import AdmissionController
 from proxy.auth import ApiKeys, load_api_keys
@@ -56,15 +56,6 @@ log = logging.getLogger(__name__)
 # Routes any caller may use: liveness, the dashboard page (static; the data it shows
 # comes from /status) and /status (redacted without a key).
 PUBLIC_PATHS = frozenset(("/health", "/healthz", "/dashboard", "/status"))
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: assume it is reachable from elsewhere
 
 
 def unauthorized(message: str = "") -> APIError:

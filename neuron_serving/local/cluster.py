@@ -36,8 +36,8 @@ from neuron_serving.local.probe import admin_call, get_json, http_status
 from neuron_serving.local.process import ProcessSpec
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
 from neuron_serving.local.spec import ClusterSpec
-from neuron_serving.local.throttle import Throttle
 from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
+from neuron_serving.logsafe import RateLimitedLog
 
 STATE_VERSION = 1
 
@@ -83,7 +83,7 @@ class ClusterSupervisor:
         self.control: ControlServer | None = None
         self._token_file: Path | None = None
         self._recreate_lock = threading.Lock()
-        self._state_errors = Throttle(on_event)
+        self._state_errors = RateLimitedLog(on_event, burst=1, interval_s=60.0)
 
     # ---- start ---------------------------------------------------------------------
 
@@ -253,7 +253,7 @@ class ClusterSupervisor:
                 tmp.unlink(missing_ok=True)  # a partial temp file holds space for nothing
             except OSError:
                 pass
-            self._state_errors.failed(
+            self._state_errors.warning(
                 f"cannot write {path}: {e}; still serving, retrying every tick "
                 "(`neuron-serving status` shows stale supervisor state meanwhile)"
             )

@@ -15,8 +15,9 @@ one ``LogPump`` thread per process copies the pipe into a ``RotatingLog``:
 - **the child never notices the disk**: the pump keeps draining the pipe whatever
   happens to the file, so a full disk drops log output (counted, and a line says
   how much once writing works again) instead of blocking or failing the child.
-- **failures fail soft**: every write error is reported through a ``Throttle``
-  (once, then at most once a minute) and the file is reopened on the next chunk.
+- **failures fail soft**: every write error is reported through a
+  ``RateLimitedLog`` (once, then at most once a minute with a count, and once on
+  recovery) and the file is reopened on the next chunk.
 
 Raw bytes rather than ``logging.handlers.RotatingFileHandler``: the children's
 output is not ours to decode into records, the handler buffers through a text
@@ -31,7 +32,7 @@ import os
 import threading
 from pathlib import Path
 
-from neuron_serving.local.throttle import Throttle
+from neuron_serving.logsafe import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class RotatingLog:
         self._size = 0
         self.dropped_bytes = 0  # since the last successful write
         self.dropped_total = 0
-        self._errors = Throttle(log.warning)
+        self._errors = RateLimitedLog(log, burst=1, interval_s=60.0)
 
     def write(self, data: bytes) -> None:
         # A chunk larger than the cap keeps its end: the latest output matters most.
@@ -72,9 +73,9 @@ class RotatingLog:
                 self.dropped_bytes += len(data)
                 self.dropped_total += len(data)
                 self._close()  # reopened (and the size re-read) on the next chunk
-                self._errors.failed(f"log {self.path}: {e}; dropping output until it works")
+                self._errors.warning("log %s: %s; dropping output until it works", self.path, e)
                 return
-        self._errors.recovered(f"log {self.path}: writing again")
+        self._errors.recovered("log %s: writing again", self.path)
 
     def _write(self, data: bytes) -> None:
         if self._fd is None:

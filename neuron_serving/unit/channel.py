@@ -26,6 +26,11 @@ Invariants:
   dropped or reflected frame fails the link. The one plain frame a sealed side
   accepts is a ``Reject`` in answer to ``Hello`` (``plain_reject_ok``): a leader
   cannot seal for a follower whose token is wrong.
+- A send that fails or times out may have put part of a frame on the wire, and
+  its sequence number is spent: the stream cannot continue, so the channel
+  shuts the socket down and closes it (``LinkBroken``). Every later send and
+  recv on either side then sees a lost connection (EOF or reset), never a
+  frame that is out of sequence or fails its MAC, which would read as tampering.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import time
 
 import msgspec
 
+from neuron_serving.logsafe import printable
 from neuron_serving.unit import auth, messages
 from neuron_serving.unit.messages import ControlMessage, Reject
 
@@ -61,6 +67,11 @@ class ChannelClosed(ConnectionError):
     """The peer closed the connection (or it broke, or broke the protocol)."""
 
 
+class LinkBroken(ChannelClosed):
+    """This side closed the link because a send failed or timed out (the peer
+    stopped reading: stopped, hung or cut off): a lost connection, not tampering."""
+
+
 class FrameRejected(ChannelClosed):
     """A frame failed authentication or sequencing, or was malformed: the link is
     no longer trustworthy and is closed; nothing of the frame was decoded."""
@@ -77,6 +88,8 @@ class Channel:
         self._recv_key: bytes | None = None
         self._send_seq = 0
         self._recv_seq = 0
+        # Why this side broke the link (a failed send); None while it is usable.
+        self._broken: str | None = None
 
     @property
     def sealed(self) -> bool:
@@ -90,6 +103,10 @@ class Channel:
     def send(self, msg: ControlMessage, timeout: float = 10.0) -> None:
         body = messages.encode(msg)
         with self._send_lock:  # seq order must be wire order
+            if self._broken is not None:
+                raise LinkBroken(self._broken)
+            if self.sock.fileno() == -1:  # closed here on purpose (shutdown, a rejected frame)
+                raise ChannelClosed(f"connection to {self.peer} is closed")
             if self._send_key is None:
                 frame = _HEAD.pack(len(body), PLAIN) + body
             else:
@@ -100,7 +117,14 @@ class Channel:
                 self.sock.settimeout(timeout)
                 self.sock.sendall(frame)
             except OSError as e:  # also EBADF: closed by another thread
-                raise ChannelClosed(f"send to {self.peer} failed: {e}") from e
+                # Part of the frame may be on the wire: end the stream here, so
+                # the peer reads EOF instead of a half frame and then the next one.
+                self._broken = (
+                    f"link to {self.peer} closed after a failed send "
+                    f"({str(e) or type(e).__name__}; timeout {timeout:g} s)"
+                )
+                self.close()
+                raise LinkBroken(self._broken) from e
 
     def recv(
         self,
@@ -112,7 +136,7 @@ class Channel:
         try:
             self.sock.settimeout(timeout)
         except OSError as e:
-            raise ChannelClosed(f"connection to {self.peer} is closed: {e}") from e
+            raise self._lost(f"connection to {self.peer} is closed: {e}") from e
         head = self._recv_first(_HEAD.size)
         deadline = time.monotonic() + frame_timeout
         head += self._recv_exact(_HEAD.size - len(head), deadline)
@@ -147,7 +171,7 @@ class Channel:
         except msgspec.DecodeError as e:
             # msgspec quotes some bad values (an unknown tag) verbatim: escape and cut.
             raise FrameRejected(
-                f"{self.peer} sent a malformed message: {messages.printable(str(e), 200)}"
+                f"{self.peer} sent a malformed message: {printable(str(e), 200)}"
             ) from None
 
     def _recv_first(self, n: int) -> bytes:
@@ -158,9 +182,9 @@ class Channel:
         except TimeoutError:
             raise
         except OSError as e:
-            raise ChannelClosed(f"connection to {self.peer} broke: {e}") from e
+            raise self._lost(f"connection to {self.peer} broke: {e}") from e
         if not chunk:
-            raise ChannelClosed(f"{self.peer} closed the connection")
+            raise self._lost(f"{self.peer} closed the connection")
         return chunk
 
     def _recv_exact(self, n: int, deadline: float) -> bytearray:
@@ -176,11 +200,15 @@ class Channel:
             except TimeoutError:
                 continue  # the loop checks the deadline
             except OSError as e:
-                raise ChannelClosed(f"connection to {self.peer} broke: {e}") from e
+                raise self._lost(f"connection to {self.peer} broke: {e}") from e
             if not chunk:
-                raise ChannelClosed(f"{self.peer} closed the connection")
+                raise self._lost(f"{self.peer} closed the connection")
             buf += chunk
         return buf
+
+    def _lost(self, what: str) -> ChannelClosed:
+        # EOF or EBADF after this side broke the link is its own doing: say why.
+        return LinkBroken(self._broken) if self._broken is not None else ChannelClosed(what)
 
     def close(self) -> None:
         try:

@@ -13,7 +13,10 @@ calls ``on_failure(rank, reason)`` exactly once for the unit.
 
 Hostile peers (anyone who reaches the port) cost bounded resources:
 - at most ``world_size - 1 + SPARE_HANDSHAKE_SLOTS`` handshakes run at once
-  (one thread each); a connection beyond that is closed at accept, unread;
+  (one thread each), and at most ``HANDSHAKES_PER_PEER`` from one source
+  address, so one host holding idle connections cannot keep the others out; a
+  connection beyond either limit is closed at accept, unread (a follower
+  retries);
 - a handshake has ``UnitConfig.handshake_timeout_s`` in all, however slowly
   its peer sends;
 - rejections are kept in a short ring (``REJECTIONS_KEPT``) plus counters,
@@ -37,15 +40,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from neuron_serving.logsafe import RateLimitedLog, printable
 from neuron_serving.unit import auth
 from neuron_serving.unit.channel import (
     MAX_FRAME_BYTES,
     Channel,
     ChannelClosed,
     FrameRejected,
+    LinkBroken,
 )
 from neuron_serving.unit.config import UnitConfig
-from neuron_serving.unit.log_limit import LimitedLog
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -60,7 +64,6 @@ from neuron_serving.unit.messages import (
     Start,
     Welcome,
     clip,
-    printable,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,11 @@ logger = logging.getLogger(__name__)
 # Handshakes beyond one per follower that may run at once: room for a follower
 # reconnecting while its old connection times out, not for a flood.
 SPARE_HANDSHAKE_SLOTS = 8
+# Handshakes one source address may hold at once. A follower needs one (two
+# while its old connection times out); ranks sharing an address (a loopback
+# unit) take turns, each handshake being short. Filling every slot then takes
+# (world_size - 1 + SPARE_HANDSHAKE_SLOTS) / HANDSHAKES_PER_PEER addresses.
+HANDSHAKES_PER_PEER = 2
 REJECTIONS_KEPT = 8
 _REJECTION_CHARS = 400
 _LINGER_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with RST, no TIME_WAIT
@@ -119,12 +127,15 @@ class ControlServer:
         self.rejected_total = 0  # Hellos answered with Reject, and failed joins
         self.failed_handshakes = 0  # timeouts, malformed or oversized frames
         self.dropped_at_accept = 0  # no free handshake slot, or the unit had formed
-        self._slots = threading.BoundedSemaphore(world_size - 1 + SPARE_HANDSHAKE_SLOTS)
+        self.max_handshakes = world_size - 1 + SPARE_HANDSHAKE_SLOTS
+        # Handshakes in flight by source address (under _lock); at most
+        # max_handshakes in all, at most HANDSHAKES_PER_PEER each.
+        self._handshakes: collections.Counter[str] = collections.Counter()
         # One limit per kind: a flood of one kind does not hide the others.
         self._log_refused, self._log_failed, self._log_rejected = (
-            LimitedLog(logger),
-            LimitedLog(logger),
-            LimitedLog(logger),
+            RateLimitedLog(logger),
+            RateLimitedLog(logger),
+            RateLimitedLog(logger),
         )
         self._lock = threading.Condition()
         self._started = False
@@ -164,31 +175,47 @@ class ControlServer:
                 continue
             except OSError:
                 return  # shut down: the unit formed or is closing
-            peer = f"{addr[0]}:{addr[1]}"
-            if self._started or not self._slots.acquire(blocking=False):
+            ip, peer = addr[0], f"{addr[0]}:{addr[1]}"
+            refused = self._take_slot(ip)
+            if refused:
                 # Refused unread: a flood costs an accept and a close, no thread
                 # and no buffer.
                 self.dropped_at_accept += 1
                 self._log_refused.warning(
                     "control port: refused connection from %s (%s; %d refused so far)",
                     peer,
-                    "unit already formed" if self._started else "too many handshakes in flight",
+                    refused,
                     self.dropped_at_accept,
                 )
                 _close_hard(conn)
                 continue
             threading.Thread(
                 target=self._handshake_in_slot,
-                args=(Channel(conn, peer),),
+                args=(Channel(conn, peer), ip),
                 name="control-join",
                 daemon=True,
             ).start()
 
-    def _handshake_in_slot(self, ch: Channel) -> None:
+    def _take_slot(self, ip: str) -> str:
+        """Claims a handshake slot for a connection from ``ip``; why not, if not."""
+        with self._lock:
+            if self._started:
+                return "unit already formed"
+            if self._handshakes[ip] >= HANDSHAKES_PER_PEER:
+                return f"{HANDSHAKES_PER_PEER} handshakes from this address in flight"
+            if self._handshakes.total() >= self.max_handshakes:
+                return "too many handshakes in flight"
+            self._handshakes[ip] += 1
+            return ""
+
+    def _handshake_in_slot(self, ch: Channel, ip: str) -> None:
         try:
             self._handshake(ch)
         finally:
-            self._slots.release()
+            with self._lock:
+                self._handshakes[ip] -= 1
+                if not self._handshakes[ip]:
+                    del self._handshakes[ip]  # the map holds only addresses in flight
 
     def join_stats(self) -> dict[str, int]:
         return {
@@ -381,6 +408,10 @@ class ControlServer:
                 link.channel.close()
                 self._lost(link, f"sent a control frame that failed verification: {e}")
                 return
+            except LinkBroken as e:
+                # Our own send to it failed or timed out (it stopped reading).
+                self._lost(link, f"is unreachable: {e}; stopped, hung or cut off")
+                return
             except (ChannelClosed, OSError) as e:
                 self._lost(
                     link, f"closed its control connection ({e}); process exited or was killed"
@@ -423,7 +454,9 @@ class ControlServer:
                     # stuck follower from delaying heartbeats to the others.
                     link.channel.send(beat, timeout=self.unit.heartbeat_interval_s)
                 except ChannelClosed:
-                    pass  # the reader or the monitor reports it
+                    # The link is closed for good (a failed send closes it, so no
+                    # beat follows a half frame); its reader reports it.
+                    pass
             time.sleep(self.unit.heartbeat_interval_s)
 
     def _monitor_loop(self) -> None:

@@ -29,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from neuron_serving.logsafe import printable
 from neuron_serving.unit import auth
 from neuron_serving.unit.channel import (
     MAX_LEADER_FRAME_BYTES,
@@ -49,7 +50,6 @@ from neuron_serving.unit.messages import (
     Start,
     Welcome,
     clip,
-    printable,
 )
 from neuron_serving.unit.state import NodeState, NodeStatus
 from neuron_serving.versions import runtime_versions
@@ -298,12 +298,17 @@ class Follower:
         assert self.channel is not None and self.welcome is not None
         while not self._shutdown.is_set():
             try:
+                # A send that times out ends the link (channel.py), so allow as
+                # long as the leader would wait for a beat: the socket may still
+                # be full of a large Reply the leader is reading.
                 self.channel.send(
                     Heartbeat(state=str(self.status.state), steps=self.status.steps),
-                    timeout=self.welcome.heartbeat_interval_s,
+                    timeout=self.welcome.heartbeat_timeout_s,
                 )
             except ChannelClosed:
-                pass  # the reader reports a lost leader
+                # Closed for good (a failed send closes the link rather than
+                # send behind a half frame); the reader reports a lost leader.
+                return
             time.sleep(self.welcome.heartbeat_interval_s)
 
     def _monitor_loop(self) -> None:

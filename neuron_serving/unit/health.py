@@ -22,7 +22,6 @@ Hostile by default (both ports may face the VPC in ECS):
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import logging
 import socket
@@ -39,6 +38,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from neuron_serving import envs
+from neuron_serving.netaddr import host_port, is_loopback
 from neuron_serving.unit.metrics import NodeCollector, render
 from neuron_serving.unit.state import NodeState, NodeStatus
 
@@ -122,7 +122,7 @@ class HealthServer:
             ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._grpc)
-        bound = self._grpc.add_insecure_port(_host_port(host, port))
+        bound = self._grpc.add_insecure_port(host_port(host, port))
         if bound == 0:
             raise OSError(f"health server cannot bind gRPC {host}:{port}")
         self.port = bound
@@ -239,20 +239,6 @@ class BoundedHTTPServer(socketserver.TCPServer):
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        addr = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _handler(
     status: NodeStatus, collector: NodeCollector, token: str | None
 ) -> type[BaseHTTPRequestHandler]:
@@ -275,7 +261,7 @@ def _handler(
             return self.server_version
 
         def _detail_allowed(self) -> bool:
-            if _is_loopback(self.client_address[0]):
+            if is_loopback(self.client_address[0]):
                 return True
             if expected is None:
                 return False

@@ -149,15 +149,3 @@ def decode(data: bytes) -> ControlMessage:
 def clip(text: str, limit: int = MAX_TEXT) -> str:
     """``text`` cut to fit a bounded field (our own reasons can be long tracebacks)."""
     return text if len(text) <= limit else text[: limit - 15] + " ...[truncated]"
-
-
-def printable(value: object, limit: int = 120) -> str:
-    """A peer-supplied value made safe for a log line or an error message: control
-    and other non-printable characters escaped (no forged log lines, no terminal
-    escapes), cut to ``limit`` characters."""
-    text = value if isinstance(value, str) else repr(value)
-    cut = text[:limit]
-    safe = "".join(
-        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut
-    )
-    return safe if len(text) <= limit else safe + "...[truncated]"

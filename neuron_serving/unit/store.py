@@ -42,6 +42,8 @@ import psutil
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from neuron_serving.netaddr import host_port
+
 # The module, not the function torch.distributed re-exports under the same name.
 _rdzv = importlib.import_module("torch.distributed.rendezvous")
 
@@ -53,7 +55,7 @@ LISTEN_BACKLOG = 2048
 
 def init_method(host: str, port: int) -> str:
     """The init method vLLM's workers get: same host and port as ``tcp://``, host-bound."""
-    return f"{SCHEME}://{_url_host(host)}:{port}"
+    return f"{SCHEME}://{host_port(host, port)}"
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -88,9 +90,12 @@ def tcp_store(
         return dist.TCPStore(
             host, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
         )
-    fd = listen_socket(host, port).detach()
-    try:
-        # TCPStore owns the descriptor from here (closed with the store).
+    # TCPStore owns the descriptor it is given: it closes it with the store, and
+    # also when its constructor fails (torch 2.13, both backends). It gets a
+    # duplicate, so this function closes only its own descriptor, exactly once:
+    # closing the handed-over number after a failure could close whatever file
+    # another thread had opened under that number in the meantime.
+    with listen_socket(host, port) as sock:
         return dist.TCPStore(
             host,
             port,
@@ -98,11 +103,8 @@ def tcp_store(
             is_master=True,
             timeout=timeout,
             wait_for_workers=wait_for_workers,
-            master_listen_fd=fd,
+            master_listen_fd=os.dup(sock.fileno()),
         )
-    except BaseException:
-        socket.close(fd)
-        raise
 
 
 def _rendezvous_handler(url: str, timeout: timedelta = default_pg_timeout, **_kwargs):
@@ -142,10 +144,6 @@ def pin_gloo_interface(store_host: str, store_port: int) -> str | None:
             except ValueError:
                 continue  # link-layer addresses
     return None
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 def _register() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.client
-import ipaddress
 import json
 import secrets
 import signal
@@ -24,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
+from neuron_serving.netaddr import is_loopback
 from neuron_serving.triton.launcher import EXIT_UNIT_FAILED
 from neuron_serving.triton.restricted import ADMIN_HEADER, GRPC_METADATA_PREFIX
 from tests.e2e.triton_leader_helpers import (
@@ -504,14 +504,8 @@ def test_triton_binds_only_the_configured_host(leader: LeaderEndpoints) -> None:
     wanted = {int(a.rsplit(":", 1)[1]) for a in (leader.http, leader.grpc, leader.metrics)}
     assert wanted <= {int(k.rsplit(":", 1)[1]) for k in listening}, listening
     # gRPC listens on an IPv6 socket bound to ::ffff:127.0.0.1: still loopback only.
-    exposed = {k: ip for k, ip in listening.items() if not _is_loopback(ip)}
+    exposed = {k: ip for k, ip in listening.items() if not is_loopback(ip)}
     assert not exposed, f"listening beyond loopback: {exposed} (all: {listening})"
-
-
-def _is_loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip)
-    mapped = getattr(addr, "ipv4_mapped", None)
-    return (mapped or addr).is_loopback
 
 
 def test_engine_death_turns_readiness_off_and_leader_exits(leader: LeaderEndpoints) -> None:

@@ -1,17 +1,14 @@
-"""RotatingLog and LogPump with real files and a real chatty child process;
-Throttle's once-per-interval reporting."""
+"""RotatingLog and LogPump with real files and a real chatty child process."""
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from neuron_serving.local.process import ManagedProcess, ProcessSpec
 from neuron_serving.local.rotating_log import RotatingLog
-from neuron_serving.local.throttle import Throttle
 from tests.procs import wait_for
 
 CAP = 16 << 10
@@ -79,24 +76,3 @@ def test_a_chatty_process_log_stops_growing_at_the_cap(tmp_path: Path) -> None:
     finally:
         p.terminate(2.0)
     assert p.pump.join(5.0), "the pump thread ends at EOF"
-
-
-def test_throttle_reports_once_per_interval_and_the_recovery() -> None:
-    seen: list[str] = []
-    t = Throttle(seen.append, interval_s=0.2)
-    for _ in range(50):
-        t.failed("disk full")
-    assert seen == ["disk full"]
-    time.sleep(0.25)
-    t.failed("disk full")
-    assert seen[-1] == "disk full (49 more since the last report)"
-    t.recovered("ok again")
-    t.recovered("ok again")
-    assert seen[-1] == "ok again" and len(seen) == 3
-
-
-def test_throttle_survives_a_failing_sink() -> None:
-    def sink(msg: str) -> None:
-        raise OSError(28, "No space left on device")
-
-    Throttle(sink).failed("x")  # must not raise

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from neuron_serving.unit import auth
-from neuron_serving.unit.messages import Hello, Reply, decode, encode, printable
+from neuron_serving.unit.messages import Hello, Reply, decode, encode
 from tests.procs import REPO
 
 NONCE = b"n" * 32
@@ -162,9 +162,3 @@ def test_oversized_peer_fields_fail_to_decode(field, value):
     wire = msgspec.msgpack.encode({"type": "hello", **hello})
     with pytest.raises(msgspec.ValidationError, match=f"at `\\$.{field}"):
         decode(wire)
-
-
-def test_printable_escapes_control_characters_and_cuts():
-    assert printable("evil\n2026 INFO forged\x1b[31m") == "evil\\n2026 INFO forged\\x1b[31m"
-    assert printable("ok host-1") == "ok host-1"
-    assert printable("x" * 500, 10) == "x" * 10 + "...[truncated]"

@@ -28,9 +28,13 @@ import pytest
 
 from neuron_serving.unit.auth import AuthError
 from neuron_serving.unit.calls import decode_result
-from neuron_serving.unit.channel import _HEAD, PLAIN, SEALED, Channel, ChannelClosed
+from neuron_serving.unit.channel import _HEAD, PLAIN, SEALED, Channel, ChannelClosed, LinkBroken
 from neuron_serving.unit.config import UnitConfig
-from neuron_serving.unit.control_server import SPARE_HANDSHAKE_SLOTS, ControlServer
+from neuron_serving.unit.control_server import (
+    HANDSHAKES_PER_PEER,
+    SPARE_HANDSHAKE_SLOTS,
+    ControlServer,
+)
 from neuron_serving.unit.follower import EXIT_LEADER_LOST, Follower, FollowerConfig
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
@@ -53,6 +57,8 @@ from tests.procs import REPO, TEST_TOKEN, free_port_block, unit_env, wait_for
 EVIL_HOST = ("evil\n2026-01-01 INFO rank 1 joined unit\x1b[31m" + "A" * 255)[:255]
 BIG_VERSIONS = {f"{i:02d}".ljust(64, "k"): "v" * 128 for i in range(32)}
 SLOTS = 1 + SPARE_HANDSHAKE_SLOTS  # handshake slots of a 2-rank unit
+# The attacker's host; real followers connect from 127.0.0.1.
+ATTACKER = "127.0.0.2"
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +78,11 @@ class ServerProc:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_f,
             env=unit_env(), cwd=REPO, text=True,
         )  # fmt: skip
-        assert self._read(30)["ready"]
+        try:
+            assert self._read(30)["ready"]
+        except BaseException:
+            self.stop()  # a server that never came up is not left running
+            raise
         self.ps = psutil.Process(self.popen.pid)
 
     def _read(self, timeout: float) -> dict:
@@ -96,7 +106,11 @@ class ServerProc:
         if self.popen.poll() is None:
             self.popen.kill()
         self.popen.wait(timeout=10)
-        self._log_f.close()
+        for f in (self.popen.stdin, self.popen.stdout, self._log_f):
+            try:
+                f.close()
+            except OSError:
+                pass  # stdin: a flush into the dead process's pipe
 
 
 @pytest.fixture
@@ -122,7 +136,10 @@ class PeakThreads:
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.proc.num_threads())
+            try:
+                self.peak = max(self.peak, self.proc.num_threads())
+            except psutil.NoSuchProcess:
+                return  # a test failed before stop() and its server is gone
 
     def stop(self) -> int:
         self._stop.set()
@@ -130,10 +147,25 @@ class PeakThreads:
         return self.peak
 
 
-def _wrong_mac_hello(port: int) -> str:
+def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to the leader on 127.0.0.1 from ``source``: any 127.0.0.0/8
+    address works on Linux's loopback, so one machine plays several hosts."""
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def _idle(port: int, source: str = "127.0.0.1") -> socket.socket | None:
+    """A connection that never sends; None if the server refused it so fast
+    that the reset arrived before ``connect`` returned."""
+    try:
+        return _connect(port, source)
+    except ConnectionResetError:
+        return None
+
+
+def _wrong_mac_hello(port: int, source: str = ATTACKER) -> str:
     """One attacker connection: 'rejected', 'refused' (closed unread) or 'welcomed'."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        with _connect(port, source) as sock:
             ch = Channel(sock, "leader")
             ch.recv(timeout=10)  # the challenge
             ch.send(Hello(PROTOCOL_VERSION, 1, EVIL_HOST, 666, BIG_VERSIONS, os.urandom(32), os.urandom(32)))  # fmt: skip
@@ -162,7 +194,8 @@ def test_flood_of_wrong_mac_hellos_is_bounded_and_a_real_follower_still_joins(se
     joined: list[object] = []
     with ThreadPoolExecutor(32) as pool:
         results = pool.map(lambda _: _wrong_mac_hello(srv.port), range(n))
-        # A real follower joins in the middle of the flood (it retries when refused).
+        # A real follower on another host joins in the middle of the flood: the
+        # flood holds at most HANDSHAKES_PER_PEER slots.
         joiner = threading.Thread(target=lambda: joined.append(legit.join()), daemon=True)
         joiner.start()
         outcomes = list(results)
@@ -233,7 +266,7 @@ def test_half_open_trickling_and_oversized_connections_are_freed(server_proc):
     # A message whose unknown tag would forge a log line through the decode
     # error (msgspec quotes the tag): escaped and cut in the log.
     forged = msgspec.msgpack.encode({"type": "x\n2026-01-01 FORGED\x1b[31m" + "y" * 4000})
-    with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+    with _connect(srv.port) as s:
         s.recv(4096)  # the challenge
         s.sendall(_raw_frame(len(forged), body=forged))
         assert _closed_by_peer(s, timeout=5)
@@ -243,19 +276,15 @@ def test_half_open_trickling_and_oversized_connections_are_freed(server_proc):
     before = srv.ask("stats")
     peak = PeakThreads(srv.ps)
     t0 = time.monotonic()
-    # 40 connections that never send a byte: the free slots' worth are timed out
-    # after 1 s, the rest are refused at once.
-    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(40)]
-    # A slow-loris: a valid-looking frame header, then one byte every 0.2 s.
-    loris = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+
+    # Phase 1, on an idle server (every slot free, so each connection gets a
+    # handshake and the limits under test are the ones that cut it). Each
+    # connection is closed by the server before the next one opens.
+    # A slow-loris: a valid-looking frame header, then one byte every 0.2 s:
+    # cut by the handshake deadline while still sending ("stalled mid-frame").
+    loris = _connect(srv.port)
     body = encode(Hello(PROTOCOL_VERSION, 1, "h", 1, {}, b"n" * 32, b"m" * 32))
     loris.sendall(_raw_frame(len(body)))
-    # Oversized lengths before authentication: refused before any allocation.
-    huge = []
-    for length in (0xFFFFFFFF, 64 << 20, 8193):
-        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-        s.sendall(_raw_frame(length) + b"x" * 1024)
-        huge.append(s)
     trickle_open = True
     for byte in body:
         try:
@@ -266,7 +295,24 @@ def test_half_open_trickling_and_oversized_connections_are_freed(server_proc):
         time.sleep(0.2)
         if time.monotonic() - t0 > 6:
             break
-    freed = [_closed_by_peer(s, timeout=5) for s in idle + huge + [loris]]
+    freed = [_closed_by_peer(loris, timeout=5)]
+    # Oversized lengths before authentication: refused before any allocation.
+    for length in (0xFFFFFFFF, 64 << 20, 8193):
+        with _connect(srv.port) as s:
+            s.sendall(_raw_frame(length) + b"x" * 1024)
+            freed.append(_closed_by_peer(s, timeout=5))
+    mid = wait_for(
+        lambda: (s := srv.ask("stats"))["failed_handshakes"] >= before["failed_handshakes"] + 4
+        and s,
+        timeout=10, what="4 failed handshakes",
+    )  # fmt: skip
+    log = srv.stderr()
+
+    # Phase 2: 40 connections that never send a byte, from one address: the
+    # address's HANDSHAKES_PER_PEER are timed out after 1 s, the rest are
+    # refused at accept.
+    idle = [_idle(srv.port) for _ in range(40)]
+    freed += [s is None or _closed_by_peer(s, timeout=5) for s in idle]
     elapsed = time.monotonic() - t0
     threads_peak = peak.stop()
     after = wait_for(
@@ -278,21 +324,76 @@ def test_half_open_trickling_and_oversized_connections_are_freed(server_proc):
         f"{elapsed:.1f} s (trickler still sending when cut: {not trickle_open}); threads "
         f"{before['threads']} -> peak {threads_peak} -> {after['threads']}; RSS "
         f"{before['rss'] >> 10} -> {after['rss'] >> 10} KiB; fds {before['fds']} -> {after['fds']}; "
-        f"timed out/malformed {after['failed_handshakes']}, refused {after['dropped_at_accept']}"
+        f"timed out/malformed {before['failed_handshakes']} -> {mid['failed_handshakes']} "
+        f"(phase 1) -> {after['failed_handshakes']}, refused {before['dropped_at_accept']} -> "
+        f"{mid['dropped_at_accept']} -> {after['dropped_at_accept']}"
     )
     print(report)
-    for s in idle + huge + [loris]:
-        s.close()
+    for s in [*idle, loris]:
+        if s is not None:
+            s.close()
     assert all(freed), report
+    # Phase 1: each of the 4 reached its handshake and was cut by its own limit.
     assert not trickle_open, report  # cut by the 1 s handshake deadline while still sending
+    assert mid["failed_handshakes"] == before["failed_handshakes"] + 4, report
+    assert mid["dropped_at_accept"] == before["dropped_at_accept"], report
+    assert "stalled mid-frame" in log, log[-2000:]
+    assert "-byte frame (limit 8192)" in log, log[-2000:]
+    # Phase 2: the 40 were timed out or refused, and at most one address's share
+    # of slots was ever taken.
+    phase2 = (
+        after["failed_handshakes"] + after["dropped_at_accept"]
+        - mid["failed_handshakes"] - mid["dropped_at_accept"]
+    )  # fmt: skip
+    assert phase2 == 40, report
+    assert after["failed_handshakes"] - mid["failed_handshakes"] <= HANDSHAKES_PER_PEER, report
     assert threads_peak <= before["threads"] + SLOTS + 2, report
     assert after["rss"] - before["rss"] < 4 << 20, report
     assert after["fds"] <= before["fds"], report
-    assert after["failed_handshakes"] + after["dropped_at_accept"] == 45, report
     # A real follower still joins.
     f = _follower(srv.port)
     assert isinstance(f.join(), Welcome)
     assert srv.ask("wait 10") == {"ok": True}
+
+
+def test_idle_connections_from_a_few_hosts_cannot_keep_a_follower_out(server_proc):
+    # The handshake slots are shared: before the per-address cap, 9 idle
+    # connections (reopened every handshake_timeout_s) held every slot of a
+    # 2-rank unit and a real follower was refused until its join timed out.
+    # Now each address holds at most HANDSHAKES_PER_PEER: four attacker
+    # addresses hold 8 of the 9 slots, and the follower joins through the last
+    # one well within its join timeout, itself far shorter than the time the
+    # idle connections are allowed.
+    srv = server_proc(handshake_timeout=60.0)
+    before = srv.ask("stats")
+    hosts = [f"127.0.0.{i}" for i in range(2, 6)]
+    idle = [_idle(srv.port, host) for host in hosts for _ in range(4)]
+    held = len(hosts) * HANDSHAKES_PER_PEER
+    refused = len(idle) - held
+    wait_for(
+        lambda: srv.ask("stats")["dropped_at_accept"] >= before["dropped_at_accept"] + refused,
+        timeout=10, what=f"{refused} connections refused at accept",
+    )  # fmt: skip
+    f = _follower(srv.port, timeout=10)
+    welcome = f.join()
+    # One thread per held handshake, plus the follower's control reader (its
+    # handshake thread ends just after the follower's join returns).
+    stats = wait_for(
+        lambda: (s := srv.ask("stats"))["threads"] <= before["threads"] + held + 1 and s,
+        timeout=10, what="the follower's handshake thread to end",
+    )  # fmt: skip
+    report = (
+        f"{len(idle)} idle connections from {len(hosts)} addresses: refused at accept "
+        f"{stats['dropped_at_accept'] - before['dropped_at_accept']}, threads "
+        f"{before['threads']} -> {stats['threads']}; follower joined: {welcome is not None}"
+    )
+    print(report)
+    assert isinstance(welcome, Welcome), report
+    assert stats["dropped_at_accept"] - before["dropped_at_accept"] == refused, report
+    assert srv.ask("wait 10") == {"ok": True}
+    for s in idle:
+        if s is not None:
+            s.close()
 
 
 # -- an on-path relay between a real leader and a real follower ----------------
@@ -512,3 +613,47 @@ def test_tampered_or_replayed_welcome_is_not_trusted(relayed):
     unit.relay.mutate = lambda d, frame: [frame]
     unit.follower(2).join()
     unit.server.wait_for_followers(10)
+
+
+def test_timed_out_send_closes_the_link_as_lost_not_tampered(relayed):
+    # A peer that stops reading (stopped, hung, or a path that stalls) makes a
+    # send time out with part of its frame on the wire. Before, the channel
+    # stayed open and the heartbeat loop kept sending behind the half frame, so
+    # the follower later read an oversized or out-of-sequence frame and the unit
+    # failed as if tampered with; meanwhile the leader, still getting the
+    # follower's heartbeats, did not notice at all. Now the link is closed at
+    # once and both ends report a lost connection.
+    stall, stalled = threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def stop_reading_the_leader(d: str, frame: Frame) -> list[Frame]:
+        if d == TO_FOLLOWER and stall.is_set():
+            stalled.set()
+            release.wait(30)  # the relay stops reading the leader's socket
+        return [frame]
+
+    unit = relayed(stop_reading_the_leader)
+    unit.form()
+    link = unit.server.links[1]
+    stall.set()
+    wait_for(stalled.is_set, timeout=10, what="the next leader heartbeat to stall the relay")
+    # Larger than every socket buffer on the way (loopback autotuning stays
+    # below 16 MiB), so the send cannot complete while nobody reads.
+    big = Reply(seq=1, ok=True, payload=b"x" * (24 << 20))
+    with pytest.raises(LinkBroken, match="closed after a failed send"):
+        link.channel.send(big, timeout=0.5)
+    assert link.channel.sock.fileno() == -1
+    with pytest.raises(LinkBroken):  # the heartbeat loop's next beat goes nowhere
+        link.channel.send(Heartbeat("ready", 0), timeout=0.5)
+    reason = unit.failure()
+    assert "is unreachable" in reason and "failed send" in reason, reason
+    assert "failed verification" not in reason, reason
+    # The follower, once the path moves again, reads the frames that were
+    # complete and then the end of the stream: a lost leader, not a forged frame.
+    release.set()
+    wait_for(lambda: unit.exits, timeout=10, what="the follower to give up on its leader")
+    code, msg = unit.exits[0]
+    assert code == EXIT_LEADER_LOST, unit.exits
+    assert "lost the leader" in msg, msg
+    for tampering in ("limit", "authentication", "out of sequence", "kind"):
+        assert tampering not in msg, msg

@@ -57,6 +57,41 @@ def test_listen_socket_refuses_a_port_in_use():
         held.close()
 
 
+def test_failed_master_store_closes_only_its_own_descriptor(monkeypatch, tmp_path):
+    # A real TCPStore that fails after taking the listening descriptor (no
+    # worker joins in time) closes that descriptor itself. Another thread may
+    # then open a file under the same number before tcp_store unwinds: modelled
+    # by opening one right after the failure. That file must stay open, and
+    # the caller must see torch's error (not EBADF from closing twice).
+    real, reused = dist.TCPStore, []
+
+    def store_then_reuse(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except Exception:
+            reused.append(os.open(tmp_path / "other-thread", os.O_CREAT | os.O_RDWR))
+            raise
+
+    monkeypatch.setattr(dist, "TCPStore", store_then_reuse)
+    port = free_port_block()
+    with pytest.raises(dist.DistStoreError, match="waiting for clients"):
+        store.tcp_store(
+            "127.0.0.1",
+            port,
+            2,
+            is_master=True,
+            timeout=timedelta(seconds=0.5),
+            wait_for_workers=True,
+        )
+    (fd,) = reused
+    try:
+        os.fstat(fd)  # EBADF if tcp_store closed a descriptor it no longer owned
+    finally:
+        os.close(fd)
+    # Nothing of the failed store is left listening: the port binds again.
+    store.listen_socket("127.0.0.1", port).close()
+
+
 _RANK = textwrap.dedent(
     """
     import json, sys

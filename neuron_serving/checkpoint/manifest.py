@@ -36,10 +36,10 @@ from neuron_serving.checkpoint.layout import (
     nxdi_shard_files,
     parse_vllm_shard_name,
 )
+from neuron_serving.checkpoint.pin import is_sha256_hex
 
 FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 # Bounds of a manifest (see the module doc). Generous for real checkpoints: a 405B
@@ -113,7 +113,7 @@ class FileEntry:
     size: int
 
     def __post_init__(self) -> None:
-        if not _SHA256_RE.match(self.sha256):
+        if not is_sha256_hex(self.sha256):
             raise ValueError(f"sha256 must be 64 lowercase hex digits, got {self.sha256[:80]!r}")
         _check_int("size", self.size, 0, MAX_FILE_BYTES)
 
@@ -153,7 +153,7 @@ class SourceInfo:
     files: int
 
     def __post_init__(self) -> None:
-        if not _SHA256_RE.match(self.sha256):
+        if not is_sha256_hex(self.sha256):
             raise ValueError(f"source sha256 must be 64 hex digits, got {self.sha256[:80]!r}")
         _check_text("source path", self.path)
         _check_int("source files", self.files, 0, MAX_SOURCE_FILES)

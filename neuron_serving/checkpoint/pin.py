@@ -14,11 +14,16 @@ import re
 from neuron_serving.checkpoint.errors import CheckpointUntrusted
 
 PIN_VAR = "NEURON_SERVING_MODEL_MANIFEST_SHA256"
-_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256_hex(value: object) -> bool:
+    """A sha256 digest as 64 lowercase hex digits: the one check for manifests, pins and specs."""
+    return isinstance(value, str) and _SHA256_RE.fullmatch(value) is not None
 
 
 def check_pin_format(pin: str, where: str = PIN_VAR) -> str:
-    if not _SHA256_RE.match(pin):
+    if not is_sha256_hex(pin):
         # A malformed pin is a misconfiguration; ignoring it would run unpinned.
         raise CheckpointUntrusted(f"{where} must be 64 lowercase hex digits, got {pin[:80]!r}")
     return pin

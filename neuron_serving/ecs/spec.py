@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from neuron_serving.checkpoint.pin import is_sha256_hex
 from neuron_serving.ecs.instances import InstanceType, get_instance_type
 
 REQUIRED = (
@@ -33,7 +34,6 @@ REQUIRED = (
 _NAME = re.compile(r"^[a-z][a-z0-9-]{0,27}$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$")
 _SECRET_ARN = re.compile(r"^arn:aws[a-z-]*:(secretsmanager|ssm):[a-z0-9-]+:\d{12}:.+$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SECURITY_GROUP = re.compile(r"^sg-[0-9a-z]+$")
 # Security groups of the network design (security_groups.py): the units' own group and
 # the groups allowed to reach them.
@@ -178,9 +178,7 @@ class DeploymentSpec:
                     "model_uri needs model_manifest_sha256 (the sha256 of the manifest the "
                     "deploy checked; `neuron-serving deploy` sets it)"
                 )
-        if self.model_manifest_sha256 is not None and not _SHA256.match(
-            str(self.model_manifest_sha256)
-        ):
+        if self.model_manifest_sha256 is not None and not is_sha256_hex(self.model_manifest_sha256):
             p.append("model_manifest_sha256 must be 64 lowercase hex characters")
         if self.ready_timeout_s <= 0:
             p.append("ready_timeout_s must be > 0")

@@ -27,11 +27,12 @@ import hmac
 import http.client
 import json
 import os
-import re
 import socket
 import threading
 from pathlib import Path
 from typing import Any, Protocol
+
+from neuron_serving.checkpoint.pin import is_sha256_hex
 
 SOCKET_NAME = "supervisor.sock"
 
@@ -131,9 +132,7 @@ class ControlServer:
             # The deploy's pin (checkpoint/pin.py): the unit's processes refuse any other
             # manifest, restarts included; "" = unpinned (an unversioned directory).
             pin = body.get("manifest_sha256")
-            if pin is not None and (
-                not isinstance(pin, str) or (pin and not re.fullmatch(r"[0-9a-f]{64}", pin))
-            ):
+            if pin is not None and (not isinstance(pin, str) or (pin and not is_sha256_hex(pin))):
                 return web.json_response(
                     {"error": "'manifest_sha256' must be 64 lowercase hex digits"}, status=400
                 )

@@ -119,3 +119,12 @@ def test_truncated_or_missing_files_fail_on_size_before_hashing(version):
     shard.unlink()
     with pytest.raises(CheckpointUntrusted, match=f"{shard}: No such file"):
         verify_before_load(version, 1)
+
+
+def test_one_sha256_check_refuses_near_misses():
+    from neuron_serving.checkpoint.pin import is_sha256_hex
+
+    assert is_sha256_hex("ab" * 32)
+    # "$" in a re.match pattern let a trailing newline through; fullmatch does not.
+    for bad in ("ab" * 32 + "\n", "AB" * 32, "ab" * 31, None, 123, "ab" * 32 + " "):
+        assert not is_sha256_hex(bad), repr(bad)

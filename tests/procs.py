@@ -119,6 +119,14 @@ def _session_members(sids: set[int]) -> list[str]:
     return alive
 
 
+def pid_alive(pid: int) -> bool:
+    """Running and not a zombie (a zombie holds nothing and only waits to be reaped)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

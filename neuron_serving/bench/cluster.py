@@ -34,12 +34,16 @@ from typing import Any
 
 import psutil
 
+from neuron_serving import proctree
 from neuron_serving.bench.common import write_result
 from neuron_serving.local.probe import get_json
 from neuron_serving.local.proxy_config import read_api_key
 from neuron_serving.local.spec import API_KEY_FILE
+from neuron_serving.proctree import ProcessTree
 
 BUDGET_RSS_GIB = 12.0
+# `up` drains (30 s by default) and then stops every unit; SIGKILL only after this.
+_UP_STOP_S = 120.0
 
 
 # Unit ports below the ephemeral range (see neuron_serving/local/spec.py), away from
@@ -178,7 +182,8 @@ def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
             "--admin-port", str(admin), "--base-port", "27600", "--run-dir", str(run_dir)]  # fmt: skip
     log = open(tmp / "up.log", "wb")  # noqa: SIM115 (closed below)
     t0 = time.monotonic()
-    up = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    up = proctree.spawn(args, stdout=log, stderr=subprocess.STDOUT)
+    up_tree = ProcessTree(up, "up")
     sampler = TreeSampler(up.pid)
     sampler.start()
     url = f"http://127.0.0.1:{port}"
@@ -201,15 +206,14 @@ def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
         result["error"] = str(e)
         rc = 1
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
         sampler.stop_event.set()
         sampler.join(5)
+        # up drains and stops its units itself; if it leaves processes behind it exits
+        # ExitCode.PROCESSES_LEFT, and the tree's stop (which remembered up's
+        # descendants in their own sessions) stops them so the benchmark leaks nothing.
+        up_tree.terminate(_UP_STOP_S, kill_timeout_s=10.0)
         log.close()
-        left = [p.pid for p in sampler.members() if p.pid != up.pid]
+        left = [p.pid for p in up_tree.members()]
     result.update(
         peak_rss_gib=round(sampler.peak_rss / 2**30, 2),
         peak_pss_gib=round(sampler.peak_pss / 2**30, 2) if sampler.peak_pss else None,

@@ -1,28 +1,33 @@
 """Real processes for the serving benchmarks: `neuron-serving leader` units and a
 `neuron-serving proxy` in front of them, on loopback.
 
-Each process runs in its own session so ``stop`` can take down its whole tree
-(tritonserver, the backend stub, EngineCore); every wait is bounded. Logs go to
-the benchmark's work directory and their tail is raised with any start failure.
+Each process is started by ``proctree.spawn`` (own session, SIGTERM if the
+benchmark dies) so ``stop`` can take down its whole tree (tritonserver, the
+backend stub, EngineCore) with proctree's one stop policy; every wait is bounded.
+Logs go to the benchmark's work directory and their tail is raised with any start
+failure.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuron_serving import proctree
 from neuron_serving.ports import free_port, free_port_block
+from neuron_serving.proctree import ProcessTree
 
 READY_TIMEOUT_S = 600.0
+# How long a SIGKILLed server (and each round of its leftovers) may take to go.
+_KILL_WAIT_S = 10.0
 # A TP=1 leader needs no follower, but the unit still authenticates its control port.
 _BENCH_TOKEN = "bench-token-0123456789abcdef"
 
@@ -67,33 +72,28 @@ class Process:
     name: str
     popen: subprocess.Popen
     log: Path
+    tree: ProcessTree = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tree = ProcessTree(self.popen, self.name)
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self, grace_s: float = 60.0) -> None:
-        """SIGTERM, a bounded wait, then SIGKILL of the whole session."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.popen.wait(timeout=10)
+        """SIGTERM, a bounded wait for an orderly exit, then the leftovers of the tree."""
+        self.tree.terminate(grace_s, kill_timeout_s=_KILL_WAIT_S)
 
 
-def _spawn(name: str, args: list[str], workdir: Path, env: dict[str, str]) -> Process:
+def _spawn(name: str, argv: list[str], workdir: Path, env: dict[str, str]) -> Process:
     log = workdir / f"{name}.log"
     with open(log, "wb") as f:
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "neuron_serving.cli", *args],
-            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
+        popen = proctree.spawn(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
     return Process(name, popen, log)
+
+
+def _spawn_cli(name: str, args: list[str], workdir: Path, env: dict[str, str]) -> Process:
+    return _spawn(name, [sys.executable, "-m", "neuron_serving.cli", *args], workdir, env)
 
 
 @dataclass
@@ -120,7 +120,7 @@ def start_leader(
             "--run-dir", str(workdir / f"{name}-run"), "--drain", "1", *extra_args]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind, "PYTHONUNBUFFERED": "1",
            "NEURON_SERVING_UNIT_TOKEN": os.environ.get("NEURON_SERVING_UNIT_TOKEN", _BENCH_TOKEN)}  # fmt: skip
-    proc = _spawn(name, args, workdir, env)
+    proc = _spawn_cli(name, args, workdir, env)
     return Leader(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc}", f"127.0.0.1:{metrics}")
 
 
@@ -182,11 +182,7 @@ def start_vllm_server(
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
             "--disable-uvicorn-access-log", *engine_args]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind, "PYTHONUNBUFFERED": "1"}
-    log = workdir / f"{name}.log"
-    with open(log, "wb") as f:
-        popen = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)  # fmt: skip
-    return VllmServer(Process(name, popen, log), f"http://127.0.0.1:{port}")
+    return VllmServer(_spawn(name, args, workdir, env), f"http://127.0.0.1:{port}")
 
 
 def wait_ready(servers: list[Any], timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -217,7 +213,7 @@ def start_proxy(config: dict[str, Any], workdir: Path, name: str = "proxy") -> P
     """The proxy process, returned once every unit in ``config`` is routable."""
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config))
-    proc = _spawn(name, ["proxy", "--config", str(path), "--log-level", "WARNING"], workdir,
+    proc = _spawn_cli(name, ["proxy", "--config", str(path), "--log-level", "WARNING"], workdir,
                   {**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     proxy = Proxy(proc, f"http://127.0.0.1:{config['port']}")
     deadline = time.monotonic() + 60

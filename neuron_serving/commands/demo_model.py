@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from neuron_serving.exitcodes import ExitCode
+
 
 def run(args: argparse.Namespace) -> int:
     # Imported here: torch and transformers take seconds to import, and `cli.py`
@@ -15,7 +17,7 @@ def run(args: argparse.Namespace) -> int:
 
     out = build_demo_model(args.out, seed=args.seed)
     print(out)
-    return 0
+    return ExitCode.OK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

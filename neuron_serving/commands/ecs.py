@@ -12,6 +12,8 @@ import json
 import logging
 import sys
 
+from neuron_serving.exitcodes import ExitCode
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ecs", help="deploy inference units on ECS (Trainium)")
@@ -66,11 +68,11 @@ def run(args: argparse.Namespace) -> int:
 
             for path in write(spec, args.out):
                 print(path)
-            return 0
+            return ExitCode.OK
         return _operate(args, spec)
     except (SpecError, SchemaError, ValueError) as e:
         print(f"neuron-serving ecs {args.ecs_command}: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
 
 
 def _operate(args: argparse.Namespace, spec) -> int:
@@ -81,22 +83,22 @@ def _operate(args: argparse.Namespace, spec) -> int:
     if cmd == "status":
         rows = ctl.status()
         print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
-        return 0
+        return ExitCode.OK
     if cmd == "teardown":
         if not args.yes:
             print(format_rows(ctl.status()))
             print("teardown stops all of the above and deletes the task definitions: add --yes")
-            return 2
+            return ExitCode.USAGE
         print(json.dumps(ctl.teardown()))
-        return 0
+        return ExitCode.OK
     if cmd == "watch":
         ctl.watch(args.interval)
-        return 0
+        return ExitCode.OK
     report = ctl.scale(args.units) if cmd == "scale" else ctl.reconcile()
     print(json.dumps(_report_dict(report)))
     if cmd == "deploy" and args.watch:
         ctl.watch(args.interval)
-    return 0 if report.ok else 1
+    return ExitCode.OK if report.ok else ExitCode.FAILED
 
 
 def _report_dict(report) -> dict:

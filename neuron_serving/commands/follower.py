@@ -34,9 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from neuron_serving import envs
     from neuron_serving.devices.base import RankPlacement, get_backend
+    from neuron_serving.exitcodes import ExitCode
     from neuron_serving.unit.auth import AuthError
-    from neuron_serving.unit.follower import EXIT_FAILED, Follower, FollowerConfig, FollowerRejected
-    from neuron_serving.unit.state import NodeState, NodeStatus
+    from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
+    from neuron_serving.unit.node_status import NodeState, NodeStatus
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     logging.basicConfig(
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         print(f"neuron-serving follower: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     device = args.device or envs.NEURON_SERVING_DEVICE
     backend = get_backend(device)
     status = NodeStatus("?", args.rank, args.world_size or 0)
@@ -67,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
         follower = Follower(cfg, status)
     except AuthError as e:
         print(f"neuron-serving follower: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     if cfg.health_port:
-        from neuron_serving.unit.health import HealthServer
-        from neuron_serving.unit.metrics import NodeCollector
+        from neuron_serving.unit.health_server import HealthServer
+        from neuron_serving.unit.node_metrics import NodeCollector
 
         collector = NodeCollector(status, stats=lambda: getattr(follower.broadcast, "stats", None))
         health = HealthServer(status, cfg.health_host, cfg.health_port, collector=collector)
@@ -92,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
     except (FollowerRejected, AuthError, TimeoutError, ValueError) as e:
         status.set_state(NodeState.FAILED, str(e))
         print(f"neuron-serving follower: {e}", file=sys.stderr)
-        rc = EXIT_FAILED
+        rc = ExitCode.FAILED
     except Exception as e:
         status.set_state(NodeState.FAILED, str(e))
         logging.getLogger("neuron_serving.follower").exception("follower failed")
         print(f"neuron-serving follower: rank {args.rank} failed: {e}", file=sys.stderr)
-        rc = EXIT_FAILED
+        rc = ExitCode.FAILED
     follower.run_exit_hooks()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_serving.triton.launcher import EXIT_START_FAILED, LeaderSettings, TritonLeader
+    from neuron_serving.exitcodes import ExitCode
+    from neuron_serving.triton.launcher import LeaderSettings, TritonLeader
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [leader] %(message)s")
     overrides = {
@@ -103,5 +104,5 @@ def run(args: argparse.Namespace) -> int:
         leader = TritonLeader(settings)
     except (ValueError, FileNotFoundError) as e:
         print(f"neuron-serving leader: {e}", file=sys.stderr)
-        return EXIT_START_FAILED
+        return ExitCode.START_FAILED
     return leader.run()

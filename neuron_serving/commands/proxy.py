@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from neuron_serving.exitcodes import ExitCode
+
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         server.check_exposure()
     except (OSError, ValueError, TypeError) as e:
         print(f"neuron-serving proxy: bad config {args.config}: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -83,4 +85,4 @@ def run(args: argparse.Namespace) -> int:
             await server.stop()
 
     asyncio.run(serve())
-    return 0
+    return ExitCode.OK

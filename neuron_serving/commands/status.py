@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from neuron_serving.exitcodes import ExitCode
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="table of units and nodes (proxy /status + supervisor)")
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         if warning:
             out["warning"] = warning
         print(json.dumps(out))
-        return 0 if proxy is not None else 1
+        return ExitCode.OK if proxy is not None else ExitCode.FAILED
     console = Console()
     if warning:
         console.print(f"[yellow]warning: {warning}[/yellow]")
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]proxy {base} {problem}[/red]" + (
             "; showing the supervisor's view only" if state else ""))  # fmt: skip
         if state is None:
-            return 1
+            return ExitCode.FAILED
     table = Table(title=f"neuron-serving status: {base}", show_lines=False)
     for col in ("unit / node", "health", "state", "restarts", "load", "version"):
         table.add_column(col, overflow="fold")
@@ -198,4 +200,4 @@ def run(args: argparse.Namespace) -> int:
             f"{adm.get('queued', 0)} queued" + (
                 f"; panic: {proxy['panic_models']}" if proxy.get("panic_models") else "")
         )  # fmt: skip
-    return 0 if proxy is not None else 1
+    return ExitCode.OK if proxy is not None else ExitCode.FAILED

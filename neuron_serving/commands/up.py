@@ -78,6 +78,7 @@ PY"""
 
 
 def run(args: argparse.Namespace) -> int:
+    from neuron_serving.exitcodes import ExitCode
     from neuron_serving.local.cache import default_run_dir, demo_model_dir
     from neuron_serving.local.cluster import ClusterSupervisor, StartupFailed
     from neuron_serving.local.spec import ClusterSpec
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         print(f"neuron-serving up: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
 
     signals = {"count": 0}
     stop = threading.Event()
@@ -130,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         f"{spec.units} unit(s) x TP={spec.tp} of {spec.model_dir} "
         f"(CPU binding {spec.cpu_bind!r}); run dir {spec.run_dir}"
     )
-    rc = 0
+    rc = ExitCode.OK
     try:
         cluster.prepare()
         cluster.start()
@@ -159,12 +160,12 @@ Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
     except StartupFailed as e:
         if not stop.is_set():
             print(f"neuron-serving up: start-up failed: {e}", file=sys.stderr, flush=True)
-            rc = 1
+            rc = ExitCode.START_FAILED
     finally:
         survivors = cluster.shutdown(drain=signals["count"] <= 1)
         if survivors:
             print(f"neuron-serving up: processes left running: {survivors}", file=sys.stderr)
-            rc = rc or 3
+            rc = rc or ExitCode.PROCESSES_LEFT
         else:
             say("stopped; no process left running")
     return rc

@@ -1,11 +1,13 @@
 """`ManagedProcess`: one OS process of the local cluster, with its log and its tree.
 
-Each process starts in its own session (``start_new_session``), so it is also
-its own process group, and everything it starts stays in that session unless it
-calls setsid itself. Stopping is therefore by session, not by parent/child
-links: a SIGKILLed leader's tritonserver, backend stub and EngineCore are
-re-parented to init but keep the session id. Descendants are also remembered on
-every ``poll`` as a second net for anything that left the session.
+Starting and stopping are proctree.py's: each process starts in its own session
+with the parent-death signal armed (SIGTERM when the supervisor thread that
+spawned it dies, so a SIGKILLed supervisor does not leave a unit serving; that
+thread outlives its processes, tearing them down before it returns), and is
+stopped as a tree, by session, not by parent/child links: a SIGKILLed leader's
+tritonserver, backend stub and EngineCore are re-parented to init but keep the
+session id. Descendants are also remembered on every ``poll`` (at most once a
+second) as a second net for anything that left the session.
 
 stdout and stderr go through a pipe to ``<log_dir>/<name>.log`` (rotating_log.py:
 size-capped, rotated to ``.log.1``; appended with a marker line per start, so a
@@ -15,9 +17,7 @@ disk itself, so a full disk costs log lines, never the child.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -25,24 +25,15 @@ from pathlib import Path
 
 import psutil
 
+from neuron_serving import proctree
 from neuron_serving.local.rotating_log import LogPump, RotatingLog
+from neuron_serving.proctree import ProcessTree
 
 _TREE_REFRESH_S = 1.0
 DEFAULT_LOG_MAX_BYTES = 16 << 20
 DEFAULT_LOG_BACKUPS = 1
 # How long log_tail waits for an exited process's last output to reach the file.
 _LOG_DRAIN_S = 1.0
-_PR_SET_PDEATHSIG = 1
-# Resolved before any fork: dlopen in a forked child of a threaded parent can deadlock.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-
-def _die_with_supervisor() -> None:
-    """In the child before exec: SIGTERM when the thread that spawned it dies, so a
-    SIGKILLed supervisor does not leave a unit serving. The kernel ties this to the
-    spawning *thread*: a UnitSupervisor's thread outlives its processes (it tears
-    them down before returning), so the signal only fires if the supervisor dies."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,27 +51,6 @@ class ProcessSpec:
         object.__setattr__(self, "argv", tuple(self.argv))
 
 
-def session_members(sid: int) -> list[psutil.Process]:
-    """Live (non-zombie) processes whose session id is ``sid``."""
-    out = []
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
-                continue
-            if os.getsid(p.pid) == sid:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error, OSError):
-            continue
-    return out
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
 class ManagedProcess:
     def __init__(
         self,
@@ -94,8 +64,8 @@ class ManagedProcess:
         self.log = RotatingLog(self.log_path, log_max_bytes, log_backups)
         self.pump: LogPump | None = None
         self.popen: subprocess.Popen | None = None
+        self.tree: ProcessTree | None = None
         self.started_at: float | None = None  # time.time()
-        self._tree: dict[int, psutil.Process] = {}
         self._tree_at = 0.0
 
     @property
@@ -109,103 +79,53 @@ class ManagedProcess:
     def start(self) -> None:
         if self.popen is not None and self.popen.poll() is None:
             raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid})")
-        self._tree.clear()
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         # Never raises: a full disk loses the marker, not the start.
         self.log.write(f"\n===== {stamp} start {self.name}: {' '.join(self.spec.argv)}\n".encode())
         pump = LogPump(self.log, self.name)
         try:
-            self.popen = subprocess.Popen(
+            self.popen = proctree.spawn(
                 self.spec.argv,
                 env=self.spec.env or None,
                 cwd=self.spec.cwd,
-                stdin=subprocess.DEVNULL,
                 stdout=pump.child_fd,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_supervisor,
             )
         except BaseException:
             pump.abort()
             raise
+        self.tree = ProcessTree(self.popen, self.name)
         pump.start()
         self.pump = pump
         self.started_at = time.time()
 
     def poll(self) -> int | None:
         """Exit code, or None while running. Also refreshes the remembered tree."""
-        if self.popen is None:
+        if self.popen is None or self.tree is None:
             return None
         rc = self.popen.poll()
         if rc is None and time.monotonic() - self._tree_at > _TREE_REFRESH_S:
-            self._remember_tree()
+            self._tree_at = time.monotonic()
+            self.tree.remember()
         return rc
 
     @property
     def returncode(self) -> int | None:
         return None if self.popen is None else self.popen.returncode
 
-    def _remember_tree(self) -> None:
-        self._tree_at = time.monotonic()
-        if self.popen is None:
-            return
-        try:
-            for p in psutil.Process(self.popen.pid).children(recursive=True):
-                self._tree[p.pid] = p
-        except psutil.Error:
-            pass
-
     def members(self) -> list[psutil.Process]:
         """Everything still alive that this process started (its session + remembered tree)."""
-        if self.popen is None:
-            return []
-        found = {p.pid: p for p in session_members(self.popen.pid)}
-        for pid, p in self._tree.items():
-            if pid not in found and _alive(p):
-                found[pid] = p
-        return list(found.values())
+        return [] if self.tree is None else self.tree.members()
 
     def terminate(self, timeout_s: float, kill_timeout_s: float = 5.0) -> int | None:
-        """SIGTERM the process, SIGKILL its whole tree after ``timeout_s``; reap it.
-
-        Only the main process gets SIGTERM: it may own an orderly shutdown of its
-        children (the leader drains tritonserver first). Whatever is left after
-        it exits (or after the timeout) gets SIGKILL. Returns the exit code.
-        """
-        if self.popen is None:
-            return None
-        if self.popen.poll() is None:
-            self._remember_tree()
-            try:
-                # SIGCONT first: a SIGSTOPped process would never act on SIGTERM.
-                os.kill(self.popen.pid, signal.SIGCONT)
-                self.popen.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill_tree(kill_timeout_s)
-        return self.popen.returncode
+        """Stop the process and its tree (proctree's policy: SIGTERM to this process
+        alone, which may own an orderly shutdown of its children, SIGKILL after
+        ``timeout_s``, then the leftovers); reap it. Returns the exit code."""
+        return None if self.tree is None else self.tree.terminate(timeout_s, kill_timeout_s)
 
     def kill_tree(self, timeout_s: float = 5.0) -> list[psutil.Process]:
         """SIGKILL the process and every member; returns those still alive after ``timeout_s``."""
-        if self.popen is None:
-            return []
-        # The session leader itself is a member while it lives (its sid is its pid).
-        members = self.members()
-        for p in members:
-            try:
-                p.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
-        try:
-            self.popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _, alive = psutil.wait_procs(members, timeout=timeout_s)
-        return [p for p in alive if _alive(p)]
+        return [] if self.tree is None else self.tree.kill(timeout_s)
 
     def log_tail(self, lines: int = 30) -> str:
         """The last ``lines`` lines of this process's log (since its last start)."""

@@ -8,13 +8,16 @@ Lifecycle (exit codes are for the supervisor that recreates the unit):
 2. wait, bounded by ``ready_timeout_s``, until ``/v2/models/llm/ready`` is 200.
    The model turns ready only after the engine is built, every follower has joined
    (the unit executor's join) and one warm-up generation went through all ranks.
-   Timeout or an early tritonserver exit -> EXIT_START_FAILED;
+   Timeout or an early tritonserver exit -> ExitCode.START_FAILED;
 3. watch: tritonserver alive and the model ready. The model unloads itself when
-   the unit fails (see health.py); then the leader waits ``drain_s`` so in-flight
-   clients receive their UNAVAILABLE errors, stops the tree and exits
-   EXIT_UNIT_FAILED. A tritonserver that dies on its own -> EXIT_SERVER_DIED;
-4. SIGTERM/SIGINT -> graceful stop (Triton's own drain), exit 0.
-Every path ends in ``reaper.terminate_tree`` (SIGTERM, then SIGKILL).
+   the unit fails (see unit_monitor.py); then the leader waits ``drain_s`` so
+   in-flight clients receive their UNAVAILABLE errors, stops the tree and exits
+   ExitCode.UNIT_FAILED. A tritonserver that dies on its own -> ExitCode.SERVER_DIED;
+4. SIGTERM/SIGINT -> graceful stop (Triton's own drain), ExitCode.OK.
+Every path ends in ``ProcessTree.terminate`` (proctree.py): SIGTERM to tritonserver
+alone, so it drains in-flight requests and finalizes the model, which shuts the
+engine down in order; SIGKILL after ``stop_timeout_s + FINALIZE_GRACE_S``; then
+whatever is left of the tree (backend stub, EngineCore) is stopped too.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from neuron_serving import proctree
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.ports import free_port, free_port_block
-from neuron_serving.triton import reaper
+from neuron_serving.proctree import ProcessTree
 from neuron_serving.triton.metrics_merge import MetricsMerger
 from neuron_serving.triton.repository import (
     MODEL_NAME,
@@ -49,16 +52,13 @@ from neuron_serving.triton.restricted import AdminKey
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_UNIT_FAILED = 3
-EXIT_START_FAILED = 4
-EXIT_SERVER_DIED = 5
-
 _POLL_S = 0.25
 # tritonserver gets --exit-timeout-secs=stop_timeout_s to drain requests; finalizing
 # the model (engine shutdown) comes after that and took over 15 s under heavy load,
 # so SIGKILL waits this much longer.
 FINALIZE_GRACE_S = 20.0
+# How long a SIGKILLed tritonserver may take to be reaped.
+_KILL_WAIT_S = 10.0
 # After the model's initialize() returned, tritonserver normally reports it ready
 # within a second. Seen here under heavy CPU load: the Python backend judged the
 # stub unhealthy during a long initialize() (its health handshake allows the stub
@@ -85,14 +85,6 @@ def served_version(model_dir: Path, requested: str) -> str:
             f"(version {version!r})"
         )
     return version
-
-
-def _die_with_parent() -> None:
-    """Runs in the forked child before exec: SIGTERM it when the leader dies."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def free_port_pair(host: str = "127.0.0.1") -> int:
@@ -145,7 +137,7 @@ class TritonLeader:
         self.proc: subprocess.Popen | None = None
         self.merger: MetricsMerger | None = None
         self.stop_requested = threading.Event()
-        self._tree: dict[int, psutil.Process] = {}
+        self._tree: ProcessTree | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._marker: Path | None = None
         from neuron_serving import envs
@@ -219,14 +211,14 @@ class TritonLeader:
             health_host = "127.0.0.1"
         shown = " ".join(cmd).replace(self.admin_key.value, "<admin-key>")
         log.info("starting %s", shown)
-        # Own process group (for killpg) but the leader's session, so a supervisor
-        # that cleans up by session still finds the tree; parent-death signal so a
-        # SIGKILLed leader does not leave a serving tritonserver behind.
-        self.proc = subprocess.Popen(
+        # Own process group (a tree of its own to stop) but the leader's session, so
+        # a supervisor that cleans up the leader by session still finds it; the
+        # parent-death signal (armed by spawn) keeps a SIGKILLed leader from leaving
+        # a serving tritonserver behind.
+        self.proc = proctree.spawn(
             cmd,
             env=env,
-            process_group=0,
-            preexec_fn=_die_with_parent,
+            new_session=False,
             stdout=stdout,
             stderr=subprocess.STDOUT if stdout else None,
         )
@@ -269,10 +261,14 @@ class TritonLeader:
     def model_ready(self) -> bool:
         return self.probe_model() is True
 
-    def _remember_tree(self) -> None:
+    def _process_tree(self) -> ProcessTree:
         assert self.proc is not None
-        for p in reaper.descendants(self.proc.pid):
-            self._tree[p.pid] = p
+        if self._tree is None or self._tree.popen is not self.proc:
+            self._tree = ProcessTree(self.proc, "tritonserver")
+        return self._tree
+
+    def _remember_tree(self) -> None:
+        self._process_tree().remember()
 
     def wait_ready(self) -> bool:
         assert self.proc is not None
@@ -305,7 +301,7 @@ class TritonLeader:
 
     # ---- run -------------------------------------------------------------------------
 
-    def monitor(self) -> int:
+    def monitor(self) -> ExitCode:
         """Block until a stop request, a unit failure or tritonserver's death."""
         assert self.proc is not None
         last_tree = 0.0
@@ -316,7 +312,7 @@ class TritonLeader:
                 last_tree = time.monotonic()
             if self.proc.poll() is not None:
                 log.error("tritonserver exited unexpectedly with %s", self.proc.returncode)
-                return EXIT_SERVER_DIED
+                return ExitCode.SERVER_DIED
             state = self.probe_model()
             if state is None:
                 # One slow probe on a loaded machine is not a unit failure; a server
@@ -324,7 +320,7 @@ class TritonLeader:
                 silent_since = silent_since or time.monotonic()
                 if time.monotonic() - silent_since > UNRESPONSIVE_S:
                     log.error("tritonserver answered no readiness probe for %.0f s", UNRESPONSIVE_S)
-                    return EXIT_UNIT_FAILED
+                    return ExitCode.UNIT_FAILED
                 continue
             silent_since = None
             if state is False and self.proc.poll() is None:
@@ -334,15 +330,14 @@ class TritonLeader:
                     self.s.drain_s,
                 )
                 self.stop_requested.wait(self.s.drain_s)
-                return EXIT_UNIT_FAILED
-        return EXIT_OK
+                return ExitCode.UNIT_FAILED
+        return ExitCode.OK
 
     def stop(self) -> int | None:
         rc = None
         if self.proc is not None:
-            self._remember_tree()
-            rc = reaper.terminate_tree(
-                self.proc, self.s.stop_timeout_s + FINALIZE_GRACE_S, list(self._tree.values())
+            rc = self._process_tree().terminate(
+                self.s.stop_timeout_s + FINALIZE_GRACE_S, kill_timeout_s=_KILL_WAIT_S
             )
         if self.merger is not None:
             self.merger.stop()
@@ -352,14 +347,14 @@ class TritonLeader:
             self._tmp = None
         return rc
 
-    def run(self) -> int:
+    def run(self) -> ExitCode:
         """start -> wait_ready -> monitor -> stop, with SIGTERM/SIGINT as a stop request."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.stop_requested.set())
         try:
             self.start()
             if not self.wait_ready():
-                return EXIT_OK if self.stop_requested.is_set() else EXIT_START_FAILED
+                return ExitCode.OK if self.stop_requested.is_set() else ExitCode.START_FAILED
             print(
                 f"leader ready: http {self.s.connect_host}:{self.s.http_port} "
                 f"grpc {self.s.connect_host}:{self.s.grpc_port} "

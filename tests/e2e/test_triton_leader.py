@@ -23,8 +23,8 @@ import numpy as np
 import psutil
 import pytest
 
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.netaddr import is_loopback
-from neuron_serving.triton.launcher import EXIT_UNIT_FAILED
 from neuron_serving.triton.restricted import ADMIN_HEADER, GRPC_METADATA_PREFIX
 from tests.e2e.triton_leader_helpers import (
     LeaderEndpoints,
@@ -521,5 +521,5 @@ def test_engine_death_turns_readiness_off_and_leader_exits(leader: LeaderEndpoin
         time.sleep(0.2)
     assert not leader.model_ready()
     rc = leader.proc.wait(timeout=90)
-    assert rc == EXIT_UNIT_FAILED, leader.log_tail()
+    assert rc == ExitCode.UNIT_FAILED, leader.log_tail()
     assert leftover([leader.proc]) == []

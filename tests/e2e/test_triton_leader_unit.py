@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_serving.triton.launcher import EXIT_UNIT_FAILED
+from neuron_serving.exitcodes import ExitCode
 from tests.e2e.triton_leader_helpers import get, start_leader, wait_ready
 from tests.procs import Proc, leftover, unit_env
 
@@ -71,7 +71,7 @@ def test_follower_death_turns_readiness_off_and_leader_exits(demo_model: Path, t
         assert not leader.model_ready()
         rc = leader.proc.wait(timeout=90)
         print(f"leader exited {rc} {time.monotonic() - killed:.2f} s after the follower's SIGKILL")
-        assert rc == EXIT_UNIT_FAILED, leader.log_tail()
+        assert rc == ExitCode.UNIT_FAILED, leader.log_tail()
         assert leftover([leader.proc, follower]) == []
     finally:
         leader.proc.stop()

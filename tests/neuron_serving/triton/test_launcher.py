@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.triton import launcher
-from neuron_serving.triton.launcher import (
-    EXIT_OK,
-    EXIT_UNIT_FAILED,
-    LeaderSettings,
-    TritonLeader,
-)
+from neuron_serving.triton.launcher import LeaderSettings, TritonLeader
 
 
 class FakeTriton:
@@ -74,7 +70,7 @@ def test_model_going_not_ready_is_a_unit_failure(leader) -> None:
     assert not result  # healthy: still watching
     fake.status = 400  # the model unloaded itself
     t.join(timeout=10)
-    assert result == [EXIT_UNIT_FAILED]
+    assert result == [ExitCode.UNIT_FAILED]
 
 
 def test_stop_request_ends_the_watch_cleanly(leader) -> None:
@@ -82,7 +78,7 @@ def test_stop_request_ends_the_watch_cleanly(leader) -> None:
     t, result = _monitor_in_thread(ldr)
     ldr.stop_requested.set()
     t.join(timeout=10)
-    assert result == [EXIT_OK]
+    assert result == [ExitCode.OK]
 
 
 def test_unanswered_probes_fail_the_unit_only_after_a_while(leader, monkeypatch) -> None:
@@ -92,7 +88,7 @@ def test_unanswered_probes_fail_the_unit_only_after_a_while(leader, monkeypatch)
     assert ldr.probe_model() is None
     t, result = _monitor_in_thread(ldr)
     t.join(timeout=20)
-    assert result == [EXIT_UNIT_FAILED]
+    assert result == [ExitCode.UNIT_FAILED]
 
 
 def test_abandoned_load_is_noticed(leader, tmp_path: Path, monkeypatch) -> None:

@@ -26,6 +26,7 @@ import msgspec
 import psutil
 import pytest
 
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit.auth import AuthError
 from neuron_serving.unit.calls import decode_result
 from neuron_serving.unit.channel import _HEAD, PLAIN, SEALED, Channel, ChannelClosed, LinkBroken
@@ -35,7 +36,7 @@ from neuron_serving.unit.control_server import (
     SPARE_HANDSHAKE_SLOTS,
     ControlServer,
 )
-from neuron_serving.unit.follower import EXIT_LEADER_LOST, Follower, FollowerConfig
+from neuron_serving.unit.follower import Follower, FollowerConfig
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Failure,
@@ -574,7 +575,7 @@ def test_tampered_leader_frames_fail_the_follower(relayed, msg_type, change):
     f = unit.form()
     wait_for(lambda: unit.exits, timeout=10, what="the follower to give up on its leader")
     code, msg = unit.exits[0]
-    assert code == EXIT_LEADER_LOST, unit.exits
+    assert code == ExitCode.LEADER_LOST, unit.exits
     assert "lost the leader" in msg and "forged" not in msg, msg
     assert not f._shutdown.is_set()  # a forged Shutdown is not a clean shutdown
     if msg_type is Start:
@@ -653,7 +654,7 @@ def test_timed_out_send_closes_the_link_as_lost_not_tampered(relayed):
     release.set()
     wait_for(lambda: unit.exits, timeout=10, what="the follower to give up on its leader")
     code, msg = unit.exits[0]
-    assert code == EXIT_LEADER_LOST, unit.exits
+    assert code == ExitCode.LEADER_LOST, unit.exits
     assert "lost the leader" in msg, msg
     for tampering in ("limit", "authentication", "out of sequence", "kind"):
         assert tampering not in msg, msg

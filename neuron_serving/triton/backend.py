@@ -31,7 +31,6 @@ import numpy as np
 
 from neuron_serving.triton.backend_config import BackendConfig
 from neuron_serving.triton.engine_thread import EngineThread
-from neuron_serving.triton.health import HealthSettings, UnitHealthMonitor
 from neuron_serving.triton.metrics import BackendMetrics, serve_registry
 from neuron_serving.triton.request import (
     GenerateRequest,
@@ -40,6 +39,7 @@ from neuron_serving.triton.request import (
     parse_request,
 )
 from neuron_serving.triton.responses import ResponseThread, Stream
+from neuron_serving.triton.unit_monitor import HealthSettings, UnitHealthMonitor
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class LLMBackend:
         # the stub and an output tensor in tritonserver and its front end, and text
         # alone on the middle ones cut the leader's CPU per streamed token by ~20 %
         # (stub 185 -> 147 us, tritonserver 112 -> 95 us; Triton README). Readers take
-        # counts as a maximum over the responses they saw (proxy/upstream.py).
+        # counts as a maximum over the responses they saw (proxy/grpc_upstream.py).
         if first or finish_reason is not None:
             tensors += [
                 T("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),

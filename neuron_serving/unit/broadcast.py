@@ -41,16 +41,21 @@ import torch.distributed as dist
 
 from neuron_serving import envs
 from neuron_serving.unit import auth
-from neuron_serving.unit.stats import BroadcastStats
+from neuron_serving.unit.broadcast_stats import BroadcastStats
 from neuron_serving.unit.store import tcp_store
 
 MAGIC = b"NSCB"
 WIRE_VERSION = 1
 HEADER = struct.Struct("!4sHHQQ32s")
 
-KIND_CALL = 1  # payload: pickled (method, args, kwargs, reply_all)
+KIND_CALL = 1  # payload: a pickled call (method, args, kwargs, gather): calls.py
 KIND_KEEPALIVE = 2  # no payload: keeps idle followers inside the group timeout
 KIND_SHUTDOWN = 3  # no payload: clean exit
+
+# The group's timeout, the same on every rank. Only a backstop (heartbeats on
+# the control connections detect a dead or hung rank within seconds); the
+# leader's keepalive (executor.py) keeps an idle unit well inside it.
+GROUP_TIMEOUT_S = 300.0
 
 
 class BroadcastError(RuntimeError):
@@ -87,6 +92,31 @@ def make_group(
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
     group = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
     return group, store
+
+
+def open_control_broadcast(
+    *,
+    rank: int,
+    world_size: int,
+    store_host: str,
+    store_port: int,
+    local_host: str,
+    token: bytes,
+    session_nonce: bytes,
+    inline_bytes: int,
+) -> ControlBroadcast:
+    """This rank's end of the unit's control broadcast (rank 0 sends, the others
+    receive), keyed for the session the leader's ``Welcome`` announced."""
+    group = make_group(
+        rank=rank,
+        world_size=world_size,
+        store_host=store_host,
+        store_port=store_port,
+        local_host=local_host,
+        timeout_s=GROUP_TIMEOUT_S,
+        is_master=rank == 0,
+    )
+    return ControlBroadcast(group, rank, auth.broadcast_key(token, session_nonce), inline_bytes)
 
 
 class ControlBroadcast:

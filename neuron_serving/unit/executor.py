@@ -16,16 +16,17 @@ tensor-parallel collectives inside a step then pair up across ranks. Breaking
 this order deadlocks the unit.
 
 Failure: a unit fails as a whole. When a follower's connection closes, its
-heartbeats stop, or it reports an error, ``_on_rank_failure`` records a reason
-naming the rank, tells the other followers, flips health to FAILED, notifies
-vLLM's failure callback, and after ``abort_grace_s`` exits the process: rank 0
-may be blocked inside a collective with the dead rank (the CPU shared-memory
-all-reduce spins with no timeout), which nothing but exiting can interrupt.
+heartbeats stop, or it reports an error, and when a call fails on rank 0 or a
+gathered call is not answered in time (``_fail_unit``), ``_on_rank_failure``
+records a reason naming the rank, tells the other followers, flips health to
+FAILED, notifies vLLM's failure callback, and after ``abort_grace_s`` exits the
+process: rank 0 may be blocked inside a collective with the dead rank (the CPU
+shared-memory all-reduce spins with no timeout), which nothing but exiting can
+interrupt.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -38,37 +39,36 @@ from typing import Any
 from vllm.platforms import current_platform
 from vllm.v1.executor.abstract import Executor, FailureCallback
 from vllm.v1.outputs import AsyncModelRunnerOutput
-from vllm.v1.serial_utils import run_method
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from neuron_serving.checkpoint.compat import manifest_identity
 from neuron_serving.devices.base import RankPlacement, get_backend
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit import auth
 from neuron_serving.unit.broadcast import (
     KIND_CALL,
     KIND_KEEPALIVE,
     KIND_SHUTDOWN,
     ControlBroadcast,
-    make_group,
+    open_control_broadcast,
 )
 from neuron_serving.unit.calls import decode_result, encode_call, method_name
 from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 from neuron_serving.unit.control_server import ControlServer
-from neuron_serving.unit.health import HealthServer
+from neuron_serving.unit.health_server import HealthServer
 from neuron_serving.unit.load_io import LoadStats, measured_load_model
+from neuron_serving.unit.local_worker import in_session, run_call
 from neuron_serving.unit.messages import CheckpointRef, Start
-from neuron_serving.unit.metrics import NodeCollector
-from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.unit.node_metrics import NodeCollector
+from neuron_serving.unit.node_status import NodeState, NodeStatus
 from neuron_serving.unit.store import init_method as store_init_method
 from neuron_serving.versions import runtime_versions
 
 logger = logging.getLogger("neuron_serving.unit.executor")
 
-EXIT_UNIT_FAILED = 3
 # Idle followers wait in a Gloo broadcast; a keepalive well inside the group
-# timeout stops an idle unit from timing itself out.
+# timeout (broadcast.GROUP_TIMEOUT_S) stops an idle unit from timing itself out.
 KEEPALIVE_INTERVAL_S = 30.0
-GROUP_TIMEOUT_S = 300.0
 
 
 class UnitFailedError(RuntimeError):
@@ -149,20 +149,17 @@ class UnitExecutor(Executor):
                 dist_init_method=self._dist_init_method(),
             )
         )
-        group = make_group(
+        self.broadcast = open_control_broadcast(
             rank=0,
             world_size=self.world_size,
             store_host=self.unit.control_host,
             store_port=self.unit.store_port,
             local_host=self.unit.control_host,
-            timeout_s=GROUP_TIMEOUT_S,
-            is_master=True,
+            token=token,
+            session_nonce=self.server.session_nonce,
+            inline_bytes=self.unit.broadcast_inline_bytes,
         )
-        key = auth.broadcast_key(token, self.server.session_nonce)
-        self.placement = dataclasses.replace(
-            self.placement, session=self.server.session_nonce.hex()[:16]
-        )
-        self.broadcast = ControlBroadcast(group, 0, key, self.unit.broadcast_inline_bytes)
+        self.placement = in_session(self.placement, self.server.session_nonce)
         threading.Thread(target=self._keepalive_loop, name="unit-keepalive", daemon=True).start()
 
     def _checkpoint_ref(self) -> CheckpointRef:
@@ -216,22 +213,29 @@ class UnitExecutor(Executor):
         try:
             if self.broadcast is not None:
                 seq = self.broadcast.send(KIND_CALL, encode_call(method, args, kwargs, gather))
-            result = run_method(self.driver_worker, method, args, kwargs)
-            if resolve_async and isinstance(result, AsyncModelRunnerOutput):
-                result = result.get_output()
+            result = run_call(self.driver_worker, method, args, kwargs, resolve=resolve_async)
         except Exception as e:
             if self.server is None:
                 raise
             # Followers ran (or are running) the same call; rank 0 cannot rejoin
             # them in lockstep, so the unit fails as a whole.
-            raise self._unit_failure_from(e, method) from e
+            raise self._fail_unit(f"rank 0 failed in {method_name(method)}: {e!r}") from e
         if not gather or self.server is None:
             return [result]
-        replies = self.server.gather(seq, timeout or self.unit.rpc_timeout_s, lambda: self.failure)
+        try:
+            replies = self.server.gather(
+                seq, timeout or self.unit.rpc_timeout_s, lambda: self.failure
+            )
+        except Exception as e:
+            # A rank that did not answer in time is hung or still inside the call:
+            # vLLM gets an error, and the ranks no longer agree on what has run,
+            # which only recreating the whole unit repairs, as after a failed call.
+            raise self._fail_unit(f"{method_name(method)} not answered: {e}") from e
         results = [result]
         for rank, reply in enumerate(replies, start=1):
             if not reply.ok:
-                raise UnitFailedError(f"rank {rank} failed in {method_name(method)}: {reply.error}")
+                reason = f"rank {rank} failed in {method_name(method)}: {reply.error}"
+                raise self._fail_unit(reason)
             # Only Replies whose frame MAC and sequence verified reach here (channel.py).
             results.append(decode_result(reply.payload))
         return results
@@ -300,7 +304,9 @@ class UnitExecutor(Executor):
             raise UnitFailedError(self.failure)
 
     # -- failure ------------------------------------------------------------
-    def _unit_failure_from(self, error: Exception, method: Any) -> UnitFailedError:
+    def _fail_unit(self, reason: str) -> UnitFailedError:
+        """Fail the unit from the thread running a call, as ``_on_rank_failure``
+        does for failures the control server sees; returns the error to raise."""
         # A dead peer usually surfaces here first (Gloo: "connection closed by
         # peer") while the control server is still noticing the closed control
         # connection; wait a moment for it so the error names the rank and not a
@@ -308,7 +314,6 @@ class UnitExecutor(Executor):
         deadline = time.monotonic() + 1.0
         while not self.failure and time.monotonic() < deadline:
             time.sleep(0.02)
-        reason = f"rank 0 failed in {method_name(method)}: {error!r}"
         if not self.failure:
             self._on_rank_failure(0, reason)
         return UnitFailedError(self.failure or reason)
@@ -334,9 +339,11 @@ class UnitExecutor(Executor):
         # Still alive: the engine thread is likely blocked in a collective with
         # the failed rank. Exit so the supervisor recreates the whole unit.
         self.backend.release(self.placement)
-        sys.stderr.write(f"neuron-serving: {self.failure}; exiting with code {EXIT_UNIT_FAILED}\n")
+        sys.stderr.write(
+            f"neuron-serving: {self.failure}; exiting with code {ExitCode.UNIT_FAILED:d}\n"
+        )
         sys.stderr.flush()
-        os._exit(EXIT_UNIT_FAILED)
+        os._exit(ExitCode.UNIT_FAILED)
 
     def _keepalive_loop(self) -> None:
         while not self._stop.wait(KEEPALIVE_INTERVAL_S / 3):

@@ -11,8 +11,9 @@ Threads:
   main thread may be stuck in Gloo or the shared-memory all-reduce, which
   cannot be interrupted).
 
-Exit codes: 0 clean shutdown by the leader; 1 this rank failed or was rejected;
-2 the leader died, hung, or reported the unit failed.
+Exit codes (``neuron_serving.exitcodes``): OK on a clean shutdown by the
+leader; FAILED when this rank failed or was rejected; LEADER_LOST when the
+leader died, hung, or reported the unit failed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.logsafe import printable
 from neuron_serving.unit import auth
 from neuron_serving.unit.channel import (
@@ -51,12 +53,11 @@ from neuron_serving.unit.messages import (
     Welcome,
     clip,
 )
-from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.unit.node_status import NodeState, NodeStatus
 from neuron_serving.versions import runtime_versions
 
 logger = logging.getLogger("neuron_serving.follower")
 
-EXIT_OK, EXIT_FAILED, EXIT_LEADER_LOST = 0, 1, 2
 # Each handshake frame from the leader, whole (the leader's own bound is the same).
 HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -277,7 +278,7 @@ class Follower:
                 if self._shutdown.is_set():
                     return
                 self._exit(
-                    EXIT_LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting"
+                    ExitCode.LEADER_LOST, f"rank {self.cfg.rank}: lost the leader ({e}); exiting"
                 )
                 return
             self._last_seen = time.monotonic()
@@ -287,7 +288,7 @@ class Follower:
                 self._starts.put(msg)
             elif isinstance(msg, Failure):
                 self._exit(
-                    EXIT_LEADER_LOST,
+                    ExitCode.LEADER_LOST,
                     f"rank {self.cfg.rank}: leader reports {printable(msg.reason, 4000)}; exiting",
                 )
                 return
@@ -325,14 +326,14 @@ class Follower:
                 # The leader asked us to stop; give the main loop a moment to do it
                 # cleanly, then make sure we do not linger.
                 time.sleep(5.0)
-                self._exit(EXIT_OK, f"rank {self.cfg.rank}: shut down by the leader")
+                self._exit(ExitCode.OK, f"rank {self.cfg.rank}: shut down by the leader")
                 return
             age = time.monotonic() - self._last_seen
             # Only leader-side heartbeats count; before Start the leader may be
             # waiting for other ranks, but it heartbeats from Start on.
             if self._started and age > timeout:
                 self._exit(
-                    EXIT_LEADER_LOST,
+                    ExitCode.LEADER_LOST,
                     f"rank {self.cfg.rank}: no heartbeat from the leader for {age:.1f} s "
                     "(leader hung or unreachable); exiting",
                 )

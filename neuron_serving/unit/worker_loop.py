@@ -9,24 +9,21 @@ from __future__ import annotations
 
 import logging
 
-from vllm.v1.outputs import AsyncModelRunnerOutput
-from vllm.v1.serial_utils import run_method
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from neuron_serving.devices.base import DeviceBackend, RankPlacement
-from neuron_serving.unit import auth
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit.broadcast import (
     KIND_CALL,
     KIND_KEEPALIVE,
     KIND_SHUTDOWN,
-    ControlBroadcast,
-    make_group,
+    open_control_broadcast,
 )
 from neuron_serving.unit.calls import decode_call, method_name
-from neuron_serving.unit.executor import GROUP_TIMEOUT_S
-from neuron_serving.unit.follower import EXIT_FAILED, EXIT_OK, Follower
+from neuron_serving.unit.follower import Follower
 from neuron_serving.unit.load_io import LoadStats
-from neuron_serving.unit.state import NodeState
+from neuron_serving.unit.local_worker import in_session, run_call
+from neuron_serving.unit.node_status import NodeState
 
 logger = logging.getLogger("neuron_serving.follower")
 
@@ -37,24 +34,20 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
     start = follower.wait_start()
     # The address this host reaches the leader from is the one peers can reach us on.
     local_host = follower.channel.sock.getsockname()[0]
-    group = make_group(
+    bc = open_control_broadcast(
         rank=cfg.rank,
         world_size=welcome.world_size,
         store_host=start.store_host,
         store_port=start.store_port,
         local_host=local_host,
-        timeout_s=GROUP_TIMEOUT_S,
-        is_master=False,
+        token=follower.token,
+        session_nonce=welcome.session_nonce,
+        inline_bytes=welcome.broadcast_inline_bytes,
     )
-    key = auth.broadcast_key(follower.token, welcome.session_nonce)
-    bc = ControlBroadcast(group, cfg.rank, key, welcome.broadcast_inline_bytes)
     follower.broadcast = bc  # the health server's /metrics reads its stats
-    placement = RankPlacement(
-        cfg.rank,
-        welcome.world_size,
-        cfg.leader_host,
-        cfg.leader_port,
-        session=welcome.session_nonce.hex()[:16],
+    placement = in_session(
+        RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port),
+        welcome.session_nonce,
     )
     follower.on_exit.append(lambda: backend.release(placement))
     backend.prepare_worker(placement)
@@ -73,7 +66,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
             except Exception as e:  # exiting anyway; say why it was not clean
                 logger.warning("worker shutdown failed: %s", e)
             follower.run_exit_hooks()
-            return EXIT_OK
+            return ExitCode.OK
         if kind != KIND_CALL:
             raise RuntimeError(f"unknown control broadcast kind {kind}")
         method, args, kwargs, gather = decode_call(payload)
@@ -81,9 +74,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
         if name == "init_device":
             status.set_state(NodeState.LOADING)
         try:
-            result = run_method(worker, method, args, kwargs)
-            if isinstance(result, AsyncModelRunnerOutput):
-                result = result.get_output()
+            result = run_call(worker, method, args, kwargs, resolve=True)
         except Exception as e:
             reason = f"rank {cfg.rank} failed in {name}: {e!r}"
             logger.error("%s\n%s", reason, follower.format_exc())
@@ -92,7 +83,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
                 follower.reply(seq, ok=False, error=reason)
             follower.report_failure(reason)
             follower.run_exit_hooks()
-            return EXIT_FAILED
+            return ExitCode.FAILED
         if gather:
             follower.reply(seq, ok=True, result=result)
         if isinstance(result, LoadStats):

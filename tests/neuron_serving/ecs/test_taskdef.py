@@ -179,8 +179,8 @@ def test_health_check_passes_only_for_a_ready_node(tmp_path):
 
     import psutil
 
-    from neuron_serving.unit.health import HealthServer
-    from neuron_serving.unit.state import NodeState, NodeStatus
+    from neuron_serving.unit.health_server import HealthServer
+    from neuron_serving.unit.node_status import NodeState, NodeStatus
     from tests.procs import free_port_block
 
     port = free_port_block(2)

@@ -15,33 +15,30 @@ from neuron_serving.unit.broadcast import (
     BroadcastError,
     ControlBroadcast,
     make_group,
+    open_control_broadcast,
 )
 from tests.procs import free_port_block
 
 
-def _pair(key0=b"k" * 32, key1=b"k" * 32, inline=1024):
-    port = free_port_block()
-    groups = {}
-
-    def mk(rank):
-        groups[rank] = make_group(
-            rank=rank,
-            world_size=2,
-            store_host="127.0.0.1",
-            store_port=port,
-            local_host="127.0.0.1",
-            timeout_s=20,
-            is_master=rank == 0,
-        )
-
-    t = threading.Thread(target=mk, args=(1,))
-    t.start()
-    mk(0)
-    t.join(timeout=30)
-    return (
-        ControlBroadcast(groups[0], 0, key0, inline),
-        ControlBroadcast(groups[1], 1, key1, inline),
+def _both_ranks(make):
+    """``make(rank, where)`` on both ranks at once: a group forms only when both join."""
+    where = dict(
+        world_size=2, store_host="127.0.0.1", store_port=free_port_block(), local_host="127.0.0.1"
     )
+    ends = {}
+    t = threading.Thread(target=lambda: ends.setdefault(1, make(1, where)))
+    t.start()
+    ends[0] = make(0, where)
+    t.join(timeout=30)
+    return ends[0], ends[1]
+
+
+def _pair(key0=b"k" * 32, key1=b"k" * 32, inline=1024):
+    def end(rank, where):
+        group = make_group(rank=rank, timeout_s=20, is_master=rank == 0, **where)
+        return ControlBroadcast(group, rank, (key0, key1)[rank], inline)
+
+    return _both_ranks(end)
 
 
 def _exchange(sender, receiver, payloads):
@@ -141,3 +138,26 @@ def test_leader_store_listens_on_the_store_host_only():
     ]
     mine = [a for a in listening if a.port == port]
     assert [a.ip for a in mine] == ["127.0.0.1"], f"store port {port} listens on {mine}"
+
+
+def _session_pair(nonce0: bytes, nonce1: bytes):
+    """Both ends as the executor and the follower's worker loop open them."""
+    return _both_ranks(
+        lambda rank, where: open_control_broadcast(
+            rank=rank,
+            token=b"t" * 32,
+            session_nonce=(nonce0, nonce1)[rank],
+            inline_bytes=1024,
+            **where,
+        )
+    )
+
+
+def test_ranks_of_one_session_exchange_and_another_session_is_refused():
+    leader, follower = _session_pair(b"n" * 16, b"n" * 16)
+    got, errors = _exchange(leader, follower, [b"step"])
+    assert not errors and got == [(KIND_CALL, 1, b"step")]
+    leader, stranger = _session_pair(b"n" * 16, b"m" * 16)
+    got, errors = _exchange(leader, stranger, [b"step"])
+    assert not got
+    assert isinstance(errors[0], BroadcastError) and "failed authentication" in str(errors[0])

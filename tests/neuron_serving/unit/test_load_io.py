@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from neuron_serving.checkpoint.errors import CheckpointUntrusted
-from neuron_serving.unit.health import HealthServer
+from neuron_serving.unit.health_server import HealthServer
 from neuron_serving.unit.load_io import LoadStats, measured_load_model, read_proc_io
-from neuron_serving.unit.metrics import NodeCollector
-from neuron_serving.unit.state import NodeStatus
+from neuron_serving.unit.node_metrics import NodeCollector
+from neuron_serving.unit.node_status import NodeStatus
 from tests.neuron_serving.checkpoint.synthetic import make_checkpoint
 from tests.procs import free_port_block
 

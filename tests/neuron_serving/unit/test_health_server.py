@@ -13,8 +13,8 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from neuron_serving.unit.health import HealthLimits, HealthServer
-from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.unit.health_server import HealthLimits, HealthServer
+from neuron_serving.unit.node_status import NodeState, NodeStatus
 from tests.procs import free_port_block, non_loopback_ipv4
 
 
@@ -64,8 +64,8 @@ def test_health_follows_node_state():
 
 
 def test_metrics_endpoint_reports_control_plane():
-    from neuron_serving.unit.metrics import NodeCollector
-    from neuron_serving.unit.stats import BroadcastStats
+    from neuron_serving.unit.broadcast_stats import BroadcastStats
+    from neuron_serving.unit.node_metrics import NodeCollector
 
     status = NodeStatus("unit-m", 0, 2)
     stats = BroadcastStats()

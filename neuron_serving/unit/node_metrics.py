@@ -20,9 +20,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from neuron_serving.unit.broadcast_stats import LATENCY_BUCKETS, BroadcastStats
 from neuron_serving.unit.load_io import LoadStats
-from neuron_serving.unit.state import NodeState, NodeStatus
-from neuron_serving.unit.stats import LATENCY_BUCKETS, BroadcastStats
+from neuron_serving.unit.node_status import NodeState, NodeStatus
 
 # (metric name, help, BroadcastStats attribute) of the control-plane counters.
 _COUNTERS = (

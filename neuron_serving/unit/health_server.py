@@ -21,7 +21,6 @@ Hostile by default (both ports may face the VPC in ECS):
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import socket
@@ -38,13 +37,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from neuron_serving import envs
+from neuron_serving.bearer import bearer_matches
 from neuron_serving.netaddr import host_port, is_loopback
-from neuron_serving.unit.metrics import NodeCollector, render
-from neuron_serving.unit.state import NodeState, NodeStatus
+from neuron_serving.unit.node_metrics import NodeCollector, render
+from neuron_serving.unit.node_status import NodeState, NodeStatus
 
 SERVICE_NAME = "neuron_serving.Node"
 
-logger = logging.getLogger("neuron_serving.unit.health")
+logger = logging.getLogger("neuron_serving.unit.health_server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,8 +242,6 @@ class BoundedHTTPServer(socketserver.TCPServer):
 def _handler(
     status: NodeStatus, collector: NodeCollector, token: str | None
 ) -> type[BaseHTTPRequestHandler]:
-    expected = f"Bearer {token}".encode() if token else None
-
     class Handler(BaseHTTPRequestHandler):
         # No software versions in the Server header (see version_string).
         server_version = "neuron-serving"
@@ -263,10 +261,9 @@ def _handler(
         def _detail_allowed(self) -> bool:
             if is_loopback(self.client_address[0]):
                 return True
-            if expected is None:
-                return False
+            # http.server decodes header values as latin-1: back to the bytes sent.
             got = self.headers.get("Authorization", "").encode("latin-1", "replace")
-            return hmac.compare_digest(got, expected)
+            return bearer_matches(got, token)
 
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             path = self.path.split("?")[0]

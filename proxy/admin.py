@@ -3,21 +3,21 @@
 Every request needs ``Authorization: Bearer <token>``; anything else gets 401
 before the handler runs, so a rejected request changes nothing. With no token
 configured the API refuses everything (fail closed). The token is compared in
-constant time.
+constant time (neuron_serving/bearer.py).
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from neuron_serving.bearer import bearer_matches
 from proxy.config import UnitSpec
 from proxy.errors import APIError, invalid
+from proxy.front_end import read_json
 from proxy.http_guard import BODY_GUARD, BodyGuard
-from proxy.openai_api import read_json
 
 if TYPE_CHECKING:
     from proxy.server import ProxyServer
@@ -37,10 +37,7 @@ def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard)
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is None:
             return _unauthorized("admin API disabled: no admin token configured")
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode(), token.encode()
-        ):
+        if not bearer_matches(request.headers.get("Authorization"), token):
             return _unauthorized("missing or invalid bearer token")
         try:
             return await handler(request)

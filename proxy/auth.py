@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from neuron_serving.bearer import bearer_token
+
 log = logging.getLogger(__name__)
 
 MIN_KEY_CHARS = 16
@@ -96,12 +98,8 @@ class ApiKeys:
 
     def tenant_of_header(self, authorization: str | None) -> str | None:
         """The tenant of ``Authorization: Bearer <key>``, or None."""
-        if not authorization:
-            return None
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            return None
-        return self.tenant_of(key.strip())
+        key = bearer_token(authorization)
+        return None if key is None else self.tenant_of(key)
 
 
 def _tenant(name: Any, raw: Any) -> TenantSpec:

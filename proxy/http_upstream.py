@@ -1,5 +1,6 @@
 """The leader's Triton HTTP ``generate_stream``, seen as the same async iterator of
-``GenerationDelta`` as the gRPC upstream (``upstream.py``).
+``GenerationDelta`` as the gRPC upstream (``grpc_upstream.py``), under the same
+contract (``upstream.py``).
 
 Why a second transport: per streamed token the gRPC upstream pays grpc.aio's
 cross-thread hand-off (gRPC's C-core poller thread completes the read, then wakes
@@ -23,7 +24,7 @@ repository version, "1"), and a leader's output of the same name does not appear
 the JSON (checked against tritonserver 2.51 with a versioned leader: gRPC carries the
 leader's "v7", HTTP only Triton's "1"). So over HTTP the proxy learns a unit's
 checkpoint version from its probes alone (the model config's ``model_version``
-parameter, ``health.py``), not from the first response.
+parameter, ``health_checker.py``), not from the first response.
 
 Every wait is bounded as in the gRPC upstream (``ReadWatchdog``: first token, between
 tokens, the request deadline). Leaving the iterator early closes the connection,

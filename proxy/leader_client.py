@@ -14,7 +14,7 @@ reader/writer call (metadata, write and half-close as separate operations, each 
 wake-up of gRPC's poller) it saves ~0.15-0.2 ms of proxy CPU per request (1.68 ->
 1.52 ms, event-loop thread 1.41 -> 1.21 ms; fake leader, 3 x 1000 sequential
 one-token streams, alternating). Responses are read straight from the protobuf
-message (``proxy.upstream.decode_response``).
+message (``proxy.grpc_upstream.decode_response``).
 
 One ``LeaderClient`` (one HTTP/2 channel) per leader address, shared by probes and
 generations: gRPC multiplexes calls, and sharing means a probe sees the same

@@ -22,7 +22,7 @@ RegistryEvent = Literal["added", "removed"]
 
 
 @dataclass(slots=True)
-class NodeState:
+class NodeHealth:
     """One process of a unit. Starts unhealthy: nothing is routable before its first probe."""
 
     node_id: str  # "<unit>/leader" or "<unit>/follower-<rank>"
@@ -44,7 +44,7 @@ class NodeState:
 @dataclass(slots=True)
 class UnitState:
     spec: UnitSpec
-    nodes: list[NodeState]
+    nodes: list[NodeHealth]
     # The checkpoint version the unit serves: starts as the config's, then what the
     # leader announces (its model config's "model_version", read by the health
     # checker each time the leader becomes healthy, i.e. after every restart, and by
@@ -67,7 +67,7 @@ class UnitState:
         return self.spec.unit_id
 
     @property
-    def leader(self) -> NodeState:
+    def leader(self) -> NodeHealth:
         return self.nodes[0]
 
     def nodes_healthy(self) -> bool:
@@ -92,9 +92,9 @@ class Event:
 
 
 def make_unit_state(spec: UnitSpec) -> UnitState:
-    nodes = [NodeState(f"{spec.unit_id}/leader", "leader", spec.leader_grpc)]
+    nodes = [NodeHealth(f"{spec.unit_id}/leader", "leader", spec.leader_grpc)]
     nodes += [
-        NodeState(f"{spec.unit_id}/follower-{rank}", "follower", addr)
+        NodeHealth(f"{spec.unit_id}/follower-{rank}", "follower", addr)
         for rank, addr in enumerate(spec.followers, start=1)
     ]
     return UnitState(spec=spec, nodes=nodes, model_version=spec.model_version)

@@ -14,7 +14,6 @@ else. Both listeners run on ``GuardedAppRunner`` (proxy/http_guard.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from neuron_serving import envs
+from neuron_serving.bearer import bearer_matches
 from neuron_serving.netaddr import is_loopback
 from proxy.admin import make_admin_app
 from proxy.admission import AdmissionController
@@ -30,7 +30,8 @@ from proxy.config import ProxyConfig
 from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
-from proxy.health import HealthChecker
+from proxy.grpc_upstream import TritonUpstream
+from proxy.health_checker import HealthChecker
 from proxy.http_guard import (
     BODY_GUARD,
     TENANT,
@@ -40,16 +41,16 @@ from proxy.http_guard import (
     access_log,
 )
 from proxy.http_upstream import TritonHttpUpstream
+from proxy.leader_client import TritonClientPool
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.openai_api import OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
-from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
+from proxy.registry import NodeHealth, Registry, RegistryEvent, UnitState
 from proxy.routing import make_policy
 from proxy.status import build_status
 from proxy.tokenizer import ModelTokenizer
 from proxy.transport import UnitTransport
 from proxy.triton_api import TritonFrontEnd
-from proxy.upstream import TritonClientPool, TritonUpstream
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class ProxyServer:
         if all(u.spec.leader_grpc != addr for u in self.registry.units.values()):
             await self.clients.discard(addr)
 
-    def _on_probe(self, unit: UnitState, node: NodeState, ok: bool, latency_s: float) -> None:
+    def _on_probe(self, unit: UnitState, node: NodeHealth, ok: bool, latency_s: float) -> None:
         self.metrics.probe_latency.labels(node.role).observe(latency_s)
         if not ok:
             self.metrics.probe_failures.labels(unit.unit_id, node.node_id).inc()
@@ -181,15 +182,7 @@ class ProxyServer:
     # -- client-port handlers ---------------------------------------------------------
 
     def is_admin(self, request: web.Request) -> bool:
-        token = self._admin_token
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        return (
-            token is not None
-            and scheme.lower() == "bearer"
-            and hmac.compare_digest(
-                given.strip().encode("utf-8", "surrogateescape"), token.encode()
-            )
-        )
+        return bearer_matches(request.headers.get("Authorization"), self._admin_token)
 
     def is_trusted(self, request: web.Request) -> bool:
         """A caller who may see internal detail: a client key, the admin token, or (with

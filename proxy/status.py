@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from proxy.registry import NodeState, Registry, UnitState
+from proxy.registry import NodeHealth, Registry, UnitState
 
 
-def _node(n: NodeState) -> dict[str, Any]:
+def _node(n: NodeHealth) -> dict[str, Any]:
     return {
         "node_id": n.node_id,
         "role": n.role,

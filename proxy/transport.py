@@ -1,9 +1,9 @@
 """Which transport carries a unit's generations: the config's ``upstream_protocol``.
 
-``grpc`` (default): Triton's ``ModelStreamInfer`` (``upstream.TritonUpstream``).
+``grpc`` (default): Triton's ``ModelStreamInfer`` (``grpc_upstream.TritonUpstream``).
 ``http``: Triton's ``generate_stream`` (``http_upstream.TritonHttpUpstream``) for
 every unit that has a ``leader_http`` address; a unit without one (e.g. added over
-the admin API without it) keeps gRPC. Probes use gRPC either way (``health.py``).
+the admin API without it) keeps gRPC. Probes use gRPC either way (``health_checker.py``).
 Both yield the same ``GenerationDelta``s and raise the same ``UpstreamError``s, so
 retries, migration, cancellation and the metrics do not depend on the choice.
 """
@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from proxy.config import UnitSpec
+from proxy.grpc_upstream import TritonUpstream
 from proxy.http_upstream import TritonHttpUpstream
-from proxy.upstream import AttemptTiming, GenerationDelta, TritonUpstream
+from proxy.upstream import AttemptTiming, GenerationDelta
 
 
 class UnitTransport:

@@ -27,8 +27,8 @@ from aiohttp import web
 from proxy.admission import Overloaded
 from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
 from proxy.errors import APIError, invalid
+from proxy.front_end import as_api_error, read_json, text_header
 from proxy.http_guard import write_bounded
-from proxy.openai_api import as_api_error, read_json, text_header
 from proxy.protocol import SAMPLING_FIELDS, int_param, parse_sampling
 from proxy.sse import TextTemplate
 from proxy.upstream import GenerationDelta, UpstreamError

@@ -1,37 +1,27 @@
-"""The leader's Triton gRPC stream, seen as an async iterator of text deltas.
+"""The upstream contract: what the dispatcher needs of a transport to a unit's leader,
+whichever carries it (gRPC in ``grpc_upstream.py``, HTTP in ``http_upstream.py``).
 
-One ``ModelStreamInfer`` call per generation, with the conventions of Triton's
-vllm_backend: inputs ``text_input`` (BYTES), ``stream`` (BOOL),
-``sampling_parameters`` (BYTES, JSON), ``exclude_input_in_output`` (BOOL);
-outputs ``text_output`` (the new text of this response), ``finish_reason``
-(empty until the last response), ``prompt_tokens`` and ``completion_tokens``
-(INT32, cumulative for the request; taken as a maximum, so a leader that sends
-them only on the last response works too).
-
-Every wait is bounded: the first response by ``first_token_s`` (a unit that
-accepts the request and then says nothing is broken), each later one by
-``inter_token_s``, all of it by the request deadline (also passed to gRPC as the
-call's deadline). Leaving the iterator early (client gone, caller cancelled)
-cancels the gRPC call, which makes Triton cancel the request in vLLM.
+A transport's ``generate`` is an async iterator of ``GenerationDelta`` that ends
+with (and including) the delta that has a finish reason, and raises only
+``UpstreamError`` (``DeadlineExceeded`` for the request deadline): the error says
+whether the unit is at fault (outlier ejection), whether another unit may succeed
+(retry, migration) and what the client sees if it is final. In-stream error
+messages are classified the same way over both transports
+(``classify_stream_error``), and both bound their reads with one ``ReadWatchdog``
+per stream: the first response by ``first_token_s`` (a unit that accepts the
+request and then says nothing is broken), each later one by ``inter_token_s``, all
+of it by the request deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import struct
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import grpc
-from tritonclient.grpc import service_pb2
-
-from proxy.config import TimeoutConfig, UnitSpec
-from proxy.leader_client import TritonClientPool, build_request, grpc_channel_options
-
-__all__ = ["TritonClientPool", "grpc_channel_options"]  # re-exported: callers import them here
+from proxy.config import UnitSpec
 
 # In-stream error messages that mean "this unit cannot serve now" (retry elsewhere),
 # as opposed to "this request is bad" (tell the client). A stream error carries only
@@ -81,108 +71,6 @@ class GenerationDelta:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     model_version: str | None = None  # the leader sends it with the first response
-
-
-# First element of a raw little-endian tensor, by Triton datatype (BYTES apart).
-_NUMERIC = {
-    dt: struct.Struct(fmt)
-    for dt, fmt in (
-        ("BOOL", "<?"), ("INT8", "<b"), ("UINT8", "<B"), ("INT16", "<h"), ("UINT16", "<H"),
-        ("INT32", "<i"), ("UINT32", "<I"), ("INT64", "<q"), ("UINT64", "<Q"),
-        ("FP32", "<f"), ("FP64", "<d"),
-    )
-}  # fmt: skip
-_U32 = _NUMERIC["UINT32"]
-_CONTENTS = {
-    "BYTES": "bytes_contents", "BOOL": "bool_contents", "INT8": "int_contents",
-    "INT16": "int_contents", "INT32": "int_contents", "UINT8": "uint_contents",
-    "UINT16": "uint_contents", "UINT32": "uint_contents", "INT64": "int64_contents",
-    "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
-}  # fmt: skip
-_WANTED = frozenset(
-    ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "model_version")
-)
-
-
-def _first_raw(datatype: str, raw: bytes) -> Any:
-    """Element 0 of a tensor in Triton's raw layout; None for an empty tensor."""
-    if not raw:
-        return None
-    if datatype == "BYTES":  # each element: u32 length, then the bytes
-        (n,) = _U32.unpack_from(raw)
-        if n + 4 > len(raw):
-            raise ValueError(f"BYTES element of {n} bytes in a {len(raw)}-byte tensor")
-        return raw[4 : 4 + n]
-    fmt = _NUMERIC.get(datatype)
-    if fmt is None:
-        raise ValueError(f"unsupported datatype {datatype!r}")
-    return fmt.unpack_from(raw)[0]
-
-
-def _first_typed(tensor: Any) -> Any:
-    """Element 0 of a tensor sent in ``contents`` rather than raw (not what Triton does,
-    but legal in the protocol)."""
-    field = _CONTENTS.get(tensor.datatype)
-    if field is None:
-        raise ValueError(f"unsupported datatype {tensor.datatype!r}")
-    values = getattr(tensor.contents, field)
-    return values[0] if len(values) else None
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
-
-
-def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta:
-    """One leader response -> a delta, reading the first element of each output we use
-    straight from the protobuf (outputs and ``raw_output_contents`` pair up by index,
-    as in tritonclient's ``InferResult``); other outputs are skipped undecoded."""
-    outputs = response.outputs
-    raws = response.raw_output_contents
-    if len(raws) >= len(outputs):  # what Triton sends: every output in raw form
-        pairs: Any = zip(outputs, raws, strict=False)
-    else:
-        pairs = ((t, raws[i] if i < len(raws) else None) for i, t in enumerate(outputs))
-    text = reason = version = prompt_tokens = completion_tokens = None
-    for tensor, raw in pairs:
-        name = tensor.name
-        if name not in _WANTED:
-            continue
-        value = _first_typed(tensor) if raw is None else _first_raw(tensor.datatype, raw)
-        if name == "text_output":
-            text = value
-        elif name == "finish_reason":
-            reason = value
-        elif name == "completion_tokens":
-            completion_tokens = value
-        elif name == "prompt_tokens":
-            prompt_tokens = value
-        else:
-            version = value
-    reason = _text(reason)
-    return GenerationDelta(
-        _text(text) or "",
-        None if reason in (None, "", "None", "null") else reason,
-        None if prompt_tokens is None else int(prompt_tokens),
-        None if completion_tokens is None else int(completion_tokens),
-        _text(version),
-    )
-
-
-def classify_rpc_error(e: grpc.aio.AioRpcError) -> UpstreamError:
-    code = e.code()
-    msg = f"upstream {code.name}: {e.details()}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return UpstreamError(msg, unit_fault=False, retriable=False, status=400)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return UpstreamError(msg, unit_fault=False, retriable=True, status=503)
-    if code == grpc.StatusCode.UNAVAILABLE:  # unreachable (starting, restarting): 503
-        return UpstreamError(msg, unit_fault=True, retriable=True, status=503)
-    return UpstreamError(msg, unit_fault=True, retriable=True)
 
 
 def classify_stream_error(message: str) -> UpstreamError:
@@ -279,7 +167,8 @@ class ReadWatchdog:
 
 
 class Upstream(Protocol):
-    """What the dispatcher needs of a transport (gRPC here, HTTP in http_upstream.py)."""
+    """What the dispatcher needs of a transport (``grpc_upstream.TritonUpstream``,
+    ``http_upstream.TritonHttpUpstream``)."""
 
     def generate(
         self,
@@ -289,83 +178,3 @@ class Upstream(Protocol):
         deadline: float,
         timing: AttemptTiming | None = None,
     ) -> AsyncIterator[GenerationDelta]: ...
-
-
-class TritonUpstream:
-    def __init__(self, clients: TritonClientPool, timeouts: TimeoutConfig) -> None:
-        self.clients = clients
-        self.timeouts = timeouts
-
-    async def generate(
-        self,
-        unit: UnitSpec,
-        prompt: str,
-        sampling: dict[str, Any],
-        deadline: float,
-        timing: AttemptTiming | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        """Yield deltas until (and including) the one with a finish reason.
-
-        ``deadline`` is on the ``loop.time()`` clock. Raises ``UpstreamError``.
-        ``timing``, if given, gets when the request was written and the first response read.
-        Callers must close the generator (``contextlib.aclosing``) so that an early
-        exit cancels the call at once rather than whenever the generator is collected.
-        """
-        loop = asyncio.get_running_loop()
-        remaining = deadline - loop.time()
-        if remaining <= 0:
-            raise DeadlineExceeded()
-        client = self.clients.get(unit.leader_grpc)
-        request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling)
-        # One request and our half-close in one operation (leader_client.py); Triton
-        # keeps the stream open until the request's final response. The call is
-        # cancelled on the way out, which makes Triton cancel the request in vLLM if it
-        # is still running.
-        call = client.stream_infer_one(request, remaining)
-        if timing is not None:
-            # The call sends from a task it has just scheduled; asyncio runs ready
-            # callbacks in FIFO order, so this one runs right after that task's first
-            # step has handed the request to gRPC. In a burst that is well after this
-            # line, and the wait is the proxy's, not the unit's.
-            loop.call_soon(timing.mark_sent, loop)
-        task = asyncio.current_task()
-        watchdog = ReadWatchdog(loop, deadline, task)
-        budget = self.timeouts.first_token_s
-        try:
-            while True:
-                try:
-                    watchdog.waiting(budget)
-                    response = await call.read()
-                    watchdog.idle()
-                    if timing is not None and not timing.first:
-                        timing.first = loop.time()
-                except asyncio.CancelledError:
-                    error = watchdog.timed_out(budget)
-                    if error is None:
-                        raise  # our caller's cancellation, not a timeout
-                    raise error from None
-                except grpc.aio.AioRpcError as e:
-                    raise classify_rpc_error(e) from None
-                if response is grpc.aio.EOF:
-                    raise UpstreamError(
-                        "upstream stream ended before a finish reason",
-                        unit_fault=True,
-                        retriable=True,
-                    )
-                if response.error_message:
-                    raise classify_stream_error(response.error_message)
-                budget = self.timeouts.inter_token_s
-                try:
-                    delta = decode_response(response.infer_response)
-                except Exception as e:  # a leader that breaks the tensor contract is broken
-                    raise UpstreamError(
-                        f"malformed upstream response: {type(e).__name__}: {e}",
-                        unit_fault=True,
-                        retriable=True,
-                    ) from None
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-        finally:
-            watchdog.close()
-            call.cancel()

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from neuron_serving.exitcodes import ExitCode
+
 if TYPE_CHECKING:
     from neuron_serving.checkpoint.compat import UnitShape
     from neuron_serving.deploy.recreator import UnitRecreator
@@ -90,7 +92,7 @@ def local_target(args: argparse.Namespace) -> Target:
     from neuron_serving.deploy.source import DeployError, resolve
     from neuron_serving.deploy.supervisor import SupervisorRecreator
     from neuron_serving.local.cache import default_run_dir
-    from neuron_serving.local.control import SOCKET_NAME, ControlClient
+    from neuron_serving.local.supervisor_api import SOCKET_NAME, SupervisorApiClient
 
     proxy_url = args.proxy or DEFAULT_PROXY
     port = urlparse(proxy_url).port or 80
@@ -105,7 +107,7 @@ def local_target(args: argparse.Namespace) -> Target:
             "(is `neuron-serving up` running with this proxy port? see --run-dir)"
         ) from None
     return Target(
-        SupervisorRecreator(ControlClient(run_dir / SOCKET_NAME, token)),
+        SupervisorRecreator(SupervisorApiClient(run_dir / SOCKET_NAME, token)),
         ProxyAdmin(proxy_url, admin_url, token),
         lambda shape: resolve(
             args.version, args.source, run_dir, shape, endpoint_url=args.endpoint_url
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"[red]{PROG}: {e}[/]")
         if args.json:
             print(json.dumps({"version": args.version, "ok": False, "message": str(e)}))
-        return 2
+        return ExitCode.USAGE
 
     table = Table(title=f"deploy {report.version}: {'ok' if report.ok else 'FAILED'}")
     for col in ("unit", "from", "to", "result", "seconds", "detail"):
@@ -207,4 +209,4 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     sys.stdout.flush()
-    return 0 if report.ok else 1
+    return ExitCode.OK if report.ok else ExitCode.FAILED

@@ -1,6 +1,6 @@
 """`SupervisorRecreator`: the `UnitRecreator` of a local `neuron-serving up` cluster.
 
-Speaks the supervisor's control socket (local/control.py): ``GET /units`` and
+Speaks the supervisor's API socket (local/supervisor_api.py): ``GET /units`` and
 ``POST /units/{id}/recreate {model_dir, manifest_sha256}`` -> generation G (the
 pin goes into every unit process's environment, so the supervisor's own restarts
 of that unit load the checked manifest or nothing). The supervisor restarts
@@ -26,13 +26,13 @@ from neuron_serving.deploy.recreator import (
     UnitState,
 )
 from neuron_serving.deploy.source import Release, current_release
-from neuron_serving.local.control import ControlClient, ControlError
+from neuron_serving.local.supervisor_api import SupervisorApiClient, SupervisorApiError
 
 T = TypeVar("T")
 
 
 class SupervisorRecreator:
-    def __init__(self, control: ControlClient, poll_s: float = 0.5) -> None:
+    def __init__(self, control: SupervisorApiClient, poll_s: float = 0.5) -> None:
         self.control = control
         self.poll_s = poll_s
         self._lock = threading.Lock()  # units of one batch are recreated from parallel threads
@@ -41,7 +41,7 @@ class SupervisorRecreator:
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         try:
             return fn(*args)
-        except ControlError as e:
+        except SupervisorApiError as e:
             raise RecreateError(str(e)) from None
 
     def _units(self) -> dict[str, dict[str, Any]]:

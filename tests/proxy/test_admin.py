@@ -1,5 +1,9 @@
+import asyncio
+
+from tests.neuron_serving.test_bearer import hostile_authorizations
 from tests.proxy.conftest import ADMIN_TOKEN, url
 from tests.proxy.fakes import wait_until
+from tests.proxy.http_raw import parse_response
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
@@ -86,3 +90,27 @@ async def test_admin_add_drained_is_never_routed_before_undrain(fleet):
     assert b.behavior.started == 0  # healthy, but drained from the start
     async with s.post(admin("/admin/units/u1/undrain"), headers=AUTH) as r:
         assert r.status == 200 and (await r.json())["draining"] is False
+
+
+async def _admin_status(proxy, authorization: bytes) -> int:
+    """GET /admin/units with raw header bytes no HTTP client would send."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.admin_port)
+    try:
+        writer.write(
+            b"GET /admin/units HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b"Authorization: " + authorization + b"\r\n\r\n"
+        )
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    return parse_response(raw)[0]
+
+
+async def test_admin_token_check_survives_hostile_headers(fleet):
+    """The scheme in any case is accepted; invalid UTF-8, non-ASCII, a huge token, a
+    bare scheme, another scheme are each a 401, never a 500 (neuron_serving/bearer.py)."""
+    a = await fleet.unit("u0")
+    proxy = await fleet.proxy([a])
+    assert await _admin_status(proxy, b"bEARER " + ADMIN_TOKEN.encode()) == 200
+    for value in hostile_authorizations(ADMIN_TOKEN):
+        assert await _admin_status(proxy, value) == 401, value[:40]

@@ -10,8 +10,8 @@ import pytest
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from proxy.grpc_upstream import decode_response
 from proxy.leader_client import build_request
-from proxy.upstream import decode_response
 from tests.proxy.fakes import _inputs, _response
 
 

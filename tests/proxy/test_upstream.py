@@ -7,9 +7,11 @@ import contextlib
 import pytest
 
 from proxy.config import TimeoutConfig, UnitSpec
+from proxy.grpc_upstream import TritonUpstream
 from proxy.http_upstream import TritonHttpUpstream, decode_event
+from proxy.leader_client import TritonClientPool
 from proxy.transport import UnitTransport
-from proxy.upstream import DeadlineExceeded, TritonClientPool, TritonUpstream, UpstreamError
+from proxy.upstream import DeadlineExceeded, UpstreamError
 from tests.proxy.fakes import Behavior, FakeTriton, reference_completion, wait_until
 
 

@@ -12,7 +12,7 @@ import pytest
 from neuron_serving.deploy.recreator import RecreateError, StartupFailed
 from neuron_serving.deploy.source import Release
 from neuron_serving.deploy.supervisor import SupervisorRecreator
-from neuron_serving.local.control import ControlClient, ControlServer
+from neuron_serving.local.supervisor_api import SupervisorApiClient, SupervisorApiServer
 
 TOKEN = "supervisor-recreator-token"
 PIN = "ab" * 32
@@ -50,9 +50,9 @@ class FakeCluster:
 def cluster(tmp_path: Path):
     cluster = FakeCluster(tmp_path)
     sock = Path(f"/tmp/ns-rec-{os.getpid()}.sock")  # Unix socket paths are short
-    srv = ControlServer(cluster, sock, TOKEN)
+    srv = SupervisorApiServer(cluster, sock, TOKEN)
     srv.start()
-    yield cluster, SupervisorRecreator(ControlClient(sock, TOKEN, timeout_s=5), poll_s=0.01)
+    yield cluster, SupervisorRecreator(SupervisorApiClient(sock, TOKEN, timeout_s=5), poll_s=0.01)
     srv.stop()
 
 

@@ -1,4 +1,4 @@
-"""The supervisor's control API: what `neuron-serving deploy` uses to recreate a unit.
+"""The supervisor API: what `neuron-serving deploy` uses to recreate a unit.
 
 A running `neuron-serving up` serves a small HTTP API on a Unix socket in its run
 directory (``supervisor.sock``):
@@ -11,8 +11,8 @@ directory (``supervisor.sock``):
 
 Who may call it: the socket lives in the 0700 run directory and is itself 0600, so
 only the user running `up` can connect; every request must also carry the proxy's
-admin token (``Authorization: Bearer``), compared in constant time, the same
-credential that drains units. A Unix socket rather than a loopback port: nothing
+admin token (``Authorization: Bearer``, checked by neuron_serving/bearer.py in
+constant time), the same credential that drains units. A Unix socket rather than a loopback port: nothing
 else on the machine can even reach it, and no port has to be allocated.
 
 The server is aiohttp on its own thread and event loop (the supervisor itself is
@@ -23,7 +23,6 @@ so `deploy` starts fast and needs no event loop.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import http.client
 import json
 import os
@@ -32,6 +31,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+from neuron_serving.bearer import bearer_matches
 from neuron_serving.checkpoint.pin import is_sha256_hex
 
 SOCKET_NAME = "supervisor.sock"
@@ -47,13 +47,13 @@ class Recreatable(Protocol):
     ) -> int: ...
 
 
-class ControlServer:
+class SupervisorApiServer:
     def __init__(self, cluster: Recreatable, socket_path: Path, token: str) -> None:
         if not token:
-            raise ValueError("the control API needs a token")
+            raise ValueError("the supervisor API needs a token")
         self.cluster = cluster
         self.socket_path = Path(socket_path)
-        self._token = token.encode()
+        self._token = token
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -61,12 +61,12 @@ class ControlServer:
         self._runner: Any = None
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self._thread = threading.Thread(target=self._run, name="supervisor-control", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="supervisor-api", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout_s):
-            raise RuntimeError(f"control API did not start within {timeout_s} s")
+            raise RuntimeError(f"supervisor API did not start within {timeout_s} s")
         if self._error is not None:
-            raise RuntimeError(f"control API failed to start: {self._error}") from self._error
+            raise RuntimeError(f"supervisor API failed to start: {self._error}") from self._error
 
     def stop(self, timeout_s: float = 5.0) -> None:
         loop = self._loop
@@ -106,10 +106,7 @@ class ControlServer:
 
         @web.middleware
         async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), self._token
-            ):
+            if not bearer_matches(request.headers.get("Authorization"), self._token):
                 return web.json_response({"error": "missing or invalid bearer token"}, status=401)
             return await handler(request)
 
@@ -161,7 +158,7 @@ class ControlServer:
         self._runner = runner
 
 
-class ControlError(RuntimeError):
+class SupervisorApiError(RuntimeError):
     pass
 
 
@@ -181,8 +178,8 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-class ControlClient:
-    """Blocking client of a ControlServer; every call bounded by ``timeout_s``."""
+class SupervisorApiClient:
+    """Blocking client of a SupervisorApiServer; every call bounded by ``timeout_s``."""
 
     def __init__(self, socket_path: Path, token: str, timeout_s: float = 10.0) -> None:
         self.socket_path = Path(socket_path)
@@ -200,8 +197,8 @@ class ControlClient:
             resp = conn.getresponse()
             raw = resp.read()
         except (OSError, http.client.HTTPException) as e:
-            raise ControlError(
-                f"supervisor control API at {self.socket_path} unreachable: {e} "
+            raise SupervisorApiError(
+                f"supervisor API at {self.socket_path} unreachable: {e} "
                 "(is `neuron-serving up` running for this proxy?)"
             ) from e
         finally:
@@ -211,7 +208,9 @@ class ControlClient:
         except ValueError:
             payload = {"error": raw.decode(errors="replace")}
         if resp.status >= 300:
-            raise ControlError(f"{method} {path}: {resp.status} {payload.get('error', payload)}")
+            raise SupervisorApiError(
+                f"{method} {path}: {resp.status} {payload.get('error', payload)}"
+            )
         return payload
 
     def units(self) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 from proxy.config import HealthCheckConfig
-from proxy.health import apply_probe_result
-from proxy.registry import NodeState
+from proxy.health_checker import apply_probe_result
+from proxy.registry import NodeHealth
 from tests.proxy.fakes import wait_until
 
 CFG = HealthCheckConfig(unhealthy_threshold=3, healthy_threshold=2)
 
 
-def run(node: NodeState, results: str) -> list[bool]:
+def run(node: NodeHealth, results: str) -> list[bool]:
     """Feed 'o'k / 'x' failures; return the node's health after each probe."""
     out = []
     for c in results:
@@ -16,7 +16,7 @@ def run(node: NodeState, results: str) -> list[bool]:
 
 
 def test_new_node_needs_one_success_then_envoy_thresholds():
-    node = NodeState("u/leader", "leader", "127.0.0.1:1")
+    node = NodeHealth("u/leader", "leader", "127.0.0.1:1")
     assert not node.healthy
     assert run(node, "xxo") == [False, False, True]  # start-up: a single success
     assert run(node, "xxo") == [True, True, True]  # two failures < 3: still healthy, count reset
@@ -27,7 +27,7 @@ def test_new_node_needs_one_success_then_envoy_thresholds():
 
 
 def test_flip_is_reported_once():
-    node = NodeState("u/leader", "leader", "127.0.0.1:1")
+    node = NodeHealth("u/leader", "leader", "127.0.0.1:1")
     flips = [
         apply_probe_result(node, ok, 0.0, "", CFG)
         for ok in (True, True, False, False, False, False)

@@ -25,19 +25,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proxy.config import HealthCheckConfig
-from proxy.registry import NodeState, Registry, RegistryEvent, UnitState
-from proxy.upstream import TritonClientPool, grpc_channel_options
+from proxy.leader_client import TritonClientPool, grpc_channel_options
+from proxy.registry import NodeHealth, Registry, RegistryEvent, UnitState
 
 log = logging.getLogger(__name__)
 
 # Besides every unhealthy -> healthy transition, the version is re-read this often.
 VERSION_REFRESH_PROBES = 20
 
-ProbeObserver = Callable[[UnitState, NodeState, bool, float], None]
+ProbeObserver = Callable[[UnitState, NodeHealth, bool, float], None]
 
 
 def apply_probe_result(
-    node: NodeState, ok: bool, latency_s: float, error: str, cfg: HealthCheckConfig
+    node: NodeHealth, ok: bool, latency_s: float, error: str, cfg: HealthCheckConfig
 ) -> bool | None:
     """Advance the node's state machine; return the new health if it flipped, else None."""
     node.probes_total += 1
@@ -119,7 +119,7 @@ class HealthChecker:
             for node in unit.nodes
         ]
 
-    async def _probe_loop(self, unit: UnitState, node: NodeState) -> None:
+    async def _probe_loop(self, unit: UnitState, node: NodeHealth) -> None:
         probe = self._leader_probe(unit) if node.role == "leader" else self._follower_probe(node)
         while True:
             start = time.monotonic()
@@ -163,7 +163,7 @@ class HealthChecker:
 
         return probe
 
-    def _follower_probe(self, node: NodeState) -> Callable[[], Awaitable[tuple[bool, str]]]:
+    def _follower_probe(self, node: NodeHealth) -> Callable[[], Awaitable[tuple[bool, str]]]:
         async def probe() -> tuple[bool, str]:
             channel = self._channels.get(node.addr)
             if channel is None:

@@ -38,13 +38,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             # Register a placeholder so `--help` lists every command without importing it.
             sub.add_parser(name)
             continue
-        try:
-            module = importlib.import_module(f"neuron_serving.commands.{module_name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"neuron_serving.commands.{module_name}":
-                continue  # command not built yet
-            raise
-        module.add_parser(sub)
+        importlib.import_module(f"neuron_serving.commands.{module_name}").add_parser(sub)
     return parser
 
 

@@ -3,8 +3,8 @@
 The serving benchmark reports throughput; on this 2-core machine throughput is set
 by how much CPU each server spends per token next to the engine's core, so this
 benchmark measures that directly. Same servers, engine settings, prompts and load
-driver as ``serving.py`` (its ``arms`` and ``run_load``); per arm and repeat it
-takes each server process's CPU time (user + system, from ``/proc`` via psutil,
+driver as ``serving.py`` (``workload.py``: ``arms`` and ``run_load``); per arm and
+repeat it takes each server process's CPU time (user + system, from ``/proc`` via psutil,
 every process of the server's tree, grouped by process name: ``tritonserver``,
 ``triton_python_backend_stub``, ``VLLM::EngineCore``...) and the load driver's own
 CPU (this process: ``os.times``), before and after the run, divided by the output
@@ -31,6 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.common import spread, write_result
+from neuron_serving.bench.workload import (
+    CONCURRENCY,
+    CPU_BIND,
+    ENGINE,
+    arms,
+    run_load,
+    start_bench_leader,
+    start_bench_vllm,
+)
 
 
 def _tree(pid: int) -> list[Any]:
@@ -93,8 +102,6 @@ def _py_spy(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
 
 async def _measure(arms: list[Any], servers: dict[str, int], repeats: int, requests: int,
                    max_tokens: int, profile_dir: Path | None) -> list[dict[str, Any]]:  # fmt: skip
-    from neuron_serving.bench.serving import CONCURRENCY, run_load
-
     extra = {"temperature": 0.0}
     ids = itertools.count()
     for arm in arms:  # warm-up, as in the serving benchmark
@@ -150,13 +157,6 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
          profile_dir: str | None = None) -> int:  # fmt: skip
-    from neuron_serving.bench.serving import (
-        CPU_BIND,
-        ENGINE,
-        arms,
-        start_bench_leader,
-        start_bench_vllm,
-    )
     from neuron_serving.bench.stack import wait_ready
     from neuron_serving.models.demo import build_demo_model
 

@@ -9,6 +9,10 @@ unique prompts (no prefix-cache hits), ``max_tokens`` output tokens each
 the level order alternates ascending/descending so drift hits every level alike.
 Per level: output tok/s, TTFT p50/p99, TPOT p50, ITL p50/p99, E2EL p50 (vLLM's
 definitions, see ``metrics.py``), each with its spread over repeats.
+
+``bench all`` runs the sweep on the serving benchmark's leader once its comparison
+is done (``after_serving``, handed to ``serving.main`` by the bench command), which
+saves this benchmark's own startup.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.common import spread, write_result
-from neuron_serving.bench.serving import (
+from neuron_serving.bench.workload import (
     CPU_BIND,
     ENGINE,
     Arm,
@@ -135,3 +139,17 @@ def measure(
     if emit_json:
         print(json.dumps({str(r["concurrency"]): {k: r[k]["median"] for k in KEYS} for r in rows}))
     return 0 if result["errors"] == 0 else 1
+
+
+def after_serving(
+    leader: Any, quick: bool, model: str | None, emit_json: bool, repeats: int | None
+) -> int:
+    """The sweep on the serving benchmark's leader, after its comparison (bench all)."""
+    t0 = time.monotonic()
+    rc = measure(
+        leader, quick, model, emit_json, repeats, None,
+        note="run by bench all on the serving benchmark's leader after its "
+        "comparison (vLLM server stopped)",
+    )  # fmt: skip
+    print(f"scaling sweep: {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return rc

@@ -40,7 +40,10 @@ from neuron_serving.checkpoint.pin import is_sha256_hex
 
 FORMAT_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16")
-_VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A version names a directory, an S3 prefix and a Triton config.pbtxt string value
+# (triton/backend_config.py), so it must be safe in all three: fullmatch, so a
+# trailing newline is refused too (re.match with "$" let one through).
+VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 # Bounds of a manifest (see the module doc). Generous for real checkpoints: a 405B
 # model at tp=128 in 5 GiB parts lists ~300 files (~60 KB of manifest).
@@ -55,6 +58,11 @@ MAX_TOKEN_ID = (1 << 31) - 1
 MAX_TEXT = 4096  # names, paths, prompts, created_by values
 MAX_CREATED_BY = 32
 MAX_SOURCE_FILES = 1 << 20
+
+
+def is_version(value: object) -> bool:
+    """A checkpoint version name: the one check for manifests and the leader's model.json."""
+    return isinstance(value, str) and VERSION_RE.fullmatch(value) is not None
 
 
 def sha256_file(path: Path) -> str:
@@ -208,8 +216,8 @@ class Manifest:
             raise ValueError("model_name must not be empty")
         _check_text("model_name", self.model_name)
         _check_text("architecture", self.architecture)
-        if not _VERSION_RE.match(self.version):
-            raise ValueError(f"version must match {_VERSION_RE.pattern}, got {self.version[:80]!r}")
+        if not is_version(self.version):
+            raise ValueError(f"version must match {VERSION_RE.pattern}, got {self.version[:80]!r}")
         _check_int("tp_degree", self.tp_degree, 1, MAX_TP_DEGREE)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype[:80]!r}")
@@ -260,10 +268,6 @@ class Manifest:
             raise ValueError("config.json must be among the config files")
         if self.neuron.files != nxdi_shard_files(self.tp_degree):
             raise ValueError("neuron.files must be the NxDI layout of tp_degree")
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.size for e in self.files.values())
 
     def rank_bytes(self, rank: int) -> int:
         """Bytes of weights rank ``rank`` reads (its shard files only)."""

@@ -42,9 +42,12 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
 
         return cluster.main(quick, emit_json)
     if name == "serving+scaling":
-        from neuron_serving.bench import serving
+        from neuron_serving.bench import scaling, serving
 
-        return serving.main(quick, model, emit_json, repeats, then_scaling=True)
+        def sweep(leader: object) -> int:
+            return scaling.after_serving(leader, quick, model, emit_json, repeats)
+
+        return serving.main(quick, model, emit_json, repeats, on_leader=sweep)
     if name == "report":
         from neuron_serving.bench import report
 

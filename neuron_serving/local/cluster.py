@@ -2,13 +2,13 @@
 
     prepare()   run dir (0700), ports free?, unit token + admin token + client API key
                 (0600), proxy.yaml
-    start()     proxy group (one process) + one UnitSupervisor per unit, all in parallel
+    start()     proxy group (one process) + one GroupSupervisor per unit, all in parallel
     wait_ready  until the proxy and every unit were ready once; a unit failing
                 ``max_start_failures`` times before its first ready aborts start-up
     serve()     every second, write_state() keeps supervisor.json fresh for
                 `neuron-serving status`; a failed write (full disk) is reported once
                 and retried on the next tick: the units keep serving
-    control     supervisor.sock (control.py): `deploy` recreates a unit on another
+    API         supervisor.sock (supervisor_api.py): `deploy` recreates a unit on another
                 model directory through it (admin token required)
     shutdown()  drain through the proxy admin API (stop admitting, wait for in-flight
                 up to drain_timeout_s), then stop every unit in parallel, then the
@@ -31,12 +31,12 @@ from typing import Any
 
 from neuron_serving.local import plan
 from neuron_serving.local.backoff import RestartBackoff
-from neuron_serving.local.control import SOCKET_NAME, ControlServer
+from neuron_serving.local.group_supervisor import GroupPhase, GroupPlan, GroupSupervisor
 from neuron_serving.local.probe import admin_call, get_json, http_status
 from neuron_serving.local.process import ProcessSpec
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
 from neuron_serving.local.spec import ClusterSpec
-from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
+from neuron_serving.local.supervisor_api import SOCKET_NAME, SupervisorApiServer
 from neuron_serving.logsafe import RateLimitedLog
 
 STATE_VERSION = 1
@@ -74,13 +74,13 @@ class ClusterSupervisor:
         self.max_start_failures = max_start_failures
         self.admin_token = ""
         self.api_key = ""
-        self.proxy: UnitSupervisor | None = None
-        self.units: list[UnitSupervisor] = []
+        self.proxy: GroupSupervisor | None = None
+        self.units: list[GroupSupervisor] = []
         self.started_at: float | None = None
         self.stopping = threading.Event()
         # Model directory of each unit: the cluster's, until a deploy recreates it.
         self.unit_models: dict[str, Path] = {}
-        self.control: ControlServer | None = None
+        self.control: SupervisorApiServer | None = None
         self._token_file: Path | None = None
         self._recreate_lock = threading.Lock()
         self._state_errors = RateLimitedLog(on_event, burst=1, interval_s=60.0)
@@ -103,8 +103,8 @@ class ClusterSupervisor:
         self.unit_models = {spec.unit_id(i): spec.model_dir for i in range(spec.units)}
         config_path, self.admin_token, self.api_key = write_proxy_config(spec)
         logs = spec.run_dir / "logs"
-        self.proxy = UnitSupervisor(
-            UnitPlan(
+        self.proxy = GroupSupervisor(
+            GroupPlan(
                 "proxy",
                 [
                     ProcessSpec(
@@ -123,8 +123,8 @@ class ClusterSupervisor:
             self.on_event,
         )
         self.units = [
-            UnitSupervisor(
-                UnitPlan(
+            GroupSupervisor(
+                GroupPlan(
                     spec.unit_id(i),
                     plan.unit_processes(spec, i, token_file),
                     logs / spec.unit_id(i),
@@ -150,7 +150,7 @@ class ClusterSupervisor:
         self.proxy.start()
         for u in self.units:
             u.start()
-        self.control = ControlServer(self, self.spec.run_dir / SOCKET_NAME, self.admin_token)
+        self.control = SupervisorApiServer(self, self.spec.run_dir / SOCKET_NAME, self.admin_token)
         self.control.start()
         self.write_state()
 
@@ -170,20 +170,20 @@ class ClusterSupervisor:
                 if not g.ever_ready.is_set() and g.restarts >= self.max_start_failures:
                     f = g.failures[-1]
                     raise StartupFailed(
-                        f"{g.unit_id} failed {g.restarts} times before becoming ready; "
+                        f"{g.group_id} failed {g.restarts} times before becoming ready; "
                         f"last: {f.reason}\n--- last lines of its log:\n{f.log_tail}"
                     )
             self.write_state()
             time.sleep(0.5)
         if self.stopping.is_set():
             raise StartupFailed("interrupted during start-up")
-        pending = [g.unit_id for g in groups if not g.ever_ready.is_set()]
+        pending = [g.group_id for g in groups if not g.ever_ready.is_set()]
         raise StartupFailed(f"not ready within {timeout_s:.0f} s: {pending}")
 
     # ---- serving -------------------------------------------------------------------
 
     def units_view(self) -> dict[str, Any]:
-        """The control API's GET /units: what a deploy needs to plan and to wait."""
+        """The supervisor API's GET /units: what a deploy needs to plan and to wait."""
         return {
             "tp": self.spec.tp,
             "device": "cpu",
@@ -191,11 +191,11 @@ class ClusterSupervisor:
             "units": [self._unit_snapshot(u) for u in self.units],
         }
 
-    def _unit_snapshot(self, u: UnitSupervisor) -> dict[str, Any]:
+    def _unit_snapshot(self, u: GroupSupervisor) -> dict[str, Any]:
         index = self.units.index(u)
         return {
             **u.snapshot(),
-            "model_dir": str(self.unit_models.get(u.unit_id, self.spec.model_dir)),
+            "model_dir": str(self.unit_models.get(u.group_id, self.spec.model_dir)),
             "leader_http": f"http://127.0.0.1:{self.spec.unit_ports(index).http}",
         }
 
@@ -206,7 +206,7 @@ class ClusterSupervisor:
         KeyError for an unknown unit, RuntimeError while shutting down."""
         if self.stopping.is_set():
             raise RuntimeError("the cluster is shutting down")
-        index = next((i for i, u in enumerate(self.units) if u.unit_id == unit_id), None)
+        index = next((i for i, u in enumerate(self.units) if u.group_id == unit_id), None)
         if index is None:
             raise KeyError(unit_id)
         assert self._token_file is not None
@@ -279,10 +279,10 @@ class ClusterSupervisor:
         start = time.monotonic()
         for u in self.units:
             status, body = admin_call(
-                "POST", f"{self.spec.admin_url}/admin/units/{u.unit_id}/drain", self.admin_token
+                "POST", f"{self.spec.admin_url}/admin/units/{u.group_id}/drain", self.admin_token
             )
             if status != 200:
-                self.on_event(f"drain {u.unit_id}: admin API answered {status}: {body}")
+                self.on_event(f"drain {u.group_id}: admin API answered {status}: {body}")
         left = 0
         while time.monotonic() - start < timeout_s:
             status = get_json(f"{self.spec.proxy_url}/status", 2.0, token=self.admin_token)
@@ -301,7 +301,7 @@ class ClusterSupervisor:
         self.stopping.set()
         if self.control is not None:
             self.control.stop()
-        if drain and self.proxy is not None and self.proxy.phase == UnitPhase.READY:
+        if drain and self.proxy is not None and self.proxy.phase == GroupPhase.READY:
             self.on_event(f"draining (up to {self.spec.drain_timeout_s:.0f} s) ...")
             left, took = self.drain(self.spec.drain_timeout_s)
             if left:

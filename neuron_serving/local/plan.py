@@ -1,10 +1,14 @@
-"""`unit_plan`: the processes of one inference unit of a `ClusterSpec`, and its probes.
+"""What a unit's `GroupPlan` is made of: the processes of one inference unit of a
+`ClusterSpec` (``unit_processes``), its probes (``unit_ready``, ``unit_progress``)
+and its restart backoff (``unit_backoff``). ``cli`` and ``child_env`` also build
+the proxy's process.
 
 Each unit is a leader (``neuron-serving leader``: tritonserver + vLLM, rank 0)
 and N-1 followers (``neuron-serving follower --rank r``), separate OS processes
 on loopback. What they share comes through the environment the children get:
-the unit id, the cluster's unit token (a 0600 file), the OpenMP binding, and the
-leader's node-health port (its health server runs inside vLLM's EngineCore).
+the unit id, the cluster's unit token (a 0600 file), the OpenMP binding, the
+deploy's manifest pin, and the leader's node-health port (its health server runs
+inside vLLM's EngineCore).
 """
 
 from __future__ import annotations

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.checkpoint.manifest import VERSION_RE, is_version
+
 # vLLM's own executor for single-process development; "unit" is the project's
 # UnitExecutor. Switching is one model.json field (or `leader --executor`).
 EXECUTORS = ("unit", "uni", "mp")
-
-# Same rule as a checkpoint manifest's version (it is rendered into config.pbtxt).
-VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass(slots=True)
@@ -86,7 +84,8 @@ class BackendConfig:
         for name in ("health_interval_s", "canary_interval_s", "canary_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.model_version and not VERSION_RE.match(self.model_version):
+        # A checkpoint's version, rendered into config.pbtxt (repository.py).
+        if self.model_version and not is_version(self.model_version):
             raise ValueError(
                 f"model_version must match {VERSION_RE.pattern}, got {self.model_version!r}"
             )

@@ -70,8 +70,9 @@ def test_manifest_rejects_inconsistent_fields(tmp_path):
     m = make_checkpoint(tmp_path / "v")
     with pytest.raises(ValueError, match="ranks 0..2"):
         dataclasses.replace(m, tp_degree=3)
-    with pytest.raises(ValueError, match="version"):
-        dataclasses.replace(m, version="../v2")
+    for bad in ("../v2", "v2\n", "", "-v2", "v" * 129):
+        with pytest.raises(ValueError, match="version"):
+            dataclasses.replace(m, version=bad)
     files = dict(m.files)
     files["../escape"] = FileEntry("0" * 64, 1)
     with pytest.raises(ValueError, match="relative path"):

@@ -29,9 +29,9 @@ import psutil
 import pytest
 
 from neuron_serving.local.cluster import ClusterSupervisor
+from neuron_serving.local.group_supervisor import GroupPhase, GroupPlan, GroupSupervisor
 from neuron_serving.local.process import ProcessSpec
 from neuron_serving.local.spec import ClusterSpec
-from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
 from tests.neuron_serving.local.test_rotating_log import chatty
 from tests.procs import wait_for
 
@@ -103,8 +103,8 @@ def test_full_disk_keeps_serving_and_recovers(tiny_fs: Path, tmp_path: Path) -> 
     log_dir = run_dir / "logs" / "unit-0"
     fast = tmp_path / "fast"  # the child writes flat out while this exists (not on the tmpfs)
     fast.touch()
-    unit = UnitSupervisor(
-        UnitPlan("unit-0", [ProcessSpec("leader", (sys.executable, "-c", chatty(fast)))], log_dir,
+    unit = GroupSupervisor(
+        GroupPlan("unit-0", [ProcessSpec("leader", (sys.executable, "-c", chatty(fast)))], log_dir,
                  ready=lambda: True, log_max_bytes=CAP, log_backups=1),
         events.append,
     )  # fmt: skip
@@ -116,7 +116,7 @@ def test_full_disk_keeps_serving_and_recovers(tiny_fs: Path, tmp_path: Path) -> 
     loop = threading.Thread(target=cluster.serve, args=(stop, TICK_S), daemon=True)
     loop.start()
     try:
-        assert unit.wait_phase(UnitPhase.READY, 20), events
+        assert unit.wait_phase(GroupPhase.READY, 20), events
         child = unit.procs[0]
         wait_for(lambda: spec.state_file.exists(), 10, what="first state write")
 
@@ -134,7 +134,7 @@ def test_full_disk_keeps_serving_and_recovers(tiny_fs: Path, tmp_path: Path) -> 
                   f"logs {_log_sizes(log_dir)}, threads {threading.active_count()} "
                   f"(before {threads_before})")  # fmt: skip
             assert loop.is_alive(), "the main loop died on a full disk"
-            assert unit.phase == UnitPhase.READY and unit.restarts == 0, unit.snapshot()
+            assert unit.phase == GroupPhase.READY and unit.restarts == 0, unit.snapshot()
             assert child.poll() is None, "the child died on a full disk"
             assert drained > 4 * CAP, f"the child's pipe stalled: {drained} bytes in {FULL_FOR_S} s"
             assert child.log.dropped_total > 0, "nothing was dropped: the disk was not full"

@@ -97,6 +97,8 @@ def test_model_version_is_published_in_the_model_config(tmp_path: Path) -> None:
     # The value is spliced into protobuf text, so only the manifest's charset passes.
     with pytest.raises(ValueError, match="model_version must match"):
         render_model_repository(tmp_path / "c", {"model": "/m", "model_version": 'v"} x'})
+    with pytest.raises(ValueError, match="model_version must match"):  # no trailing newline
+        render_model_repository(tmp_path / "d", {"model": "/m", "model_version": "v2\n"})
 
 
 def test_leader_announces_the_manifest_version(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""UnitSupervisor with small real processes: group recreation, backoff, teardown.
+"""GroupSupervisor with small real processes: group recreation, backoff, teardown.
 
 The processes are real (``python -c ...``); readiness is a file a process writes,
 so the supervisor's whole path (spawn, poll, probe, teardown by session) runs
@@ -17,8 +17,9 @@ import psutil
 import pytest
 
 from neuron_serving.local.backoff import RestartBackoff
-from neuron_serving.local.process import ManagedProcess, ProcessSpec, session_members
-from neuron_serving.local.unit import UnitPhase, UnitPlan, UnitSupervisor
+from neuron_serving.local.group_supervisor import GroupPhase, GroupPlan, GroupSupervisor
+from neuron_serving.local.process import ManagedProcess, ProcessSpec
+from neuron_serving.proctree import session_members
 from tests.procs import wait_for
 
 SLEEP = "import time; time.sleep(60)"
@@ -35,12 +36,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-def make_plan(tmp_path: Path, procs: list[ProcessSpec], **kw) -> UnitPlan:
+def make_plan(tmp_path: Path, procs: list[ProcessSpec], **kw) -> GroupPlan:
     marker = tmp_path / "ready"
     kw.setdefault("backoff", RestartBackoff(0.2, 1.0, 30.0))
     kw.setdefault("restart_stop_timeout_s", 1.0)
     kw.setdefault("stop_timeout_s", 2.0)
-    return UnitPlan("unit-t", procs, tmp_path / "logs", ready=marker.exists, **kw)
+    return GroupPlan("unit-t", procs, tmp_path / "logs", ready=marker.exists, **kw)
 
 
 def test_any_exit_recreates_the_whole_group(tmp_path: Path) -> None:
@@ -51,16 +52,16 @@ def test_any_exit_recreates_the_whole_group(tmp_path: Path) -> None:
         py("follower-1", SLEEP),
     ]  # fmt: skip
     events: list[str] = []
-    sup = UnitSupervisor(make_plan(tmp_path, procs), events.append)
+    sup = GroupSupervisor(make_plan(tmp_path, procs), events.append)
     sup.start()
     try:
-        assert sup.wait_phase(UnitPhase.READY, 20), events
+        assert sup.wait_phase(GroupPhase.READY, 20), events
         first = {p.name: p.pid for p in sup.procs}
         killed_at = time.monotonic()
         os.kill(first["follower-1"], signal.SIGKILL)
         # The leader is stopped too, and both come back as new processes.
         wait_for(lambda: not alive(first["leader"]), 10, what="leader stopped")
-        wait_for(lambda: sup.restarts == 1 and sup.phase == UnitPhase.READY, 20, what="ready")
+        wait_for(lambda: sup.restarts == 1 and sup.phase == GroupPhase.READY, 20, what="ready")
         print(f"group recreated in {time.monotonic() - killed_at:.2f} s")
         second = {p.name: p.pid for p in sup.procs}
         assert all(second[n] != first[n] for n in first)
@@ -69,25 +70,25 @@ def test_any_exit_recreates_the_whole_group(tmp_path: Path) -> None:
         f = snap["last_failure"]
         assert f["process"] == "follower-1" and f["returncode"] == -signal.SIGKILL
         assert "follower-1 exited with code -9" in f["reason"]
-        assert any("recreating the whole unit" in e for e in events)
+        assert any("recreating the whole group" in e for e in events)
     finally:
         sup.stop()
-    assert sup.phase == UnitPhase.STOPPED
+    assert sup.phase == GroupPhase.STOPPED
     assert all(not alive(p.pid) for p in sup.procs)
     assert sup.pids() == []
 
 
 def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
     procs = [py("leader", "import sys; print('boom: bad config'); sys.exit(7)")]
-    sup = UnitSupervisor(make_plan(tmp_path, procs, backoff=RestartBackoff(0.2, 0.8, 30.0)))
+    sup = GroupSupervisor(make_plan(tmp_path, procs, backoff=RestartBackoff(0.2, 0.8, 30.0)))
     starts: list[float] = []
     delays: list[float] = []
 
     def on_event(msg: str) -> None:
         if "starting" in msg:
             starts.append(time.monotonic())
-        elif "recreating the whole unit in" in msg:
-            delays.append(float(msg.split("recreating the whole unit in ")[1].split(" s")[0]))
+        elif "recreating the whole group in" in msg:
+            delays.append(float(msg.split("recreating the whole group in ")[1].split(" s")[0]))
 
     sup._on_event = on_event
     sup.start()
@@ -114,7 +115,7 @@ def test_backoff_resets_after_a_stable_period() -> None:
 
 
 def test_not_ready_in_time_is_a_failure(tmp_path: Path) -> None:
-    sup = UnitSupervisor(make_plan(tmp_path, [py("leader", SLEEP)], ready_timeout_s=0.6))
+    sup = GroupSupervisor(make_plan(tmp_path, [py("leader", SLEEP)], ready_timeout_s=0.6))
     sup.start()
     try:
         wait_for(lambda: sup.restarts >= 1, 10, what="a restart")
@@ -174,7 +175,7 @@ def _touch_and_sleep(marker: Path, tag: str) -> str:
 def test_planned_recreate_swaps_processes_without_backoff(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     events: list[str] = []
-    sup = UnitSupervisor(
+    sup = GroupSupervisor(
         make_plan(
             tmp_path,
             [py("leader", _touch_and_sleep(ready, "v1")), py("follower-1", SLEEP)],
@@ -185,7 +186,7 @@ def test_planned_recreate_swaps_processes_without_backoff(tmp_path: Path) -> Non
     )
     sup.start()
     try:
-        assert sup.wait_phase(UnitPhase.READY, 20), events
+        assert sup.wait_phase(GroupPhase.READY, 20), events
         old = [p.pid for p in sup.procs]
         ready.unlink()
         target = sup.recreate(
@@ -193,7 +194,7 @@ def test_planned_recreate_swaps_processes_without_backoff(tmp_path: Path) -> Non
         )
         assert target == 2
         wait_for(
-            lambda: sup.generation >= target and sup.phase == UnitPhase.READY, 20, what="v2 ready"
+            lambda: sup.generation >= target and sup.phase == GroupPhase.READY, 20, what="v2 ready"
         )
         assert ready.read_text() == "v2"
         assert all(not alive(pid) for pid in old)
@@ -206,7 +207,7 @@ def test_planned_recreate_swaps_processes_without_backoff(tmp_path: Path) -> Non
         wait_for(lambda: sup.restarts == 1, 10, what="crash noticed")
         # Asking for a recreate during the (30 s) backoff starts at once.
         sup.recreate()
-        wait_for(lambda: sup.phase == UnitPhase.READY, 20, what="ready after the crash")
+        wait_for(lambda: sup.phase == GroupPhase.READY, 20, what="ready after the crash")
         assert ready.read_text() == "v2"
     finally:
         sup.stop()

@@ -1,10 +1,11 @@
-"""`UnitSupervisor`: one group of processes that lives and dies together.
+"""`GroupSupervisor`: one group of processes that lives and dies together.
 
 LeaderWorkerSet's ``RecreateGroupOnPodRestart``: when any process of the group
 exits (for any reason, with any code), the others are stopped and the whole
 group is started again from scratch, after an exponential backoff if it keeps
 failing. A unit's ranks cannot be replaced one at a time anyway: a new follower
-cannot join a running leader's tensor-parallel world.
+cannot join a running leader's tensor-parallel world. `up` runs one group per
+inference unit (its leader and followers) and one for the proxy (a group of one).
 
 One thread per group. It owns the group's processes; every other thread only
 reads ``snapshot()`` (under the lock) or calls ``stop()``.
@@ -51,7 +52,7 @@ class _Recreate:
 _RECREATE = _Recreate()
 
 
-class UnitPhase(enum.StrEnum):
+class GroupPhase(enum.StrEnum):
     STARTING = "starting"  # processes launched, not ready yet
     READY = "ready"  # the readiness probe passed
     BACKOFF = "backoff"  # failed; waiting before recreating the group
@@ -60,7 +61,7 @@ class UnitPhase(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class UnitFailure:
+class GroupFailure:
     at: float  # time.time()
     process: str  # the process that exited, or "" for a readiness timeout
     returncode: int | None
@@ -69,10 +70,10 @@ class UnitFailure:
 
 
 @dataclass(slots=True)
-class UnitPlan:
+class GroupPlan:
     """What to run for one group, and how to tell it is ready."""
 
-    unit_id: str
+    group_id: str  # "unit-i", or "proxy" (a group of one)
     processes: list[ProcessSpec]
     log_dir: Path
     # Whole-group readiness (for a unit: the leader's Triton model is ready). Must
@@ -91,18 +92,18 @@ class UnitPlan:
     def __post_init__(self) -> None:
         names = [p.name for p in self.processes]
         if not names:
-            raise ValueError(f"{self.unit_id}: a group needs at least one process")
+            raise ValueError(f"{self.group_id}: a group needs at least one process")
         if len(set(names)) != len(names):
-            raise ValueError(f"{self.unit_id}: duplicate process names {names}")
+            raise ValueError(f"{self.group_id}: duplicate process names {names}")
         for name in ("ready_timeout_s", "stop_timeout_s", "restart_stop_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{self.unit_id}: {name} must be > 0")
+                raise ValueError(f"{self.group_id}: {name} must be > 0")
         if self.log_max_bytes < MIN_MAX_BYTES or self.log_backups < 0:
-            raise ValueError(f"{self.unit_id}: log_max_bytes >= {MIN_MAX_BYTES}, log_backups >= 0")
+            raise ValueError(f"{self.group_id}: log_max_bytes >= {MIN_MAX_BYTES}, log_backups >= 0")
 
 
-class UnitSupervisor:
-    def __init__(self, plan: UnitPlan, on_event: Callable[[str], None] | None = None) -> None:
+class GroupSupervisor:
+    def __init__(self, plan: GroupPlan, on_event: Callable[[str], None] | None = None) -> None:
         self.plan = plan
         self.procs = [self._managed(spec) for spec in plan.processes]
         self._sink = on_event or (lambda msg: log.info("%s", msg))
@@ -110,9 +111,9 @@ class UnitSupervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # Written by the supervisor thread under _lock; read by snapshot().
-        self.phase = UnitPhase.STOPPED
+        self.phase = GroupPhase.STOPPED
         self.restarts = 0
-        self.failures: list[UnitFailure] = []
+        self.failures: list[GroupFailure] = []
         self.launched_at: float | None = None  # time.time() of the current incarnation
         self.ready_at: float | None = None
         self.first_ready_s: float | None = None  # launch -> ready, of the first incarnation
@@ -128,16 +129,16 @@ class UnitSupervisor:
         self._recreate = threading.Event()
 
     @property
-    def unit_id(self) -> str:
-        return self.plan.unit_id
+    def group_id(self) -> str:
+        return self.plan.group_id
 
     # ---- control (any thread) ------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
-            raise RuntimeError(f"{self.unit_id} supervisor already started")
+            raise RuntimeError(f"{self.group_id} supervisor already started")
         self._thread = threading.Thread(
-            target=self._run, name=f"supervise-{self.unit_id}", daemon=True
+            target=self._run, name=f"supervise-{self.group_id}", daemon=True
         )
         self._thread.start()
 
@@ -149,7 +150,7 @@ class UnitSupervisor:
             self._thread.join(budget)
             if self._thread.is_alive():
                 # The thread is stuck (it should not be): kill what we can from here.
-                log.error("%s: supervisor did not stop in %.0f s", self.unit_id, budget)
+                log.error("%s: supervisor did not stop in %.0f s", self.group_id, budget)
                 for p in self.procs:
                     p.kill_tree()
 
@@ -160,16 +161,16 @@ class UnitSupervisor:
         is READY and ``generation`` is at least that. The replacement also becomes
         the group's plan for later crash recoveries."""
         if self._thread is None or self._stop.is_set():
-            raise RuntimeError(f"{self.unit_id} is not running")
+            raise RuntimeError(f"{self.group_id} is not running")
         with self._lock:
             if processes is not None:
-                UnitPlan(self.unit_id, processes, self.plan.log_dir, self.plan.ready)  # validate
+                GroupPlan(self.group_id, processes, self.plan.log_dir, self.plan.ready)  # validate
             self._recreate_with = processes
             target = self.generation + 1
         self._recreate.set()
         return target
 
-    def wait_phase(self, phase: UnitPhase, timeout_s: float) -> bool:
+    def wait_phase(self, phase: GroupPhase, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.phase == phase:
@@ -181,7 +182,7 @@ class UnitSupervisor:
         with self._lock:
             last = self.failures[-1] if self.failures else None
             return {
-                "unit_id": self.unit_id,
+                "unit_id": self.group_id,  # the field name `status` and deploys read
                 "phase": str(self.phase),
                 "generation": self.generation,
                 "recreations": self.recreations,
@@ -222,7 +223,7 @@ class UnitSupervisor:
         try:
             self._sink(msg)
         except Exception:  # noqa: BLE001
-            log.warning("%s: event not reported: %s", self.unit_id, msg)
+            log.warning("%s: event not reported: %s", self.group_id, msg)
 
     def _set(self, **fields: object) -> None:
         with self._lock:
@@ -245,11 +246,11 @@ class UnitSupervisor:
                     # One update: readers never see the new count with the old phase.
                     self.failures = [*self.failures[-9:], failure]
                     self.restarts += 1
-                    self.phase = UnitPhase.BACKOFF
+                    self.phase = GroupPhase.BACKOFF
                     self.next_start_at = time.time() + delay
                 self._teardown(self.plan.restart_stop_timeout_s)
                 self._on_event(
-                    f"{self.unit_id} failed: {failure.reason}; recreating the whole unit "
+                    f"{self.group_id} failed: {failure.reason}; recreating the whole group "
                     f"in {delay:.1f} s (restart {self.restarts})"
                 )
                 if self._backoff_wait(delay):
@@ -257,11 +258,11 @@ class UnitSupervisor:
                 if self._recreate.is_set():  # asked for during the backoff: new plan now
                     self._replace()
         except Exception:
-            log.exception("%s: supervisor thread crashed; stopping the group", self.unit_id)
+            log.exception("%s: supervisor thread crashed; stopping the group", self.group_id)
         finally:
-            self._set(phase=UnitPhase.STOPPING, next_start_at=None)
+            self._set(phase=GroupPhase.STOPPING, next_start_at=None)
             self._teardown(self.plan.stop_timeout_s)
-            self._set(phase=UnitPhase.STOPPED)
+            self._set(phase=GroupPhase.STOPPED)
 
     def _backoff_wait(self, delay: float) -> bool:
         """Sleep ``delay`` unless stopped (True) or asked to recreate (False, early)."""
@@ -278,9 +279,9 @@ class UnitSupervisor:
         with self._lock:
             new, self._recreate_with = self._recreate_with, None
             self._recreate.clear()
-            self.phase = UnitPhase.STOPPING
+            self.phase = GroupPhase.STOPPING
             self.recreations += 1
-        self._on_event(f"{self.unit_id} recreating (planned)")
+        self._on_event(f"{self.group_id} recreating (planned)")
         self._teardown(self.plan.stop_timeout_s)
         if new is not None:
             self.plan.processes = new
@@ -290,7 +291,7 @@ class UnitSupervisor:
     def _launch(self) -> None:
         self._set(
             generation=self.generation + 1,
-            phase=UnitPhase.STARTING,
+            phase=GroupPhase.STARTING,
             launched_at=time.time(),
             ready_at=None,
             next_start_at=None,
@@ -303,10 +304,10 @@ class UnitSupervisor:
         for p in self.procs:
             p.start()
         self._on_event(
-            f"{self.unit_id} starting: " + ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
+            f"{self.group_id} starting: " + ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         )
 
-    def _watch(self) -> UnitFailure | _Recreate | None:
+    def _watch(self) -> GroupFailure | _Recreate | None:
         assert self.launched_at is not None
         launched = time.monotonic()
         next_ready = next_progress = 0.0
@@ -316,12 +317,12 @@ class UnitSupervisor:
             for p in self.procs:
                 rc = p.poll()
                 if rc is not None:
-                    return UnitFailure(
+                    return GroupFailure(
                         time.time(), p.name, rc, f"{p.name} exited with code {rc}",
                         p.log_tail(_TAIL_LINES),
                     )  # fmt: skip
             now = time.monotonic()
-            if self.phase == UnitPhase.STARTING:
+            if self.phase == GroupPhase.STARTING:
                 if now >= next_progress and self.plan.progress is not None:
                     next_progress = now + _PROGRESS_PROBE_S
                     self._probe_progress()
@@ -330,17 +331,17 @@ class UnitSupervisor:
                     if self._probe_ready():
                         took = now - launched
                         with self._lock:
-                            self.phase = UnitPhase.READY
+                            self.phase = GroupPhase.READY
                             self.ready_at = time.time()
                             self.last_ready_s = round(took, 2)
                             if self.first_ready_s is None:
                                 self.first_ready_s = round(took, 2)
                         self.ever_ready.set()
-                        self._on_event(f"{self.unit_id} ready after {took:.1f} s")
+                        self._on_event(f"{self.group_id} ready after {took:.1f} s")
                         continue
                 if now - launched > self.plan.ready_timeout_s:
                     tails = "\n".join(f"--- {p.name}\n{p.log_tail(10)}" for p in self.procs)
-                    return UnitFailure(
+                    return GroupFailure(
                         time.time(), "", None,
                         f"not ready within {self.plan.ready_timeout_s:.0f} s", tails,
                     )  # fmt: skip
@@ -363,7 +364,7 @@ class UnitSupervisor:
             if state is not None and state != old:
                 with self._lock:
                     self.node_states = {**self.node_states, p.name: state}
-                self._on_event(f"{self.unit_id} {p.name}: {state}")
+                self._on_event(f"{self.group_id} {p.name}: {state}")
 
     def _teardown(self, timeout_s: float) -> None:
         """Stop every process of the group in parallel (each: TERM, wait, KILL its tree)."""
@@ -378,4 +379,4 @@ class UnitSupervisor:
             t.join(timeout_s + 15.0)
         leftovers = [m.pid for p in self.procs for m in p.members()]
         if leftovers:
-            log.error("%s: processes survived teardown: %s", self.unit_id, leftovers)
+            log.error("%s: processes survived teardown: %s", self.group_id, leftovers)

@@ -1,4 +1,4 @@
-"""The Triton generate_stream request function against a fake SSE server."""
+"""workload.py's Triton generate_stream request function against a fake SSE server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from neuron_serving.bench.serving import aggregate, triton_generate_stream
+from neuron_serving.bench.workload import triton_generate_stream, triton_grpc_stream
 
 pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
 
@@ -74,21 +74,55 @@ async def test_error_event_and_http_error_fail_the_request():
     assert not out.success and "HTTP 503" in out.error
 
 
-def test_aggregate_ratios_are_median_over_median():
-    def run(tok_s: float, ttft: float) -> dict:
-        from neuron_serving.bench.metrics import figure_keys
+class _Result:
+    """A streamed ModelStreamInfer response as tritonclient's aio client yields it."""
 
-        return {k: 1.0 for k in figure_keys()} | {"output_tok_s": tok_s, "ttft_p50_ms": ttft,
-                                                   "failed": 0}  # fmt: skip
+    def __init__(self, text: str, tokens: int | None = None, finish: str | None = None):
+        import numpy as np
 
-    runs = [{"triton_http": run(t, 10.0), "vllm": run(100.0, 8.0), "triton": run(50.0, 4.0)}
-            for t in (80.0, 90.0, 120.0)]  # fmt: skip
-    agg = aggregate(runs)
-    assert agg["ratio_arm"] == "triton_http"
-    assert agg["throughput_ratio"] == pytest.approx(0.9)
-    assert agg["throughput_ratio_per_repeat"]["min"] == pytest.approx(0.8)
-    assert agg["ttft_p50_ratio"] == pytest.approx(1.25)
-    assert agg["met"] == {"throughput_ratio": True, "ttft_p50_ratio": False}
-    # the gRPC arm's ratios, for information, never decide "met"
-    assert agg["grpc_throughput_ratio"] == pytest.approx(0.5)
-    assert agg["grpc_ttft_p50_ratio"] == pytest.approx(0.5)
+        self._outputs = {"text_output": np.array([text.encode()], dtype=np.object_),
+                         "completion_tokens": None if tokens is None else np.array([tokens]),
+                         "finish_reason": None if finish is None else np.array([finish])}  # fmt: skip
+
+    def as_numpy(self, name: str):
+        return self._outputs[name]
+
+
+class _StreamClient:
+    """tritonclient's ``stream_infer`` contract: it reads the request iterator and
+    yields (result, error) pairs."""
+
+    def __init__(self, responses: list):
+        self.responses, self.requests = responses, []
+
+    async def stream_infer(self, requests):
+        self.requests.append(await requests.__anext__())
+        for pair in self.responses:
+            yield pair
+
+
+async def _grpc_call(responses: list):
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncInput
+
+    client = _StreamClient(responses)
+    rfi = RequestFuncInput(prompt="hi", api_url="", prompt_len=0, output_len=3, model="llm",
+                           ignore_eos=True, extra_body={"temperature": 0.0})  # fmt: skip
+    return await triton_grpc_stream(rfi, client), client
+
+
+async def test_grpc_stream_timed_until_the_final_response():
+    out, client = await _grpc_call(
+        [(_Result("a", tokens=1), None), (_Result("b"), None), (_Result("c", 3, "length"), None)]
+    )
+    assert out.success and out.error == "" and out.generated_text == "abc"
+    assert out.output_tokens == 3 and len(out.itl) == 2 and out.ttft > 0
+    assert out.latency >= out.ttft + sum(out.itl) - 1e-9
+    sent = {t.name(): t for t in client.requests[0]["inputs"]}
+    assert set(sent) == {"text_input", "stream", "exclude_input_in_output", "sampling_parameters"}
+
+
+async def test_grpc_stream_error_and_missing_final_response_fail_the_request():
+    out, _ = await _grpc_call([(_Result("a", 1), None), (None, "engine is dead")])
+    assert not out.success and "engine is dead" in out.error and out.generated_text == "a"
+    out, _ = await _grpc_call([(_Result("a", 1), None)])
+    assert not out.success and "without a final response" in out.error

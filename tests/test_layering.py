@@ -1,0 +1,306 @@
+"""The layering rules (issue 15), asserted from the imports themselves.
+
+Every ``.py`` file under ``neuron_serving/`` and ``proxy/`` is parsed with ``ast``
+(nothing is imported); every ``import``/``from ... import`` anywhere in it counts,
+at module level or inside a function (a lazy import is still a dependency),
+relative imports resolved against the file's package. Importing ``a.b.c`` also
+runs ``a`` and ``a.b``, so a module's imports include their parent packages.
+
+    (a) the follower side never imports the leader's executor nor Triton
+    (b) the proxy never imports the unit nor Triton, even through another module
+    (c) checkpoint (the format library, below the unit) never imports the unit,
+        the local supervisor, nor the shard-writing tool (sharding runs a unit)
+    (d) no import cycle between packages (``proxy``, ``neuron_serving.<first
+        component>``; a top-level module such as ``neuron_serving.envs`` is its own)
+
+(a)-(c) follow imports transitively and report the chain that breaks the rule;
+(d) reports each cycle by its packages and the module imports that close it.
+``test_the_checks_see_a_violation`` runs the same checks on a small tree with a
+back-import of each kind, so these tests cannot pass by seeing nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP_PACKAGES = ("neuron_serving", "proxy")
+FOLLOWER_SIDE = (
+    "neuron_serving.commands.follower",
+    "neuron_serving.unit.follower",
+    "neuron_serving.unit.worker_loop",
+)
+
+Graph = dict[str, set[str]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    # Modules the rule starts from: exactly these names, or every module in these packages.
+    modules: tuple[str, ...] = ()
+    packages: tuple[str, ...] = ()
+    # Neither these modules nor anything inside them may be reached.
+    forbidden: tuple[str, ...] = ()
+
+
+RULES = (
+    Rule(
+        "(a) the follower never imports the leader's executor",
+        modules=FOLLOWER_SIDE,
+        forbidden=("neuron_serving.unit.executor", "neuron_serving.triton"),
+    ),
+    Rule(
+        "(b) the proxy never imports the unit or Triton",
+        packages=("proxy",),
+        forbidden=("neuron_serving.unit", "neuron_serving.triton"),
+    ),
+    Rule(
+        "(c) checkpoint never imports unit, local or sharding",
+        packages=("neuron_serving.checkpoint",),
+        forbidden=("neuron_serving.unit", "neuron_serving.local", "neuron_serving.sharding"),
+    ),
+)
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _module_files(root: Path) -> dict[str, tuple[Path, bool]]:
+    """Module name -> (file, is a package's __init__)."""
+    out: dict[str, tuple[Path, bool]] = {}
+    for top in TOP_PACKAGES:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            out[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return out
+
+
+def _imported_names(tree: ast.AST, package: str) -> Iterable[str]:
+    """Every dotted name an import statement anywhere in ``tree`` may load."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the file's package, up level-1 packages
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            yield module
+            # `from pkg import name`: name may be a submodule of pkg.
+            yield from (f"{module}.{alias.name}" for alias in node.names)
+
+
+def import_graph(root: Path = ROOT) -> Graph:
+    """Project module -> the project modules it imports (parent packages included)."""
+    files = _module_files(root)
+
+    def project_module(name: str) -> str | None:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in files:
+            parts.pop()
+        return ".".join(parts) or None
+
+    graph: Graph = {}
+    for module, (path, is_package) in files.items():
+        package = module if is_package else module.rpartition(".")[0]
+        targets = graph.setdefault(module, set())
+        for name in _imported_names(ast.parse(path.read_text(), str(path)), package):
+            found = project_module(name)
+            while found:  # the module and every package above it
+                targets.add(found)
+                found = project_module(found.rpartition(".")[0]) if "." in found else None
+        targets.discard(module)
+    return graph
+
+
+def _reachable(graph: Graph, start: str) -> dict[str, str | None]:
+    """Every module ``start`` imports, transitively -> the module that imported it."""
+    parent: dict[str, str | None] = {start: None}
+    todo = [start]
+    while todo:
+        module = todo.pop()
+        for target in sorted(graph.get(module, ())):
+            if target not in parent:
+                parent[target] = module
+                todo.append(target)
+    return parent
+
+
+def _chain(parent: dict[str, str | None], end: str) -> str:
+    path = [end]
+    while (up := parent[path[-1]]) is not None:
+        path.append(up)
+    return " -> ".join(reversed(path))
+
+
+def rule_violations(graph: Graph, rule: Rule) -> list[str]:
+    """One import chain per (start module, forbidden module) that breaks ``rule``."""
+    starts = [m for m in graph if m in rule.modules or any(_inside(m, p) for p in rule.packages)]
+    missing = [m for m in rule.modules if m not in graph]
+    out = [f"{m}: no such module (renamed? update the rule)" for m in missing]
+    if not starts:
+        out.append(f"no module matches {rule.modules or rule.packages}")
+    for start in sorted(starts):
+        parent = _reachable(graph, start)
+        out += [_chain(parent, m) for m in sorted(parent)
+                if any(_inside(m, f) for f in rule.forbidden)]  # fmt: skip
+    return out
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return "proxy" if parts[0] == "proxy" else ".".join(parts[:2])
+
+
+def package_edges(graph: Graph) -> dict[tuple[str, str], list[str]]:
+    """(package, package it imports) -> the module imports behind that edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, targets in graph.items():
+        for target in sorted(targets):
+            a, b = package_of(module), package_of(target)
+            if a != b:
+                edges.setdefault((a, b), []).append(f"{module} -> {target}")
+    return edges
+
+
+def strongly_connected(nodes: Iterable[str], succ: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components with more than one member (the cycles)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(succ.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                out.append(sorted(members))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def package_cycles(graph: Graph) -> list[str]:
+    """One line per cycle between packages: its members and the imports that close it."""
+    edges = package_edges(graph)
+    succ: dict[str, set[str]] = {}
+    for a, b in edges:
+        succ.setdefault(a, set()).add(b)
+    lines = []
+    for members in strongly_connected({package_of(m) for m in graph}, succ):
+        inner = [imp for (a, b), imps in sorted(edges.items())
+                 if a in members and b in members for imp in imps[:3]]  # fmt: skip
+        lines.append(f"cycle between {', '.join(members)}: " + "; ".join(inner))
+    return lines
+
+
+def _check(rule: Rule) -> None:
+    bad = rule_violations(import_graph(), rule)
+    assert not bad, f"{rule.name}:\n  " + "\n  ".join(bad)
+
+
+def test_follower_never_imports_the_leader() -> None:
+    _check(RULES[0])
+
+
+def test_proxy_never_imports_the_unit_or_triton() -> None:
+    _check(RULES[1])
+
+
+def test_checkpoint_imports_nothing_above_it() -> None:
+    _check(RULES[2])
+
+
+def test_no_import_cycles_between_packages() -> None:
+    cycles = package_cycles(import_graph())
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_graph_sees_the_real_imports() -> None:
+    # A parser that found nothing would pass every rule above.
+    graph = import_graph()
+    follower = _reachable(graph, "neuron_serving.commands.follower")
+    assert "neuron_serving.unit.worker_loop" in follower, sorted(follower)
+    assert "neuron_serving.envs" in follower  # through function-level imports too
+    assert {package_of(m) for m in graph} >= {"proxy", "neuron_serving.unit",
+                                              "neuron_serving.checkpoint"}  # fmt: skip
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_checks_see_a_violation(tmp_path: Path) -> None:
+    """A tree with one back-import of each kind, through relative, function-level and
+    transitive imports: every rule and the cycle check must report it."""
+    root = _tree(tmp_path, {
+        "neuron_serving/__init__.py": "",
+        "neuron_serving/envs.py": "",
+        "neuron_serving/commands/__init__.py": "",
+        "neuron_serving/commands/follower.py": "def main():\n    from ..unit import follower\n",
+        "neuron_serving/unit/__init__.py": "",
+        "neuron_serving/unit/follower.py": "from . import worker_loop\n",
+        "neuron_serving/unit/worker_loop.py": "from .executor import STEP\n",
+        "neuron_serving/unit/executor.py": "import neuron_serving.checkpoint.store\nSTEP = 1\n",
+        "neuron_serving/checkpoint/__init__.py": "",
+        "neuron_serving/checkpoint/store.py": "def f():\n    from ..local.cluster import X\n",
+        "neuron_serving/local/__init__.py": "",
+        "neuron_serving/local/cluster.py": "from neuron_serving.checkpoint import store\nX = 1\n",
+        "proxy/__init__.py": "",
+        "proxy/server.py": "from neuron_serving import envs\nfrom proxy.util import y\n",
+        "proxy/util.py": "import neuron_serving.unit.follower\ny = 1\n",
+    })  # fmt: skip
+    graph = import_graph(root)
+    follower, proxy, checkpoint = (rule_violations(graph, rule) for rule in RULES)
+    assert "neuron_serving.unit.worker_loop -> neuron_serving.unit.executor" in follower[0]
+    assert any(v.startswith("neuron_serving.commands.follower -> ") for v in follower)
+    assert "proxy.server -> proxy.util -> neuron_serving.unit" in proxy
+    assert "neuron_serving.checkpoint.store -> neuron_serving.local" in checkpoint
+    cycles = package_cycles(graph)
+    assert len(cycles) == 1, cycles
+    assert cycles[0].startswith("cycle between neuron_serving.checkpoint, neuron_serving.local:")
+    assert "neuron_serving.checkpoint.store -> neuron_serving.local.cluster" in cycles[0]
+    # and a clean tree passes: the same files without the back-imports
+    clean = _tree(tmp_path / "clean", {
+        "neuron_serving/__init__.py": "",
+        "neuron_serving/unit/__init__.py": "",
+        "neuron_serving/unit/follower.py": "from . import worker_loop\n",
+        "neuron_serving/unit/worker_loop.py": "import neuron_serving.checkpoint.store\n",
+        "neuron_serving/unit/executor.py": "from .worker_loop import *\n",
+        "neuron_serving/checkpoint/__init__.py": "",
+        "neuron_serving/checkpoint/store.py": "",
+        "proxy/__init__.py": "",
+        "proxy/server.py": "from neuron_serving.checkpoint import store\n",
+    })  # fmt: skip
+    graph = import_graph(clean)
+    assert not package_cycles(graph)
+    assert not rule_violations(graph, RULES[1]) and not rule_violations(graph, RULES[2])

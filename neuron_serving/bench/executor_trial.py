@@ -1,9 +1,10 @@
 """One trial of the executor benchmark, in its own process (run by ``executor.py``).
 
 ``--mode unit``: our UnitExecutor, rank 0 in this process, a follower process
-for rank 1. ``--mode mp``: vLLM's own MultiprocExecutor (both workers in
-processes it spawns). In both, the engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the executors are the only variable.
+for rank 1 (``neuron_serving.unit.inprocess``). ``--mode mp``: vLLM's own
+MultiprocExecutor (both workers in processes it spawns). In both, the engine
+core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
+executors are the only variable.
 Prints one JSON line.
 """
 
@@ -12,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+from typing import Any
 
 
 def main() -> int:
@@ -29,43 +30,30 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     args = p.parse_args()
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
-    followers: list[subprocess.Popen] = []
     if args.mode == "unit":
-        from neuron_serving.devices.base import RankPlacement
-        from neuron_serving.devices.cpu import CpuBackend
         from neuron_serving.unit.config import UnitConfig
-        from neuron_serving.unit.engine import engine_kwargs
+        from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
 
-        unit = UnitConfig.from_env(control_port=args.control_port)
-        os.environ.update(
-            CpuBackend().process_env(RankPlacement(0, args.tp, "127.0.0.1", args.control_port))
-        )
-        kwargs = engine_kwargs(
-            args.model, args.tp, unit, max_model_len=1024, kv_cache_bytes=1 << 30, dtype=args.dtype
-        )
-        followers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "neuron_serving.cli",
-                    "follower",
-                    "--leader",
-                    f"127.0.0.1:{args.control_port}",
-                    "--rank",
-                    str(r),
-                ],
-                env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": args.bind},
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+        unit = InProcessUnit(
+            InProcessUnitConfig(
+                model=args.model,
+                tp=args.tp,
+                unit=UnitConfig.from_env(control_port=args.control_port),
+                max_model_len=1024,
+                kv_cache_bytes=1 << 30,
+                dtype=args.dtype,
+                cpu_bind=args.bind,
             )
-            for r in range(1, args.tp)
-        ]
+        )
+        with unit:
+            print(json.dumps(_measure(unit.llm, args, unit.executor)), flush=True)
     else:
-        kwargs = dict(
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind  # MultiprocExecutor binds each worker
+        from vllm import LLM
+
+        llm = LLM(
             model=args.model,
             tensor_parallel_size=args.tp,
             distributed_executor_backend="mp",
@@ -75,10 +63,18 @@ def main() -> int:
             seed=0,
             dtype=args.dtype,
         )
+        print(json.dumps(_measure(llm, args, None)), flush=True)
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+    # vLLM leaves non-daemon threads; do not let them hold the exit.
+    os._exit(0)
 
-    from vllm import LLM, SamplingParams
 
-    llm = LLM(**kwargs)
+def _measure(llm: Any, args: argparse.Namespace, executor: Any) -> dict:
+    from vllm import SamplingParams
+
     prompts = [
         f"Customer {i}: do you have size {i % 13} running shoes in blue?"
         for i in range(args.prompts)
@@ -87,45 +83,29 @@ def main() -> int:
     llm.generate(
         prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False
     )  # warm-up
-    executor = None
-    if args.mode == "unit":
-        executor = llm.llm_engine.engine_core.engine_core.model_executor
-        stats = executor.control_stats
-        if stats is not None:
-            stats.latencies_s.clear()
-            base_msgs, base_bytes, base_wire = stats.messages, stats.payload_bytes, stats.wire_bytes
+    stats = executor.control_stats if executor is not None else None
+    if stats is not None:
+        stats.latencies_s.clear()
+        base_msgs, base_bytes, base_wire = stats.messages, stats.payload_bytes, stats.wire_bytes
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     result = {"mode": args.mode, "tokens": tokens, "elapsed_s": elapsed, "tok_s": tokens / elapsed}
-    if executor is not None and executor.control_stats is not None:
+    if stats is not None:
         from neuron_serving.bench.common import percentile
 
-        st = executor.control_stats
-        n = st.messages - base_msgs
-        lat = st.latencies_s
+        n = stats.messages - base_msgs
+        lat = stats.latencies_s
         result.update(
             control_messages=n,
             steps=executor.status.steps,
             control_p50_us=percentile(lat, 50) * 1e6,
             control_p99_us=percentile(lat, 99) * 1e6,
-            payload_bytes_per_msg=(st.payload_bytes - base_bytes) / max(n, 1),
-            wire_bytes_per_msg=(st.wire_bytes - base_wire) / max(n, 1),
+            payload_bytes_per_msg=(stats.payload_bytes - base_bytes) / max(n, 1),
+            wire_bytes_per_msg=(stats.wire_bytes - base_wire) / max(n, 1),
         )
-    print(json.dumps(result), flush=True)
-    sys.stdout.flush()
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    if followers:
-        for f in followers:
-            try:
-                f.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                f.kill()
-    os._exit(0)
+    return result
 
 
 if __name__ == "__main__":

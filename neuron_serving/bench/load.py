@@ -31,7 +31,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from neuron_serving.bench.common import spread, write_result
@@ -227,72 +226,49 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
 
 
 # -- one trial, in its own process ---------------------------------------------
-def _follower_cmd(port: int, model_dir: Path, copy: Path | None) -> list[str]:
-    cmd = [sys.executable, "-m", "neuron_serving.cli", "follower"]
-    cmd += ["--leader", f"127.0.0.1:{port}", "--rank", "1"]
-    if copy is None:
-        return cmd
-    # Its own mount namespace: the leader's model path shows this host's copy.
+def _separate_host(copy: Path, model_dir: Path) -> tuple[str, ...]:
+    """Follower argv prefix: its own mount namespace, where the leader's model path
+    shows this 'host's' copy."""
     script = 'mount --bind "$1" "$2" && shift 2 && exec "$@"'
-    return ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh"] + [
+    return ("unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh") + (
         str(copy),
         str(model_dir),
-        *cmd,
-    ]
+    )
 
 
 def _run_trial(args: argparse.Namespace) -> int:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from neuron_serving.devices.base import RankPlacement
-    from neuron_serving.devices.cpu import CpuBackend
     from neuron_serving.unit.config import UnitConfig
-    from neuron_serving.unit.engine import engine_kwargs
+    from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
 
-    unit = UnitConfig.from_env(control_port=args.control_port, join_timeout_s=180)
-    os.environ.update(
-        CpuBackend().process_env(RankPlacement(0, TP, "127.0.0.1", args.control_port))
-    )
-    kwargs = engine_kwargs(
-        args.model,
-        TP,
-        unit,
-        max_model_len=512,
-        kv_cache_bytes=256 << 20,
-        dtype="float32",
-        enforce_eager=True,
-    )
     copy = Path(args.follower_copy) if args.follower_copy else None
-    log = _cache_root() / "logs" / f"follower-{args.arm}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as log_f:
-        follower = subprocess.Popen(
-            _follower_cmd(args.control_port, Path(args.model), copy),
-            stdout=subprocess.DEVNULL,
-            stderr=log_f,
+    unit = InProcessUnit(
+        InProcessUnitConfig(
+            model=args.model,
+            tp=TP,
+            unit=UnitConfig.from_env(control_port=args.control_port, join_timeout_s=180),
+            max_model_len=512,
+            kv_cache_bytes=256 << 20,
+            dtype="float32",
+            enforce_eager=True,
+            follower_argv_prefix=() if copy is None else _separate_host(copy, Path(args.model)),
+            log_dir=_cache_root() / "logs" / args.arm,
         )
-    from vllm import LLM, SamplingParams
+    )
+    with unit:
+        from vllm import SamplingParams
 
-    t0 = time.perf_counter()
-    llm = LLM(**kwargs)
-    ready_s = time.perf_counter() - t0
-    executor = llm.llm_engine.engine_core.engine_core.model_executor
-    out = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-    result = {
-        "arm": args.arm,
-        "ready_s": ready_s,
-        "ranks": [st.to_dict() for st in executor.load_stats],
-        "tokens": list(out[0].outputs[0].token_ids),
-        "separate_host_copy": copy is not None,
-    }
-    print(json.dumps(result), flush=True)
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:
-        pass
-    try:
-        follower.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        follower.kill()
+        assert unit.llm is not None
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        out = unit.llm.generate(["hello"], params, use_tqdm=False)
+        result = {
+            "arm": args.arm,
+            "ready_s": unit.ready_s,
+            "ranks": [st.to_dict() for st in unit.executor.load_stats],
+            "tokens": list(out[0].outputs[0].token_ids),
+            "separate_host_copy": copy is not None,
+        }
+        print(json.dumps(result), flush=True)
+    # vLLM leaves non-daemon threads; do not let them hold the exit.
     os._exit(0)
 
 

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from neuron_serving.exitcodes import ExitCode
+
 PROG = "neuron-serving checkpoint"
 
 
@@ -85,8 +87,8 @@ def _transfer_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_shard(args: argparse.Namespace) -> int:
-    from neuron_serving.checkpoint.shard import ShardConfig, ShardError, shard
     from neuron_serving.checkpoint.verify import verify
+    from neuron_serving.sharding.shard import ShardConfig, ShardError, shard
 
     try:
         cfg = ShardConfig(
@@ -102,8 +104,8 @@ def run_shard(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         print(f"{PROG} shard: {e}", file=sys.stderr)
-        return 2
-    rc = 0
+        return ExitCode.USAGE
+    rc = ExitCode.OK
     try:
         manifest = shard(cfg)
         report = verify(cfg.out_dir)
@@ -114,17 +116,17 @@ def run_shard(args: argparse.Namespace) -> int:
                 f"{', '.join(manifest.rank_files[rank])}",
                 flush=True,
             )
-        rc = 0 if report.ok else 1
+        rc = ExitCode.OK if report.ok else ExitCode.FAILED
     except (ShardError, ValueError, OSError) as e:
         print(f"{PROG} shard: {e}", file=sys.stderr)
         for note in getattr(e, "__notes__", []):
             print(f"  {note}", file=sys.stderr)
-        rc = 1
+        rc = ExitCode.FAILED
     except Exception as e:  # vLLM errors: one clear line; the log has the traceback
         print(f"{PROG} shard: {type(e).__name__}: {e}", file=sys.stderr)
         for note in getattr(e, "__notes__", []):
             print(f"  {note}", file=sys.stderr)
-        rc = 1
+        rc = ExitCode.FAILED
     sys.stdout.flush()
     sys.stderr.flush()
     # vLLM leaves non-daemon threads; do not let them hold the exit.
@@ -139,10 +141,10 @@ def run_verify(args: argparse.Namespace) -> int:
         pin = _pin(args)
     except ValueError as e:
         print(f"{PROG} verify: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     report = verify(Path(args.dir), hashes=not args.no_hash, ranks=ranks, pin=pin)
     print(report.render(), file=sys.stdout if report.ok else sys.stderr)
-    return 0 if report.ok else 1
+    return ExitCode.OK if report.ok else ExitCode.FAILED
 
 
 def _store(args: argparse.Namespace):
@@ -160,9 +162,9 @@ def run_publish(args: argparse.Namespace) -> int:
         result = _store(args).publish(Path(args.dir), loc)
     except (StoreError, ValueError) as e:
         print(f"{PROG} publish: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     print(result.render())
-    return 0
+    return ExitCode.OK
 
 
 def run_fetch(args: argparse.Namespace) -> int:
@@ -173,6 +175,6 @@ def run_fetch(args: argparse.Namespace) -> int:
         result = _store(args).fetch(loc, Path(args.dir), rank=args.rank, pin=_pin(args))
     except (StoreError, ValueError) as e:
         print(f"{PROG} fetch: {e}", file=sys.stderr)
-        return 1
+        return ExitCode.FAILED
     print(result.render())
-    return 0
+    return ExitCode.OK

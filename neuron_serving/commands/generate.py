@@ -1,8 +1,9 @@
 """`neuron-serving generate`: run a unit's leader in-process (no Triton) on a few prompts.
 
-The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
+The engine core runs in this process (``neuron_serving.unit.inprocess``) so
 that a unit failure reaches the user as one clear error on stderr and a
-non-zero exit code.
+non-zero exit code. Followers are not started here: the user starts
+``neuron-serving follower`` for ranks 1..N-1 and they join by address.
 """
 
 from __future__ import annotations
@@ -43,85 +44,74 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from neuron_serving.devices.base import RankPlacement, get_backend
+    from neuron_serving.exitcodes import ExitCode
+    from neuron_serving.unit.auth import AuthError
     from neuron_serving.unit.config import UnitConfig
+    from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
 
     try:
-        unit = UnitConfig.from_env(
-            control_port=args.control_port,
-            control_host=args.control_host,
-            token_file=args.token_file,
-            join_timeout_s=args.join_timeout,
-            unit_id=args.unit_id,
-            health_port=args.health_port,
-        )
-    except ValueError as e:
-        print(f"neuron-serving generate: {e}", file=sys.stderr)
-        return 2
-    if args.tp > 1:
-        from neuron_serving.unit.auth import AuthError, resolve_token
-
-        try:
-            # Here, not in the engine's executor: a short or unreadable token is
-            # one clear line before vLLM starts, not an engine start-up traceback.
-            resolve_token(unit.token_file)
-        except AuthError as e:
-            print(f"neuron-serving generate: {e}", file=sys.stderr)
-            return 2
-    backend = get_backend(unit.device)
-    # Before vLLM/torch are imported: OpenMP reads its binding once.
-    os.environ.update(
-        backend.process_env(RankPlacement(0, args.tp, unit.control_host, unit.control_port))
-    )
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # stdout carries results (--json); vLLM logs to stdout unless told otherwise.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-    from vllm import LLM, SamplingParams
-
-    from neuron_serving.unit.engine import engine_kwargs
-
-    try:
-        llm = LLM(
-            **engine_kwargs(
-                args.model,
-                args.tp,
-                unit,
+        unit = InProcessUnit(
+            InProcessUnitConfig(
+                model=args.model,
+                tp=args.tp,
+                unit=UnitConfig.from_env(
+                    control_port=args.control_port,
+                    control_host=args.control_host,
+                    token_file=args.token_file,
+                    join_timeout_s=args.join_timeout,
+                    unit_id=args.unit_id,
+                    health_port=args.health_port,
+                ),
                 max_model_len=args.max_model_len,
                 kv_cache_bytes=args.kv_cache_bytes,
                 dtype=args.dtype,
                 enforce_eager=args.enforce_eager,
+                start_followers=False,  # ranks 1..N-1 are started by the user and join
             )
         )
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            ignore_eos=args.ignore_eos,
-            logprobs=args.logprobs,
-        )
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except (ValueError, AuthError) as e:
+        print(f"neuron-serving generate: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    # stdout carries results (--json); vLLM logs to stderr (set by InProcessUnit).
+    try:
+        with unit:
+            from vllm import SamplingParams
+
+            params = SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                ignore_eos=args.ignore_eos,
+                logprobs=args.logprobs,
+            )
+            assert unit.llm is not None
+            outputs = unit.llm.generate(args.prompt, params, use_tqdm=False)
+            for out in outputs:
+                _print_output(out, args)
+            sys.stdout.flush()
     except Exception as e:  # one clear line for the user; the log has the traceback
         print(f"neuron-serving generate: {type(e).__name__}: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", []):
+            print(f"  {note}", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(1)
-    for out in outputs:
-        comp = out.outputs[0]
-        record = {
-            "prompt": out.prompt,
-            "token_ids": list(comp.token_ids),
-            "text": comp.text,
-            "finish_reason": comp.finish_reason,
-        }
-        if args.logprobs is not None and comp.logprobs is not None:
-            record["logprobs"] = [
-                step[tok].logprob for step, tok in zip(comp.logprobs, comp.token_ids, strict=True)
-            ]
-        if args.json:
-            print(json.dumps(record), flush=True)
-        else:
-            print(f"{out.prompt!r} -> {comp.text!r} ({comp.finish_reason})", flush=True)
-    sys.stdout.flush()
-    llm.llm_engine.engine_core.shutdown()
+        os._exit(ExitCode.FAILED)
     sys.stderr.flush()
     # vLLM leaves non-daemon threads; do not let them hold the exit.
-    os._exit(0)
+    os._exit(ExitCode.OK)
+
+
+def _print_output(out, args: argparse.Namespace) -> None:
+    comp = out.outputs[0]
+    record = {
+        "prompt": out.prompt,
+        "token_ids": list(comp.token_ids),
+        "text": comp.text,
+        "finish_reason": comp.finish_reason,
+    }
+    if args.logprobs is not None and comp.logprobs is not None:
+        record["logprobs"] = [
+            step[tok].logprob for step, tok in zip(comp.logprobs, comp.token_ids, strict=True)
+        ]
+    if args.json:
+        print(json.dumps(record), flush=True)
+    else:
+        print(f"{out.prompt!r} -> {comp.text!r} ({comp.finish_reason})", flush=True)

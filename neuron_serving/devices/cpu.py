@@ -46,6 +46,18 @@ def auto_cpus() -> list[int] | None:
     return cpus[:-1] if len(cpus) > 1 else None
 
 
+def default_cpu_bind(tp: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for ``tp`` ranks sharing this host: rank r pins
+    to one allowed CPU (round robin).
+
+    Every unit on a host gets the same list, so on a 2-core box the ranks of different
+    units share cores; binding still matters because TP ranks of one unit on the
+    same core would starve each other's spin-waiting all-reduce.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+
+
 class CpuBackend(DeviceBackend):
     name = "cpu"
 
@@ -125,7 +137,3 @@ SHM_DIR = Path("/dev/shm")
 
 def _shm_suffix(placement: RankPlacement) -> str:
     return f"-{socket.gethostname()}-{placement.session or 'nosession'}"
-
-
-def apply_env(env: dict[str, str]) -> None:
-    os.environ.update(env)

@@ -20,9 +20,10 @@ sees the same unit go unhealthy and come back without an admin call.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from neuron_serving.devices.cpu import default_cpu_bind
 
 CONTROL_PORTS = 4  # see UnitConfig: control, store, dist, Neuron bootstrap
 API_KEY_FILE = "api-key"  # in the run directory; `neuron-serving status` looks for it there
@@ -63,17 +64,6 @@ def stride(tp: int) -> int:
     """Ports per unit, rounded up to a multiple of 10 so blocks are easy to read."""
     used = CONTROL_PORTS + 3 + 2 * tp
     return (used + 9) // 10 * 10
-
-
-def default_cpu_bind(tp: int) -> str:
-    """vLLM's VLLM_CPU_OMP_THREADS_BIND for one unit: rank r pins to one allowed CPU.
-
-    Every unit uses the same list, so on this 2-core box the ranks of different
-    units share cores; binding still matters because TP ranks of one unit on the
-    same core would starve each other's spin-waiting all-reduce.
-    """
-    cpus = sorted(os.sched_getaffinity(0))
-    return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
 
 
 @dataclass(frozen=True, slots=True)

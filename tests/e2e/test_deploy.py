@@ -9,7 +9,7 @@ Throughout: zero failed requests, every response names the version that served i
 (header and `system_fingerprint`), and no response mixes versions.
 
 Units are TP=1 to keep the suite's time down (tensor-parallel loading of shards is
-covered by tests/neuron_serving/checkpoint/test_shard.py; deploy does not depend on
+covered by tests/neuron_serving/sharding/test_shard.py; deploy does not depend on
 the unit's size). v2 holds the same weights as v1 under another version name, and
 the broken version the same weights with one canary token changed: what a deploy
 checks (versions, canaries, capacity) is the subject here, not the weights.

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from neuron_serving.devices.base import DeviceUnavailable, RankPlacement, get_backend
-from neuron_serving.devices.cpu import CpuBackend, parse_cpu_list
+from neuron_serving.devices.cpu import CpuBackend, default_cpu_bind, parse_cpu_list
 from neuron_serving.devices.neuron import NeuronBackend
 
 
@@ -34,6 +34,16 @@ def test_cpu_auto_binding_leaves_the_last_cpu_to_the_front_end(monkeypatch):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # vLLM must not bind again
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert CpuBackend().process_env(RankPlacement(0, 1, "h", 1)) == {}  # one CPU: no binding
+
+
+def test_default_cpu_bind_gives_each_rank_of_a_host_one_cpu(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {6, 2, 4})
+    assert default_cpu_bind(2) == "2|4"
+    assert default_cpu_bind(4) == "2|4|6|2"  # more ranks than CPUs: round robin
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", default_cpu_bind(3))
+    assert CpuBackend().process_env(RankPlacement(2, 3, "h", 1))["OMP_PLACES"] == "{6}"
 
 
 def test_cpu_shm_patch_targets_exist():

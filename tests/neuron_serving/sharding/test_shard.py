@@ -14,8 +14,8 @@ import pytest
 from neuron_serving import cli
 from neuron_serving.checkpoint.layout import VLLM_SHARD_PATTERN, nxdi_shard_files
 from neuron_serving.checkpoint.manifest import Manifest, source_hash
-from neuron_serving.checkpoint.shard import CANARY_PROMPTS
 from neuron_serving.checkpoint.verify import safetensors_header, verify
+from neuron_serving.sharding.shard import CANARY_PROMPTS
 from tests.procs import Proc, free_port_block, leftover, unit_env
 
 pytestmark = pytest.mark.e2e

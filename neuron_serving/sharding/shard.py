@@ -3,7 +3,9 @@ sharded-state layout, written by vLLM itself.
 
 How: this process runs a unit's leader in-process (vLLM ``LLM`` with the unit
 executor, tensor-parallel size N) and starts ranks 1..N-1 as ordinary
-``neuron-serving follower`` processes on loopback. A ``collective_rpc`` is then
+``neuron-serving follower`` processes on loopback (``unit/inprocess.py``). This
+is why the tool lives above ``unit/`` and not in ``checkpoint/``, the format
+library every rank imports. A ``collective_rpc`` is then
 broadcast by the unit executor like any other call, and every rank writes
 ``model-rank-{r}-part-{p}.safetensors`` with vLLM's own loader and
 ``ShardedStateLoader.save_model`` (``rank_save.py``; the engine's
@@ -25,11 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -79,7 +77,7 @@ class ShardConfig:
     max_model_len: int = 512
     kv_cache_bytes: int = 64 << 20
     join_timeout_s: float = 300.0
-    log_dir: Path | None = None  # follower logs; default: a temporary directory
+    log_dir: Path | None = None  # follower logs; default: a temporary one, kept on failure
     env: dict[str, str] = field(default_factory=dict)  # extra env for followers
 
     def __post_init__(self) -> None:
@@ -145,126 +143,58 @@ def shard(cfg: ShardConfig) -> Manifest:
 
 
 def _run_unit(cfg: ShardConfig, dtype: str, staging: Path) -> tuple[list[Canary], dict[str, str]]:
-    from neuron_serving import envs
-    from neuron_serving.devices.base import RankPlacement, get_backend
-    from neuron_serving.local.spec import default_cpu_bind
     from neuron_serving.unit.config import UnitConfig
+    from neuron_serving.unit.inprocess import FollowerFailed, InProcessUnit, InProcessUnitConfig
 
-    port = cfg.control_port or free_port_block(4)
-    # A fresh secret per run: the unit lives only for this command.
-    token = envs.NEURON_SERVING_UNIT_TOKEN or secrets.token_hex(24)
-    bind = envs.VLLM_CPU_OMP_THREADS_BIND or default_cpu_bind(cfg.tp)
-    child_env = dict(os.environ)  # before this process rewrites its own binding
-    child_env.update(
-        NEURON_SERVING_UNIT_TOKEN=token,
-        VLLM_CPU_OMP_THREADS_BIND=bind,
-        VLLM_LOGGING_STREAM="ext://sys.stderr",
-        PYTHONUNBUFFERED="1",
+    unit = InProcessUnit(
+        InProcessUnitConfig(
+            model=str(cfg.model_dir),
+            tp=cfg.tp,
+            unit=UnitConfig.from_env(
+                control_port=cfg.control_port or free_port_block(4),
+                unit_id="checkpoint-shard",
+                join_timeout_s=cfg.join_timeout_s,
+            ),
+            max_model_len=cfg.max_model_len,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            dtype=dtype,
+            enforce_eager=True,
+            seed=0,
+            fresh_token=True,  # the unit lives only for this command
+            log_dir=cfg.log_dir,
+            follower_env=cfg.env,
+        )
     )
-    child_env.update(cfg.env)
-    os.environ["NEURON_SERVING_UNIT_TOKEN"] = token
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    unit = UnitConfig.from_env(
-        control_port=port, unit_id="checkpoint-shard", join_timeout_s=cfg.join_timeout_s
-    )
-    backend = get_backend(unit.device)
-    # Before torch is imported: OpenMP reads its binding once.
-    os.environ.update(backend.process_env(RankPlacement(0, cfg.tp, unit.control_host, port)))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-    log_dir = cfg.log_dir or Path(tempfile.mkdtemp(prefix="neuron-serving-shard-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    followers = [
-        _start_follower(rank, cfg.tp, port, child_env, log_dir) for rank in range(1, cfg.tp)
-    ]
     try:
-        from vllm import LLM, SamplingParams
-        from vllm import __version__ as vllm_version
+        with unit:
+            from vllm import SamplingParams
+            from vllm import __version__ as vllm_version
 
-        from neuron_serving.checkpoint.rank_save import save_rank_shard
-        from neuron_serving.unit.engine import engine_kwargs
+            from neuron_serving.sharding.rank_save import save_rank_shard
 
-        llm = LLM(
-            **engine_kwargs(
-                str(cfg.model_dir),
-                cfg.tp,
-                unit,
-                max_model_len=cfg.max_model_len,
-                kv_cache_bytes=cfg.kv_cache_bytes,
-                dtype=dtype,
-                enforce_eager=True,
-                seed=0,
+            llm = unit.llm
+            assert llm is not None
+            # Every rank writes its own slice; a gathered collective_rpc returns when all
+            # ranks have written (see rank_save.py for why not engine_core.save_sharded_state).
+            saved = llm.collective_rpc(save_rank_shard, args=(str(staging), cfg.max_shard_bytes))
+            if sorted(s["rank"] for s in saved) != list(range(cfg.tp)):
+                raise ShardError(f"expected one shard report per rank, got {saved}")
+            params = SamplingParams(
+                temperature=0.0, max_tokens=cfg.canary_max_tokens, ignore_eos=True, seed=0
             )
-        )
-        # Every rank writes its own slice; a gathered collective_rpc returns when all
-        # ranks have written (see rank_save.py for why not engine_core.save_sharded_state).
-        saved = llm.collective_rpc(save_rank_shard, args=(str(staging), cfg.max_shard_bytes))
-        if sorted(s["rank"] for s in saved) != list(range(cfg.tp)):
-            raise ShardError(f"expected one shard report per rank, got {saved}")
-        params = SamplingParams(
-            temperature=0.0, max_tokens=cfg.canary_max_tokens, ignore_eos=True, seed=0
-        )
-        outputs = llm.generate(list(cfg.canary_prompts), params, use_tqdm=False)
-        canaries = [
-            Canary(o.prompt, list(o.outputs[0].token_ids), cfg.canary_max_tokens) for o in outputs
-        ]
-        llm.llm_engine.engine_core.shutdown()
-        for rank, (proc, log) in enumerate(followers, start=1):
-            rc = proc.wait(timeout=60)
-            if rc != 0:
-                raise ShardError(f"follower rank {rank} exited {rc}; log: {log}")
-    except BaseException as e:
-        logs = ", ".join(str(log) for _, log in followers)
-        if not isinstance(e, ShardError) and logs:
-            e.add_note(f"follower logs: {logs}")
-        raise
-    finally:
-        for proc, _ in followers:
-            _stop(proc)
+            outputs = llm.generate(list(cfg.canary_prompts), params, use_tqdm=False)
+            canaries = [
+                Canary(o.prompt, list(o.outputs[0].token_ids), cfg.canary_max_tokens)
+                for o in outputs
+            ]
+    except FollowerFailed as e:
+        raise ShardError(str(e)) from e
     return canaries, {
         "tool": "neuron-serving checkpoint shard (vLLM loader + ShardedStateLoader.save_model "
         "on every rank of a unit)",
         "vllm": vllm_version,
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-
-
-def _start_follower(
-    rank: int, tp: int, port: int, env: dict[str, str], log_dir: Path
-) -> tuple[subprocess.Popen, Path]:
-    log = log_dir / f"follower-{rank}.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "neuron_serving.cli",
-                "follower",
-                "--leader",
-                f"127.0.0.1:{port}",
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(tp),
-            ],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # its EngineCore-free worker tree dies with it
-        )
-    return proc, log
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 def _finish(

@@ -16,7 +16,7 @@ from typing import Any
 from proxy.config import UnitSpec
 from proxy.grpc_upstream import TritonUpstream
 from proxy.http_upstream import TritonHttpUpstream
-from proxy.upstream import AttemptTiming, GenerationDelta
+from proxy.upstream import GenerationDelta
 
 
 class UnitTransport:
@@ -24,18 +24,12 @@ class UnitTransport:
         self.grpc = grpc
         self.http = http
 
-    def generate(
-        self,
-        unit: UnitSpec,
-        prompt: str,
-        sampling: dict[str, Any],
-        deadline: float,
-        timing: AttemptTiming | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
-        # The chosen transport's own generator, not a wrapper around it: every layer
-        # of async generators costs a resumption per token.
+    def generate(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:
+        """``Upstream.generate`` on the unit's transport. It returns the chosen
+        transport's own generator, not a wrapper around it: every layer of async
+        generators costs a resumption per token."""
         upstream = self.http if self.http is not None and unit.leader_http else self.grpc
-        return upstream.generate(unit, prompt, sampling, deadline, timing)
+        return upstream.generate(unit, *args)
 
     async def close(self) -> None:
         if self.http is not None:

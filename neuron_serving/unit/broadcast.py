@@ -34,6 +34,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -54,34 +55,40 @@ KIND_SHUTDOWN = 3  # no payload: clean exit
 
 # The group's timeout, the same on every rank. Only a backstop (heartbeats on
 # the control connections detect a dead or hung rank within seconds); the
-# leader's keepalive (executor.py) keeps an idle unit well inside it.
+# leader's keepalive keeps an idle unit well inside it.
 GROUP_TIMEOUT_S = 300.0
+# Idle followers wait in a Gloo broadcast; the leader (executor.py) sends a
+# keepalive after this long without a call, so an idle unit never times itself out.
+KEEPALIVE_INTERVAL_S = 30.0
 
 
 class BroadcastError(RuntimeError):
     """A control broadcast was malformed, unauthenticated or out of order."""
 
 
+@dataclass(frozen=True, slots=True)
+class GroupAddress:
+    """Where a rank finds the unit's control group."""
+
+    world_size: int
+    store_host: str  # the leader's TCPStore (it listens on this address only)
+    store_port: int
+    local_host: str  # this rank's address for Gloo's pair sockets
+
+
 def make_group(
-    *,
-    rank: int,
-    world_size: int,
-    store_host: str,
-    store_port: int,
-    local_host: str,
-    timeout_s: float,
-    is_master: bool,
+    rank: int, where: GroupAddress, timeout_s: float
 ) -> tuple[dist.ProcessGroupGloo, dist.TCPStore]:
     """A Gloo group of the whole unit on its own TCPStore (independent of vLLM's groups).
 
     Returns the store too: the group must not outlive it (the leader's store is
-    the server other ranks reconnect to). The leader's store listens on
+    the server other ranks reconnect to). Rank 0 hosts the store, listening on
     ``store_host`` only (``store.tcp_store``), not on every interface."""
     store = tcp_store(
-        store_host,
-        store_port,
-        world_size,
-        is_master=is_master,
+        where.store_host,
+        where.store_port,
+        where.world_size,
+        is_master=rank == 0,
         timeout=timedelta(seconds=timeout_s),
     )
     prefixed = dist.PrefixStore("neuron-serving/control", store)
@@ -89,34 +96,18 @@ def make_group(
     opts._timeout = timedelta(seconds=timeout_s)
     # Bind Gloo to the address this rank reaches the leader from, so a unit on
     # loopback stays on loopback and a multi-host unit uses the routed interface.
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
-    group = dist.ProcessGroupGloo(prefixed, rank, world_size, opts)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=where.local_host)]
+    group = dist.ProcessGroupGloo(prefixed, rank, where.world_size, opts)
     return group, store
 
 
 def open_control_broadcast(
-    *,
-    rank: int,
-    world_size: int,
-    store_host: str,
-    store_port: int,
-    local_host: str,
-    token: bytes,
-    session_nonce: bytes,
-    inline_bytes: int,
+    rank: int, where: GroupAddress, key: bytes, inline_bytes: int
 ) -> ControlBroadcast:
     """This rank's end of the unit's control broadcast (rank 0 sends, the others
-    receive), keyed for the session the leader's ``Welcome`` announced."""
-    group = make_group(
-        rank=rank,
-        world_size=world_size,
-        store_host=store_host,
-        store_port=store_port,
-        local_host=local_host,
-        timeout_s=GROUP_TIMEOUT_S,
-        is_master=rank == 0,
-    )
-    return ControlBroadcast(group, rank, auth.broadcast_key(token, session_nonce), inline_bytes)
+    receive); ``key`` is ``auth.broadcast_key`` of the session the leader's
+    ``Welcome`` announced."""
+    return ControlBroadcast(make_group(rank, where, GROUP_TIMEOUT_S), rank, key, inline_bytes)
 
 
 class ControlBroadcast:

@@ -46,10 +46,12 @@ from neuron_serving.devices.base import RankPlacement, get_backend
 from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit import auth
 from neuron_serving.unit.broadcast import (
+    KEEPALIVE_INTERVAL_S,
     KIND_CALL,
     KIND_KEEPALIVE,
     KIND_SHUTDOWN,
     ControlBroadcast,
+    GroupAddress,
     open_control_broadcast,
 )
 from neuron_serving.unit.calls import decode_result, encode_call, method_name
@@ -65,10 +67,6 @@ from neuron_serving.unit.store import init_method as store_init_method
 from neuron_serving.versions import runtime_versions
 
 logger = logging.getLogger("neuron_serving.unit.executor")
-
-# Idle followers wait in a Gloo broadcast; a keepalive well inside the group
-# timeout (broadcast.GROUP_TIMEOUT_S) stops an idle unit from timing itself out.
-KEEPALIVE_INTERVAL_S = 30.0
 
 
 class UnitFailedError(RuntimeError):
@@ -149,16 +147,11 @@ class UnitExecutor(Executor):
                 dist_init_method=self._dist_init_method(),
             )
         )
-        self.broadcast = open_control_broadcast(
-            rank=0,
-            world_size=self.world_size,
-            store_host=self.unit.control_host,
-            store_port=self.unit.store_port,
-            local_host=self.unit.control_host,
-            token=token,
-            session_nonce=self.server.session_nonce,
-            inline_bytes=self.unit.broadcast_inline_bytes,
+        where = GroupAddress(
+            self.world_size, self.unit.control_host, self.unit.store_port, self.unit.control_host
         )
+        key = auth.broadcast_key(token, self.server.session_nonce)
+        self.broadcast = open_control_broadcast(0, where, key, self.unit.broadcast_inline_bytes)
         self.placement = in_session(self.placement, self.server.session_nonce)
         threading.Thread(target=self._keepalive_loop, name="unit-keepalive", daemon=True).start()
 

@@ -60,13 +60,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("neuron_serving.unit.inprocess")
 
 
-class FollowerFailed(RuntimeError):
-    """A follower started here exited non-zero or did not exit after the engine's
-    shutdown; the message names its rank and log."""
-
-
 @dataclass(slots=True)
 class InProcessUnitConfig:
+    """What to run: the model and the unit's size, the engine's settings, and how
+    the followers are started (all checked before anything starts)."""
+
     model: str
     tp: int
     unit: UnitConfig
@@ -129,6 +127,11 @@ class InProcessUnitConfig:
             "--device",
             self.unit.device,
         ]
+
+
+class FollowerFailed(RuntimeError):
+    """A follower started here exited non-zero or did not exit after the engine's
+    shutdown; the message names its rank and log."""
 
 
 class InProcessUnit:

@@ -13,10 +13,12 @@ from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from neuron_serving.devices.base import DeviceBackend, RankPlacement
 from neuron_serving.exitcodes import ExitCode
+from neuron_serving.unit import auth
 from neuron_serving.unit.broadcast import (
     KIND_CALL,
     KIND_KEEPALIVE,
     KIND_SHUTDOWN,
+    GroupAddress,
     open_control_broadcast,
 )
 from neuron_serving.unit.calls import decode_call, method_name
@@ -34,16 +36,9 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
     start = follower.wait_start()
     # The address this host reaches the leader from is the one peers can reach us on.
     local_host = follower.channel.sock.getsockname()[0]
-    bc = open_control_broadcast(
-        rank=cfg.rank,
-        world_size=welcome.world_size,
-        store_host=start.store_host,
-        store_port=start.store_port,
-        local_host=local_host,
-        token=follower.token,
-        session_nonce=welcome.session_nonce,
-        inline_bytes=welcome.broadcast_inline_bytes,
-    )
+    where = GroupAddress(welcome.world_size, start.store_host, start.store_port, local_host)
+    key = auth.broadcast_key(follower.token, welcome.session_nonce)
+    bc = open_control_broadcast(cfg.rank, where, key, welcome.broadcast_inline_bytes)
     follower.broadcast = bc  # the health server's /metrics reads its stats
     placement = in_session(
         RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port),

@@ -7,6 +7,7 @@ import threading
 import psutil
 import pytest
 
+from neuron_serving.unit import auth
 from neuron_serving.unit.broadcast import (
     HEADER,
     KIND_CALL,
@@ -14,6 +15,7 @@ from neuron_serving.unit.broadcast import (
     WIRE_VERSION,
     BroadcastError,
     ControlBroadcast,
+    GroupAddress,
     make_group,
     open_control_broadcast,
 )
@@ -22,9 +24,7 @@ from tests.procs import free_port_block
 
 def _both_ranks(make):
     """``make(rank, where)`` on both ranks at once: a group forms only when both join."""
-    where = dict(
-        world_size=2, store_host="127.0.0.1", store_port=free_port_block(), local_host="127.0.0.1"
-    )
+    where = GroupAddress(2, "127.0.0.1", free_port_block(), "127.0.0.1")
     ends = {}
     t = threading.Thread(target=lambda: ends.setdefault(1, make(1, where)))
     t.start()
@@ -35,7 +35,7 @@ def _both_ranks(make):
 
 def _pair(key0=b"k" * 32, key1=b"k" * 32, inline=1024):
     def end(rank, where):
-        group = make_group(rank=rank, timeout_s=20, is_master=rank == 0, **where)
+        group = make_group(rank, where, timeout_s=20)
         return ControlBroadcast(group, rank, (key0, key1)[rank], inline)
 
     return _both_ranks(end)
@@ -144,11 +144,7 @@ def _session_pair(nonce0: bytes, nonce1: bytes):
     """Both ends as the executor and the follower's worker loop open them."""
     return _both_ranks(
         lambda rank, where: open_control_broadcast(
-            rank=rank,
-            token=b"t" * 32,
-            session_nonce=(nonce0, nonce1)[rank],
-            inline_bytes=1024,
-            **where,
+            rank, where, auth.broadcast_key(b"t" * 32, (nonce0, nonce1)[rank]), 1024
         )
     )
 

@@ -17,7 +17,7 @@ import pytest
 
 from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit import auth
-from neuron_serving.unit.broadcast import KIND_CALL, ControlBroadcast, make_group
+from neuron_serving.unit.broadcast import KIND_CALL, ControlBroadcast, GroupAddress, make_group
 from neuron_serving.unit.follower import Follower, FollowerConfig
 from tests.neuron_serving.unit.executor_proc import GATHER_TIMEOUT_S
 from tests.procs import REPO, TEST_TOKEN, free_port_block, unit_env, wait_for
@@ -41,15 +41,8 @@ class SilentPeer:
         welcome = f.join()
         f.start_background()
         start = f.wait_start()
-        group = make_group(
-            rank=1,
-            world_size=2,
-            store_host=start.store_host,
-            store_port=start.store_port,
-            local_host="127.0.0.1",
-            timeout_s=PEER_GROUP_TIMEOUT_S,
-            is_master=False,
-        )
+        where = GroupAddress(2, start.store_host, start.store_port, "127.0.0.1")
+        group = make_group(1, where, PEER_GROUP_TIMEOUT_S)
         key = auth.broadcast_key(f.token, welcome.session_nonce)
         bc = ControlBroadcast(group, 1, key, welcome.broadcast_inline_bytes)
         kind, _seq, _payload = bc.recv()

@@ -12,6 +12,10 @@ runs ``a`` and ``a.b``, so a module's imports include their parent packages.
         the local supervisor, nor the shard-writing tool (sharding runs a unit)
     (d) no import cycle between packages (``proxy``, ``neuron_serving.<first
         component>``; a top-level module such as ``neuron_serving.envs`` is its own)
+    (e) every package imports only packages of a lower layer (``LAYERS``, the
+        table in the top README); the base modules (``neuron_serving/*.py``) sit
+        below every layer and may import one another; a new package must be
+        given a layer here before it can pass
 
 (a)-(c) follow imports transitively and report the chain that breaks the rule;
 (d) reports each cycle by its packages and the module imports that close it.
@@ -63,6 +67,22 @@ RULES = (
         packages=("neuron_serving.checkpoint",),
         forbidden=("neuron_serving.unit", "neuron_serving.local", "neuron_serving.sharding"),
     ),
+)
+
+
+# (e): top to bottom, as in the top README's layout table.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("neuron_serving.cli", "neuron_serving.commands"),
+    ("neuron_serving.bench",),
+    ("neuron_serving.deploy",),
+    ("neuron_serving.local",),
+    ("neuron_serving.ecs",),
+    ("neuron_serving.sharding",),
+    ("neuron_serving.triton",),
+    ("neuron_serving.unit",),
+    ("neuron_serving.checkpoint",),
+    ("neuron_serving.devices", "neuron_serving.models"),
+    ("proxy",),  # beside the runtime: only the entry points import it
 )
 
 
@@ -219,6 +239,30 @@ def package_cycles(graph: Graph) -> list[str]:
     return lines
 
 
+def layer_violations(graph: Graph) -> list[str]:
+    """Package imports that do not point to a lower layer, and packages with no layer."""
+    rank = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
+    base = len(LAYERS)  # the root package and its single-file modules
+
+    def layer(pkg: str) -> int | None:
+        if pkg in rank:
+            return rank[pkg]
+        return base if pkg == "neuron_serving" or not _is_package(graph, pkg) else None
+
+    bad = [f"{pkg} has no layer in LAYERS" for pkg in sorted({package_of(m) for m in graph})
+           if layer(pkg) is None]  # fmt: skip
+    for (a, b), imports in sorted(package_edges(graph).items()):
+        la, lb = layer(a), layer(b)
+        if la is None or lb is None or lb > la or (la == lb == base):
+            continue
+        bad.append(f"{a} imports {b} (same or higher layer): " + "; ".join(imports[:3]))
+    return bad
+
+
+def _is_package(graph: Graph, name: str) -> bool:
+    return any(m.startswith(name + ".") for m in graph)
+
+
 def _check(rule: Rule) -> None:
     bad = rule_violations(import_graph(), rule)
     assert not bad, f"{rule.name}:\n  " + "\n  ".join(bad)
@@ -239,6 +283,11 @@ def test_checkpoint_imports_nothing_above_it() -> None:
 def test_no_import_cycles_between_packages() -> None:
     cycles = package_cycles(import_graph())
     assert not cycles, "\n".join(cycles)
+
+
+def test_packages_import_only_lower_layers() -> None:
+    bad = layer_violations(import_graph())
+    assert not bad, "\n".join(bad)
 
 
 def test_the_graph_sees_the_real_imports() -> None:
@@ -278,6 +327,8 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
         "proxy/__init__.py": "",
         "proxy/server.py": "from neuron_serving import envs\nfrom proxy.util import y\n",
         "proxy/util.py": "import neuron_serving.unit.follower\ny = 1\n",
+        "neuron_serving/newpkg/__init__.py": "",
+        "neuron_serving/newpkg/a.py": "from neuron_serving import envs\n",
     })  # fmt: skip
     graph = import_graph(root)
     follower, proxy, checkpoint = (rule_violations(graph, rule) for rule in RULES)
@@ -289,6 +340,13 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     assert len(cycles) == 1, cycles
     assert cycles[0].startswith("cycle between neuron_serving.checkpoint, neuron_serving.local:")
     assert "neuron_serving.checkpoint.store -> neuron_serving.local.cluster" in cycles[0]
+    layers = layer_violations(graph)
+    assert any(
+        v.startswith("neuron_serving.checkpoint imports neuron_serving.local ") for v in layers
+    )
+    assert any(v.startswith("proxy imports neuron_serving.unit ") for v in layers), layers
+    assert not any(v.startswith("neuron_serving.local imports") for v in layers), layers
+    assert "neuron_serving.newpkg has no layer in LAYERS" in layers
     # and a clean tree passes: the same files without the back-imports
     clean = _tree(tmp_path / "clean", {
         "neuron_serving/__init__.py": "",

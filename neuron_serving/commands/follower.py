@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from neuron_serving import envs
-    from neuron_serving.devices.base import RankPlacement, get_backend
+    from neuron_serving.devices.base import RankPlacement
+    from neuron_serving.devices.registry import get_backend
     from neuron_serving.exitcodes import ExitCode
     from neuron_serving.unit.auth import AuthError
     from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected

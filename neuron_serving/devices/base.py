@@ -55,15 +55,3 @@ class DeviceBackend(ABC):
     def release(self, placement: RankPlacement) -> None:  # noqa: B027 (optional hook)
         """Free per-session resources; called by every rank on its way out, including
         after a peer was SIGKILLed and could not free its own."""
-
-
-def get_backend(name: str) -> DeviceBackend:
-    if name == "cpu":
-        from neuron_serving.devices.cpu import CpuBackend
-
-        return CpuBackend()
-    if name == "neuron":
-        from neuron_serving.devices.neuron import NeuronBackend
-
-        return NeuronBackend()
-    raise ValueError(f"unknown device backend {name!r} (known: cpu, neuron)")

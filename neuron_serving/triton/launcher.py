@@ -239,7 +239,8 @@ class TritonLeader:
 
     def _rank0_env(self) -> dict[str, str]:
         from neuron_serving import envs
-        from neuron_serving.devices.base import RankPlacement, get_backend
+        from neuron_serving.devices.base import RankPlacement
+        from neuron_serving.devices.registry import get_backend
 
         backend = get_backend(envs.NEURON_SERVING_DEVICE)
         placement = RankPlacement(0, self.s.tp, self.s.control_host, self.s.control_port)

@@ -42,7 +42,8 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from neuron_serving.checkpoint.compat import manifest_identity
-from neuron_serving.devices.base import RankPlacement, get_backend
+from neuron_serving.devices.base import RankPlacement
+from neuron_serving.devices.registry import get_backend
 from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit import auth
 from neuron_serving.unit.broadcast import (

@@ -48,8 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuron_serving import envs
-from neuron_serving.devices.base import RankPlacement, get_backend
+from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.cpu import default_cpu_bind
+from neuron_serving.devices.registry import get_backend
 from neuron_serving.proctree import ProcessTree, spawn
 from neuron_serving.unit import auth
 from neuron_serving.unit.config import UnitConfig

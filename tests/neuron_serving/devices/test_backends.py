@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_serving.devices.base import DeviceUnavailable, RankPlacement, get_backend
+from neuron_serving.devices.base import DeviceUnavailable, RankPlacement
 from neuron_serving.devices.cpu import CpuBackend, default_cpu_bind, parse_cpu_list
 from neuron_serving.devices.neuron import NeuronBackend
+from neuron_serving.devices.registry import get_backend
 
 
 def test_cpu_binding_per_rank(monkeypatch):

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
 
-def main() -> int:
+def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["unit", "mp"], required=True)
     p.add_argument("--model", required=True)
@@ -29,7 +28,15 @@ def main() -> int:
     p.add_argument("--bind", default="0|1")
     p.add_argument("--dtype", default="auto")
     args = p.parse_args()
+    # stdout carries the one JSON line; vLLM logs to stdout unless told otherwise.
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
 
+    from neuron_serving.unit.inprocess import run_then_exit
+
+    run_then_exit(lambda: _trial(args))
+
+
+def _trial(args: argparse.Namespace) -> int:
     if args.mode == "unit":
         from neuron_serving.unit.config import UnitConfig
         from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
@@ -47,29 +54,27 @@ def main() -> int:
         )
         with unit:
             print(json.dumps(_measure(unit.llm, args, unit.executor)), flush=True)
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind  # MultiprocExecutor binds each worker
-        from vllm import LLM
+        return 0
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind  # MultiprocExecutor binds each worker
+    from vllm import LLM
 
-        llm = LLM(
-            model=args.model,
-            tensor_parallel_size=args.tp,
-            distributed_executor_backend="mp",
-            max_model_len=1024,
-            kv_cache_memory_bytes=1 << 30,
-            enable_prefix_caching=True,
-            seed=0,
-            dtype=args.dtype,
-        )
-        print(json.dumps(_measure(llm, args, None)), flush=True)
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
-    # vLLM leaves non-daemon threads; do not let them hold the exit.
-    os._exit(0)
+    llm = LLM(
+        model=args.model,
+        tensor_parallel_size=args.tp,
+        distributed_executor_backend="mp",
+        max_model_len=1024,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=True,
+        seed=0,
+        dtype=args.dtype,
+    )
+    print(json.dumps(_measure(llm, args, None)), flush=True)
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return 0
 
 
 def _measure(llm: Any, args: argparse.Namespace, executor: Any) -> dict:
@@ -109,4 +114,4 @@ def _measure(llm: Any, args: argparse.Namespace, executor: Any) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -237,6 +237,7 @@ def _separate_host(copy: Path, model_dir: Path) -> tuple[str, ...]:
 
 
 def _run_trial(args: argparse.Namespace) -> int:
+    """One trial; prints one JSON line."""
     from neuron_serving.unit.config import UnitConfig
     from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
 
@@ -268,8 +269,7 @@ def _run_trial(args: argparse.Namespace) -> int:
             "separate_host_copy": copy is not None,
         }
         print(json.dumps(result), flush=True)
-    # vLLM leaves non-daemon threads; do not let them hold the exit.
-    os._exit(0)
+    return 0
 
 
 if __name__ == "__main__":
@@ -280,4 +280,8 @@ if __name__ == "__main__":
     p.add_argument("--control-port", type=int)
     p.add_argument("--follower-copy", default=None)
     a = p.parse_args()
-    sys.exit(_run_trial(a) if a.trial else main(False, a.model, True))
+    if a.trial:
+        from neuron_serving.unit.inprocess import run_then_exit
+
+        run_then_exit(lambda: _run_trial(a))
+    sys.exit(main(False, a.model, True))

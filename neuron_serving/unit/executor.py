@@ -355,6 +355,12 @@ class UnitExecutor(Executor):
     def shutdown(self) -> None:
         self._teardown(clean=True)
 
+    def abandon(self) -> None:
+        """Tear down without telling the followers, because whoever started them
+        is stopping them (``InProcessUnit`` on an exception): their going away is
+        then not a rank failure, so it does not end this process with exit 3."""
+        self._teardown(clean=False)
+
     def _teardown(self, clean: bool) -> None:
         with self._failure_lock:
             if self._shutdown_started:

@@ -43,14 +43,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from neuron_serving import envs
 from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.cpu import default_cpu_bind
 from neuron_serving.devices.registry import get_backend
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.proctree import ProcessTree, spawn
 from neuron_serving.unit import auth
 from neuron_serving.unit.config import UnitConfig
@@ -279,7 +281,32 @@ class InProcessUnit:
             rc = tree.popen.poll()
             state = "running" if rc is None else f"exited {rc}"
             exc.add_note(f"follower rank {rank} ({state}); log: {log}")
+        executor = self.executor if self.llm is not None else None
+        if executor is not None and not executor.failure:
+            # First: stopping the followers of a live executor would look like a
+            # rank failure to its control server, which ends the process (exit 3)
+            # before the caller's own clean-up (a shard's staging directory) runs.
+            try:
+                executor.abandon()
+            except Exception as e:
+                exc.add_note(f"tearing the executor down failed: {type(e).__name__}: {e}")
         try:
             self._stop_followers()
         except Exception as e:  # never hide the unit's own failure behind this one
             exc.add_note(f"stopping the followers failed: {type(e).__name__}: {e}")
+
+
+def run_then_exit(body: Callable[[], int]) -> NoReturn:
+    """Run ``body`` (a tool's work on an in-process unit) and end the process with
+    its exit code, or with FAILED and the error on stderr if it raised.
+    ``os._exit``: vLLM leaves non-daemon threads that would otherwise hold the
+    process after an error, until whoever waits for it times out."""
+    try:
+        rc = int(body())
+    except BaseException as e:  # noqa: BLE001 (reported, then the process ends)
+        notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", ()))
+        print(f"{type(e).__name__}: {e}{notes}", file=sys.stderr, flush=True)
+        rc = ExitCode.FAILED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)

@@ -58,7 +58,9 @@ def emit(event: str, **fields: Any) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--call", choices=sorted(CALLS), required=True)
+    # "abandon": no call; the executor is abandoned (InProcessUnit's exception path)
+    # and must then outlive its follower's going away.
+    p.add_argument("--call", choices=[*sorted(CALLS), "abandon"], required=True)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
     unit = UnitConfig(control_port=args.port, unit_id="unit-t", join_timeout_s=60)
@@ -69,6 +71,14 @@ def main() -> None:
     executor = ModelFreeExecutor(config)
     executor.register_failure_callback(lambda: emit("failure_callback"))
     emit("joined")
+    if args.call == "abandon":
+        executor.abandon()
+        emit("abandoned")
+        # Rank 1 goes away a few seconds later (the test closes its connection); a
+        # live executor would take that for a rank failure and exit 3.
+        time.sleep(unit.abort_grace_s + 10)
+        emit("still_alive")
+        return
     try:
         value = executor.collective_rpc(CALLS[args.call], timeout=GATHER_TIMEOUT_S)
         emit("returned", value=repr(value))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +23,9 @@ from neuron_serving.unit.follower import Follower, FollowerConfig
 from tests.neuron_serving.unit.executor_proc import GATHER_TIMEOUT_S
 from tests.procs import REPO, TEST_TOKEN, free_port_block, unit_env, wait_for
 
+# The leader abandons right after its constructor returns; rank 1 leaves this
+# much later (an ordering margin, not a performance bound).
+ABANDON_MARGIN_S = 3.0
 # The peer's own Gloo timeout: bounds its wait for the call if the leader dies first.
 PEER_GROUP_TIMEOUT_S = 60
 
@@ -37,6 +41,11 @@ class SilentPeer:
         )
 
     def join_and_receive_one_call(self) -> None:
+        bc = self.join()
+        kind, _seq, _payload = bc.recv()
+        assert kind == KIND_CALL
+
+    def join(self) -> ControlBroadcast:
         f = self.follower
         welcome = f.join()
         f.start_background()
@@ -44,9 +53,7 @@ class SilentPeer:
         where = GroupAddress(2, start.store_host, start.store_port, "127.0.0.1")
         group = make_group(1, where, PEER_GROUP_TIMEOUT_S)
         key = auth.broadcast_key(f.token, welcome.session_nonce)
-        bc = ControlBroadcast(group, 1, key, welcome.broadcast_inline_bytes)
-        kind, _seq, _payload = bc.recv()
-        assert kind == KIND_CALL
+        return ControlBroadcast(group, 1, key, welcome.broadcast_inline_bytes)
 
 
 def _run_leader(tmp_path, call: str) -> tuple[int, list[dict], str, SilentPeer]:
@@ -61,7 +68,15 @@ def _run_leader(tmp_path, call: str) -> tuple[int, list[dict], str, SilentPeer]:
         )  # fmt: skip
         try:
             peer = SilentPeer(port)
-            peer.join_and_receive_one_call()
+            if call == "abandon":
+                peer.join()
+                # The leader abandons its executor as soon as rank 1 joined; then
+                # rank 1 goes away, as InProcessUnit stops its followers.
+                time.sleep(ABANDON_MARGIN_S)
+                assert peer.follower.channel is not None
+                peer.follower.channel.close()
+            else:
+                peer.join_and_receive_one_call()
             out, _ = leader.communicate(timeout=120)
         finally:
             if leader.poll() is None:
@@ -100,3 +115,13 @@ def test_unanswered_gathered_call_fails_the_unit_like_a_failed_call(
     wait_for(lambda: peer.exits, timeout=10, what="rank 1 to hear of the failure")
     code, message = peer.exits[0]
     assert code == ExitCode.LEADER_LOST and failure in message, peer.exits
+
+
+def test_an_abandoned_executor_outlives_its_followers(tmp_path, monkeypatch):
+    """``InProcessUnit``'s exception path: the executor is torn down before the
+    followers are stopped, so their going away is not a rank failure and the
+    process is not ended with exit 3 under the caller's clean-up."""
+    monkeypatch.setenv("NEURON_SERVING_UNIT_TOKEN", TEST_TOKEN)
+    rc, events, stderr, peer = _run_leader(tmp_path, "abandon")
+    assert [e["event"] for e in events] == ["joined", "abandoned", "still_alive"], stderr[-3000:]
+    assert rc == ExitCode.OK and "exiting with code" not in stderr, (rc, stderr[-3000:])

@@ -6,6 +6,7 @@ vLLM runs in tests/neuron_serving/sharding/test_shard.py and tests/e2e/test_unit
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,9 +15,11 @@ import psutil
 import pytest
 
 from neuron_serving.devices.cpu import default_cpu_bind
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit.auth import AuthError
 from neuron_serving.unit.config import UnitConfig
 from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
+from tests.procs import REPO
 
 GOOD_TOKEN = "in-process-test-token-0123456789"
 # Variables InProcessUnit reads or sets in this process: restored after each test.
@@ -141,3 +144,23 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_run_then_exit_ends_the_process_despite_non_daemon_threads(tmp_path):
+    """vLLM leaves non-daemon threads behind: a tool that raised must still end, with
+    FAILED, the error and its notes on stderr, instead of hanging its caller."""
+    code = (
+        "import threading, time\n"
+        "from neuron_serving.unit.inprocess import run_then_exit\n"
+        "threading.Thread(target=time.sleep, args=(600,)).start()\n"
+        "def body():\n"
+        "    e = RuntimeError('the unit failed')\n"
+        "    e.add_note('follower rank 1 (exited 3); log: /x')\n"
+        "    raise e\n"
+        "run_then_exit(body)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert proc.returncode == ExitCode.FAILED, proc.stderr
+    assert "RuntimeError: the unit failed\n  follower rank 1 (exited 3); log: /x" in proc.stderr

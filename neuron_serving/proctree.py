@@ -11,13 +11,17 @@ and stopped by ``ProcessTree``:
 - Members of the tree are found by session and process-group id, not by parent
   links: a SIGKILLed leader's tritonserver, backend stub and EngineCore are
   re-parented to init but keep both ids. ``remember`` snapshots the descendants
-  as a second net for anything that left the session (``setsid``).
+  as a second net for anything that left the session (``setsid``). The root's
+  create time is recorded too: once the root is reaped its pid is free, and if
+  it now names another process, that process's session is not scanned.
 - ``terminate`` is the one stop policy. Only the main process gets SIGTERM first:
   it may own an orderly shutdown of its children (tritonserver drains in-flight
   requests and finalizes the model, which shuts EngineCore down in order;
   signalling the whole tree at once would kill EngineCore under requests Triton
   is still draining). A main process that ignores SIGTERM for ``timeout_s`` gets
-  SIGKILL. Whatever is left then gets SIGTERM, a short grace, then SIGKILL.
+  SIGKILL. Whatever is left then gets SIGTERM, a short grace, then SIGKILL
+  (the two halves are ``stop_main`` and ``stop_leftovers``, for a caller that
+  reports what the main process left). ``terminate_bound_s`` is its longest wait.
 
 Exit codes are the ``subprocess`` convention: ``-N`` for death by signal N.
 """
@@ -45,7 +49,19 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl
 # Leftovers get this long between SIGTERM and SIGKILL: enough for EngineCore or a
 # backend stub to exit on its own, short enough that a stop stays prompt.
 LEFTOVER_GRACE_S = 3.0
+# How long a SIGKILLed process may take to go (the kernel frees a large address
+# space in this time) before it is reported as a survivor.
+KILL_TIMEOUT_S = 5.0
 _KILL_POLL_S = 0.05
+
+
+def terminate_bound_s(timeout_s: float, kill_timeout_s: float = KILL_TIMEOUT_S) -> float:
+    """The sum of the waits ``ProcessTree.terminate(timeout_s, kill_timeout_s)`` can
+    make: SIGTERM to the main process, its SIGKILL, the leftovers' grace, the final
+    SIGKILL round. Process-table scans come on top; a caller bounding a terminate
+    adds its own slack for them."""
+    grace = min(LEFTOVER_GRACE_S, kill_timeout_s)
+    return timeout_s + kill_timeout_s + grace + kill_timeout_s + _KILL_POLL_S
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -107,7 +123,8 @@ def session_members(sid: int) -> list[psutil.Process]:
             if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == me:
                 continue
             # A pid is not reused while a session or group of that id exists, so
-            # matching ids after the root has exited are still the root's tree.
+            # matching ids after the root has exited are still the root's tree, as
+            # long as the pid was not reused once both were gone (the caller checks).
             if os.getsid(p.pid) == sid or os.getpgid(p.pid) == sid:
                 out.append(p)
         except (psutil.Error, OSError):
@@ -130,6 +147,14 @@ class ProcessTree:
         self.popen = popen
         self.name = name or str(popen.pid)
         self._remembered: dict[int, psutil.Process] = {}
+        # The root's identity beside its pid: once the root is reaped (by us or by
+        # a stray waitpid) its pid is free, and a new process with it that starts a
+        # session would otherwise be scanned as this tree.
+        self._root_create_time: float | None
+        try:
+            self._root_create_time = psutil.Process(popen.pid).create_time()
+        except psutil.Error:
+            self._root_create_time = None  # already reaped elsewhere: no identity to check
 
     @property
     def pid(self) -> int:
@@ -145,20 +170,52 @@ class ProcessTree:
         for pid in [pid for pid, p in self._remembered.items() if not alive(p)]:
             del self._remembered[pid]
 
+    def _root_pid_reused(self) -> bool:
+        """True when the root's pid now names another process: its session or
+        group is not this tree's (only the remembered descendants still are)."""
+        try:
+            current = psutil.Process(self.popen.pid)
+        except psutil.NoSuchProcess:
+            return False  # nobody holds the pid: what is left of the session is ours
+        except psutil.Error:
+            return True  # cannot tell: scanning could signal a stranger
+        if self.popen.returncode is not None:
+            return True  # reaped, so whatever holds the pid now is another process
+        if self._root_create_time is None:
+            return True
+        try:
+            return current.create_time() != self._root_create_time
+        except psutil.Error:
+            return True
+
     def members(self) -> list[psutil.Process]:
         """Everything still alive in the tree: the session or group members
         (the root itself while it lives) and the remembered descendants."""
-        found = {p.pid: p for p in session_members(self.popen.pid)}
+        scanned = [] if self._root_pid_reused() else session_members(self.popen.pid)
+        found = {p.pid: p for p in scanned}
         for pid, p in self._remembered.items():
             if pid not in found and alive(p):
                 found[pid] = p
         return list(found.values())
 
-    def terminate(self, timeout_s: float, kill_timeout_s: float = 5.0) -> int | None:
+    def terminate(self, timeout_s: float, kill_timeout_s: float = KILL_TIMEOUT_S) -> int | None:
         """SIGCONT + SIGTERM the main process alone, wait ``timeout_s`` (SIGKILL
         after it), then stop the leftovers (SIGTERM, a short grace, SIGKILL).
         Returns the main process's exit code."""
         start = time.monotonic()
+        self.stop_main(timeout_s, kill_timeout_s)
+        self.stop_leftovers(kill_timeout_s)
+        log.info(
+            "%s stopped in %.1f s (rc %s)",
+            self.name,
+            time.monotonic() - start,
+            self.popen.returncode,
+        )
+        return self.popen.returncode
+
+    def stop_main(self, timeout_s: float, kill_timeout_s: float = KILL_TIMEOUT_S) -> int | None:
+        """``terminate``'s first half: the main process alone (SIGCONT + SIGTERM,
+        SIGKILL after ``timeout_s``), reaped. Returns its exit code."""
         if self.popen.poll() is None:
             self.remember()
             # SIGCONT first: a SIGSTOPped process would never act on SIGTERM. Popen's
@@ -174,6 +231,12 @@ class ProcessTree:
                     self.popen.wait(timeout=kill_timeout_s)
                 except subprocess.TimeoutExpired:
                     log.error("%s survived SIGKILL for %.1f s", self.name, kill_timeout_s)
+        return self.popen.returncode
+
+    def stop_leftovers(self, kill_timeout_s: float = KILL_TIMEOUT_S) -> list[psutil.Process]:
+        """``terminate``'s second half: whatever of the tree is still alive gets
+        SIGTERM, a short grace, then SIGKILL. Returns the leftovers it found (what
+        the main process left behind), as they were before being stopped."""
         leftovers = self.members()
         if leftovers:
             log.warning(
@@ -189,15 +252,9 @@ class ProcessTree:
                 survivors = self.kill(kill_timeout_s)
                 if survivors:
                     log.error("%s: processes survived SIGKILL: %s", self.name, survivors)
-        log.info(
-            "%s stopped in %.1f s (rc %s)",
-            self.name,
-            time.monotonic() - start,
-            self.popen.returncode,
-        )
-        return self.popen.returncode
+        return leftovers
 
-    def kill(self, timeout_s: float = 5.0) -> list[psutil.Process]:
+    def kill(self, timeout_s: float = KILL_TIMEOUT_S) -> list[psutil.Process]:
         """SIGKILL the main process and every member; returns those still alive
         after ``timeout_s``. Members are searched again until none is left, so a
         process forked while the first round was being signalled is caught too."""

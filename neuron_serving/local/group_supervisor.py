@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from neuron_serving import proctree
 from neuron_serving.local.backoff import RestartBackoff
 from neuron_serving.local.process import (
     DEFAULT_LOG_BACKUPS,
@@ -40,9 +41,20 @@ from neuron_serving.local.rotating_log import MIN_MAX_BYTES
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+# On top of proctree's own waits a teardown scans the process table a few times
+# per tree (slow on a loaded host); the supervisor thread may first finish the
+# step it is in (a launch, a probe).
+_TEARDOWN_SLACK_S = 5.0
+
 _READY_PROBE_S = 0.5
 _PROGRESS_PROBE_S = 1.0
 _TAIL_LINES = 25
+
+
+def _teardown_budget_s(timeout_s: float) -> float:
+    """How long a ``_teardown(timeout_s)`` may take, derived from proctree's stop
+    policy (ManagedProcess.terminate uses its default kill timeout)."""
+    return proctree.terminate_bound_s(timeout_s) + _TEARDOWN_SLACK_S
 
 
 class _Recreate:
@@ -146,7 +158,7 @@ class GroupSupervisor:
         """Stop the group and wait for the supervisor thread (bounded)."""
         self._stop.set()
         if self._thread is not None:
-            budget = join_timeout_s or self.plan.stop_timeout_s + 15.0
+            budget = join_timeout_s or _teardown_budget_s(self.plan.stop_timeout_s) + _POLL_S
             self._thread.join(budget)
             if self._thread.is_alive():
                 # The thread is stuck (it should not be): kill what we can from here.
@@ -375,8 +387,10 @@ class GroupSupervisor:
         ]
         for t in threads:
             t.start()
+        # The trees stop in parallel: one deadline for all of them.
+        deadline = time.monotonic() + _teardown_budget_s(timeout_s)
         for t in threads:
-            t.join(timeout_s + 15.0)
+            t.join(max(0.0, deadline - time.monotonic()))
         leftovers = [m.pid for p in self.procs for m in p.members()]
         if leftovers:
             log.error("%s: processes survived teardown: %s", self.group_id, leftovers)

@@ -117,13 +117,15 @@ class ManagedProcess:
         """Everything still alive that this process started (its session + remembered tree)."""
         return [] if self.tree is None else self.tree.members()
 
-    def terminate(self, timeout_s: float, kill_timeout_s: float = 5.0) -> int | None:
+    def terminate(
+        self, timeout_s: float, kill_timeout_s: float = proctree.KILL_TIMEOUT_S
+    ) -> int | None:
         """Stop the process and its tree (proctree's policy: SIGTERM to this process
         alone, which may own an orderly shutdown of its children, SIGKILL after
         ``timeout_s``, then the leftovers); reap it. Returns the exit code."""
         return None if self.tree is None else self.tree.terminate(timeout_s, kill_timeout_s)
 
-    def kill_tree(self, timeout_s: float = 5.0) -> list[psutil.Process]:
+    def kill_tree(self, timeout_s: float = proctree.KILL_TIMEOUT_S) -> list[psutil.Process]:
         """SIGKILL the process and every member; returns those still alive after ``timeout_s``."""
         return [] if self.tree is None else self.tree.kill(timeout_s)
 

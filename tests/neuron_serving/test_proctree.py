@@ -172,6 +172,45 @@ def test_kill_returns_no_survivors(trees) -> None:
     assert gone(pids)
 
 
+def test_the_two_halves_report_what_the_main_process_left(trees) -> None:
+    tree, pids = start(trees, "setsid")
+    grandchild = next(p for p in pids if p != tree.pid)
+    assert tree.stop_main(timeout_s=10) == -signal.SIGTERM
+    assert pid_alive(grandchild)  # outside the root's session: only the snapshot has it
+    assert [p.pid for p in tree.stop_leftovers(kill_timeout_s=2.0)] == [grandchild]
+    assert gone(pids)
+    assert tree.stop_leftovers() == []
+
+
+def test_a_reused_root_pid_is_not_scanned(trees) -> None:
+    # The recorded identity no longer matches the process at the root's pid, as
+    # after the root was reaped elsewhere and its pid reused: only the snapshot counts.
+    tree, pids = start(trees, "")
+    grandchild = next(p for p in pids if p != tree.pid)
+    assert {p.pid for p in tree.members()} == set(pids)
+    tree._root_create_time = -1.0
+    assert tree.members() == []
+    tree.remember()
+    assert [p.pid for p in tree.members()] == [grandchild]
+
+
+def test_a_reaped_root_whose_pid_leads_another_session_stops_nothing(trees) -> None:
+    tree, pids = start(trees, "")
+    orphan = psutil.Process(next(p for p in pids if p != tree.pid))
+    other, other_pids = start(trees, "")
+    try:
+        os.kill(tree.pid, signal.SIGKILL)
+        tree.popen.wait(10)
+        # Stand in for the kernel handing the reaped root's pid to a process that
+        # starts a new session: without the check it would be scanned as this tree.
+        tree.popen.pid = other.pid
+        assert tree.members() == []
+        assert tree.terminate(timeout_s=1.0, kill_timeout_s=2.0) == -signal.SIGKILL
+        assert all(pid_alive(p) for p in other_pids)
+    finally:
+        orphan.kill()  # the fixture's kill no longer reaches it: the tree lost its pid
+
+
 # A parent that spawns one child through proctree.spawn, prints the child's pid, sleeps.
 PARENT = """
 import sys, time

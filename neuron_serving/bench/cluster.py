@@ -209,11 +209,12 @@ def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
         sampler.stop_event.set()
         sampler.join(5)
         # up drains and stops its units itself; if it leaves processes behind it exits
-        # ExitCode.PROCESSES_LEFT, and the tree's stop (which remembered up's
-        # descendants in their own sessions) stops them so the benchmark leaks nothing.
-        up_tree.terminate(_UP_STOP_S, kill_timeout_s=10.0)
+        # ExitCode.PROCESSES_LEFT. What is alive of up's tree once up has exited is
+        # what it left: reported as found, then stopped (the tree remembered up's
+        # descendants in their own sessions) so the benchmark leaks nothing.
+        up_tree.stop_main(_UP_STOP_S, kill_timeout_s=10.0)
+        left = [p.pid for p in up_tree.stop_leftovers(kill_timeout_s=10.0)]
         log.close()
-        left = [p.pid for p in up_tree.members()]
     result.update(
         peak_rss_gib=round(sampler.peak_rss / 2**30, 2),
         peak_pss_gib=round(sampler.peak_pss / 2**30, 2) if sampler.peak_pss else None,

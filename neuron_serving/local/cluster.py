@@ -80,7 +80,7 @@ class ClusterSupervisor:
         self.stopping = threading.Event()
         # Model directory of each unit: the cluster's, until a deploy recreates it.
         self.unit_models: dict[str, Path] = {}
-        self.control: SupervisorApiServer | None = None
+        self.supervisor_api: SupervisorApiServer | None = None
         self._token_file: Path | None = None
         self._recreate_lock = threading.Lock()
         self._state_errors = RateLimitedLog(on_event, burst=1, interval_s=60.0)
@@ -150,8 +150,10 @@ class ClusterSupervisor:
         self.proxy.start()
         for u in self.units:
             u.start()
-        self.control = SupervisorApiServer(self, self.spec.run_dir / SOCKET_NAME, self.admin_token)
-        self.control.start()
+        self.supervisor_api = SupervisorApiServer(
+            self, self.spec.run_dir / SOCKET_NAME, self.admin_token
+        )
+        self.supervisor_api.start()
         self.write_state()
 
     def wait_ready(self, timeout_s: float) -> float:
@@ -299,8 +301,8 @@ class ClusterSupervisor:
     def shutdown(self, drain: bool = True) -> list[int]:
         """Drain, stop everything, and return the pids that survived (should be [])."""
         self.stopping.set()
-        if self.control is not None:
-            self.control.stop()
+        if self.supervisor_api is not None:
+            self.supervisor_api.stop()
         if drain and self.proxy is not None and self.proxy.phase == GroupPhase.READY:
             self.on_event(f"draining (up to {self.spec.drain_timeout_s:.0f} s) ...")
             left, took = self.drain(self.spec.drain_timeout_s)

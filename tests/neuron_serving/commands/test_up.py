@@ -1,0 +1,103 @@
+"""`neuron-serving up`'s exit codes, from its command line to the returned code.
+
+The cluster is a recording stand-in for ``ClusterSupervisor`` (no process is
+started): what is under test is how ``up`` maps a start-up failure and processes
+left after shutdown onto the exit-code table, and that it always shuts down.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.cli import main
+from neuron_serving.exitcodes import ExitCode
+from neuron_serving.local import cluster as cluster_module
+from neuron_serving.local.cluster import StartupFailed
+
+
+class FakeCluster:
+    """Answers like ``ClusterSupervisor``; ``serve`` returns at once (as on Ctrl-C)."""
+
+    made: list[FakeCluster] = []
+
+    def __init__(self, spec, on_event=print, *, start_fails: bool, survivors: list[int]):
+        self.spec = spec
+        self.stopping = threading.Event()
+        self.api_key = "k" * 43
+        self.start_fails = start_fails
+        self.survivors = survivors
+        self.calls: list[str] = []
+        FakeCluster.made.append(self)
+
+    def prepare(self) -> None:
+        self.calls.append("prepare")
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def wait_ready(self, timeout_s: float) -> float:
+        self.calls.append("wait_ready")
+        if self.start_fails:
+            raise StartupFailed("unit-0 leader: not ready within 1 s")
+        return 1.0
+
+    def serve(self, stop: threading.Event) -> None:
+        self.calls.append("serve")
+
+    def shutdown(self, drain: bool = True) -> list[int]:
+        self.calls.append("shutdown")
+        return self.survivors
+
+
+@pytest.fixture
+def signal_handlers() -> Iterator[None]:
+    """``up`` installs SIGINT/SIGTERM handlers in this process: put pytest's back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.mark.parametrize(
+    ("start_fails", "survivors", "expected"),
+    [
+        (False, [], ExitCode.OK),
+        (True, [], ExitCode.START_FAILED),
+        (False, [4242], ExitCode.PROCESSES_LEFT),
+        # The start-up failure is the cause; the leftovers are reported on stderr.
+        (True, [4242], ExitCode.START_FAILED),
+    ],
+)
+def test_exit_codes(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+    start_fails: bool,
+    survivors: list[int],
+    expected: ExitCode,
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    FakeCluster.made.clear()
+    monkeypatch.setattr(
+        cluster_module,
+        "ClusterSupervisor",
+        lambda spec, on_event: FakeCluster(
+            spec, on_event, start_fails=start_fails, survivors=survivors
+        ),
+    )
+    argv = ["up", "--units", "1", "--tp", "1", "--model", str(model)]
+    rc = main([*argv, "--run-dir", str(tmp_path / "run")])
+    assert rc == expected
+    (cluster,) = FakeCluster.made
+    assert cluster.calls[-1] == "shutdown"  # whatever happened, everything is stopped
+    err = capsys.readouterr().err
+    assert ("start-up failed" in err) == start_fails
+    assert ("processes left running: [4242]" in err) == bool(survivors)

@@ -6,7 +6,8 @@ at module level or inside a function (a lazy import is still a dependency),
 relative imports resolved against the file's package. Importing ``a.b.c`` also
 runs ``a`` and ``a.b``, so a module's imports include their parent packages.
 
-    (a) the follower side never imports the leader's executor nor Triton
+    (a) the follower side never imports the leader's modules (executor,
+        control server, engine arguments, the in-process unit) nor Triton
     (b) the proxy never imports the unit nor Triton, even through another module
     (c) checkpoint (the format library, below the unit) never imports the unit,
         the local supervisor, nor the shard-writing tool (sharding runs a unit)
@@ -16,9 +17,16 @@ runs ``a`` and ``a.b``, so a module's imports include their parent packages.
         table in the top README); the base modules (``neuron_serving/*.py``) sit
         below every layer and may import one another; a new package must be
         given a layer here before it can pass
+    (f) no import cycle between modules, from the imports that run: those
+        under ``if TYPE_CHECKING:`` do not count, nor do the packages that
+        enclose the importing module (Python has them in ``sys.modules`` before
+        the module runs, so ``proxy.routing.cache_aware`` importing
+        ``proxy.routing.base`` needs ``base``, not ``proxy/routing/__init__.py``,
+        which may re-export its submodules); a name read from an enclosing
+        package (``from proxy.routing import make_policy`` inside it) counts
 
 (a)-(c) follow imports transitively and report the chain that breaks the rule;
-(d) reports each cycle by its packages and the module imports that close it.
+(d) and (f) report each cycle by its members and the imports that close it.
 ``test_the_checks_see_a_violation`` runs the same checks on a small tree with a
 back-import of each kind, so these tests cannot pass by seeing nothing.
 """
@@ -53,9 +61,16 @@ class Rule:
 
 RULES = (
     Rule(
-        "(a) the follower never imports the leader's executor",
+        "(a) the follower never imports the leader's modules",
         modules=FOLLOWER_SIDE,
-        forbidden=("neuron_serving.unit.executor", "neuron_serving.triton"),
+        # The leader-only modules of the unit README's file list.
+        forbidden=(
+            "neuron_serving.unit.executor",
+            "neuron_serving.unit.control_server",
+            "neuron_serving.unit.engine",
+            "neuron_serving.unit.inprocess",
+            "neuron_serving.triton",
+        ),
     ),
     Rule(
         "(b) the proxy never imports the unit or Triton",
@@ -101,24 +116,50 @@ def _module_files(root: Path) -> dict[str, tuple[Path, bool]]:
     return out
 
 
-def _imported_names(tree: ast.AST, package: str) -> Iterable[str]:
-    """Every dotted name an import statement anywhere in ``tree`` may load."""
-    for node in ast.walk(tree):
+def _is_type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.AST, type_checking: bool) -> Iterable[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``tree``; without ``type_checking``, not those
+    in the body of an ``if TYPE_CHECKING:`` (its ``else`` runs, so it counts)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _imported_names(tree: ast.AST, package: str, type_checking: bool = True) -> Iterable[str]:
+    """Every dotted name an import statement anywhere in ``tree`` may load (the
+    packages above each name are the caller's to add)."""
+    for node in _import_nodes(tree, type_checking):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from the file's package, up level-1 packages
-                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                module = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                module = node.module or ""
-            yield module
-            # `from pkg import name`: name may be a submodule of pkg.
-            yield from (f"{module}.{alias.name}" for alias in node.names)
+            continue
+        if node.level:  # relative: from the file's package, up level-1 packages
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            module = ".".join([*base, *([node.module] if node.module else [])])
+        else:
+            module = node.module or ""
+        # `from pkg import name`: name may be a submodule of pkg; if it is not,
+        # the name resolves to pkg itself.
+        yield from (f"{module}.{alias.name}" for alias in node.names)
 
 
-def import_graph(root: Path = ROOT) -> Graph:
-    """Project module -> the project modules it imports (parent packages included)."""
+def import_graph(root: Path = ROOT, *, runtime: bool = False) -> Graph:
+    """Project module -> the project modules it imports (parent packages included).
+
+    ``runtime``: the graph of rule (f), as it runs: no ``if TYPE_CHECKING:``
+    imports, no edges to the packages enclosing the importing module unless a
+    name is read from one (see the module docstring)."""
     files = _module_files(root)
 
     def project_module(name: str) -> str | None:
@@ -131,11 +172,15 @@ def import_graph(root: Path = ROOT) -> Graph:
     for module, (path, is_package) in files.items():
         package = module if is_package else module.rpartition(".")[0]
         targets = graph.setdefault(module, set())
-        for name in _imported_names(ast.parse(path.read_text(), str(path)), package):
+        tree = ast.parse(path.read_text(), str(path))
+        for name in _imported_names(tree, package, type_checking=not runtime):
             found = project_module(name)
-            while found:  # the module and every package above it
+            if found:
                 targets.add(found)
-                found = project_module(found.rpartition(".")[0]) if "." in found else None
+            while found and "." in found:  # every package above it
+                found = project_module(found.rpartition(".")[0])
+                if found and not (runtime and _inside(module, found)):
+                    targets.add(found)
         targets.discard(module)
     return graph
 
@@ -239,6 +284,15 @@ def package_cycles(graph: Graph) -> list[str]:
     return lines
 
 
+def module_cycles(graph: Graph) -> list[str]:
+    """One line per cycle between modules: its members and the imports that close it."""
+    lines = []
+    for members in strongly_connected(graph, graph):
+        inner = [f"{a} -> {b}" for a in members for b in sorted(graph[a]) if b in members]
+        lines.append(f"cycle between {', '.join(members)}: " + "; ".join(inner))
+    return lines
+
+
 def layer_violations(graph: Graph) -> list[str]:
     """Package imports that do not point to a lower layer, and packages with no layer."""
     rank = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
@@ -285,6 +339,11 @@ def test_no_import_cycles_between_packages() -> None:
     assert not cycles, "\n".join(cycles)
 
 
+def test_no_import_cycles_between_modules() -> None:
+    cycles = module_cycles(import_graph(runtime=True))
+    assert not cycles, "\n".join(cycles)
+
+
 def test_packages_import_only_lower_layers() -> None:
     bad = layer_violations(import_graph())
     assert not bad, "\n".join(bad)
@@ -327,6 +386,9 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
         "proxy/__init__.py": "",
         "proxy/server.py": "from neuron_serving import envs\nfrom proxy.util import y\n",
         "proxy/util.py": "import neuron_serving.unit.follower\ny = 1\n",
+        # A submodule reading a name its package's __init__ defines after importing it.
+        "proxy/bad/__init__.py": "from proxy.bad.x import X\nY = 1\n",
+        "proxy/bad/x.py": "from proxy.bad import Y\nX = 1\n",
         "neuron_serving/newpkg/__init__.py": "",
         "neuron_serving/newpkg/a.py": "from neuron_serving import envs\n",
     })  # fmt: skip
@@ -347,6 +409,14 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     assert any(v.startswith("proxy imports neuron_serving.unit ") for v in layers), layers
     assert not any(v.startswith("neuron_serving.local imports") for v in layers), layers
     assert "neuron_serving.newpkg has no layer in LAYERS" in layers
+    modules = module_cycles(import_graph(root, runtime=True))
+    assert len(modules) == 2, modules
+    assert modules[0].startswith(
+        "cycle between neuron_serving.checkpoint.store, neuron_serving.local.cluster:"
+    )
+    assert modules[1] == (
+        "cycle between proxy.bad, proxy.bad.x: proxy.bad -> proxy.bad.x; proxy.bad.x -> proxy.bad"
+    )
     # and a clean tree passes: the same files without the back-imports
     clean = _tree(tmp_path / "clean", {
         "neuron_serving/__init__.py": "",
@@ -357,8 +427,16 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
         "neuron_serving/checkpoint/__init__.py": "",
         "neuron_serving/checkpoint/store.py": "",
         "proxy/__init__.py": "",
-        "proxy/server.py": "from neuron_serving.checkpoint import store\n",
+        "proxy/server.py": "from neuron_serving.checkpoint import store\nfrom proxy.routing import R\n",
+        # Not cycles: a package re-exporting its submodules, which import their
+        # siblings (and so, implicitly, the package), and a type-only back-import.
+        "proxy/routing/__init__.py": "from proxy.routing.rr import R\n",
+        "proxy/routing/base.py": "B = 1\n",
+        "proxy/routing/rr.py": "from typing import TYPE_CHECKING\nfrom .base import B\n"
+                               "if TYPE_CHECKING:\n    from proxy.server import S\nR = B\n",
     })  # fmt: skip
     graph = import_graph(clean)
     assert not package_cycles(graph)
+    assert "proxy.server" in graph["proxy.routing.rr"]  # seen, by the other rules
+    assert not module_cycles(import_graph(clean, runtime=True))
     assert not rule_violations(graph, RULES[1]) and not rule_violations(graph, RULES[2])

@@ -502,7 +502,9 @@ class ControlServer:
                 if reply.seq == seq:
                     out.append(reply)
                     break
-                # Replies to earlier calls that timed out are stale; drop them.
+                # Defensive: a gather that fails (timeout, a rank's failure) fails the
+                # whole unit, so no reply to an earlier call should still arrive. One
+                # that does must not be taken as this call's answer.
         return out
 
     def broadcast_failure(self, reason: str) -> None:

@@ -5,9 +5,10 @@ The unit executor and follower loop are device-agnostic; a backend supplies
 (2) a check that its software stack is present, with an actionable message,
 (3) hooks applied in-process before the vLLM worker is built.
 
-The vLLM worker class itself is never chosen here: ``WorkerWrapperBase``
-resolves ``parallel_config.worker_cls``, which vLLM's active platform sets
-(``CPUWorker`` here; the vllm-neuron plugin's worker on Trainium).
+The backends do not choose the vLLM worker class: ``WorkerWrapperBase`` resolves
+``parallel_config.worker_cls``, which vLLM's active platform sets on CPU
+(``CPUWorker``) and the engine arguments name on Trainium (``UnitNeuronWorker``,
+neuron_worker.py).
 """
 
 from __future__ import annotations

@@ -4,11 +4,15 @@ Device counts come from AWS's documentation as of writing; none of them was
 checked on a real instance from this project (see ecs/README.md):
 
 - trn1.32xlarge: 16 Trainium devices (/dev/neuron0..15, 2 NeuronCores each = 32),
-  8 EFA devices (800 Gbps), 128 vCPUs, 512 GiB host memory.
+  8 EFA devices (800 Gbps; aws-neuron-sdk v2.27.0 neuron-runtime/nrt-troubleshoot.rst,
+  "EFA is not enabled in trn1.32xlarge": "making sure there are eight EFA devices"),
+  128 vCPUs, 512 GiB host memory.
 - trn1n.32xlarge: as trn1.32xlarge with 16 EFA devices (1600 Gbps).
 - trn2.48xlarge: 16 Trainium2 devices (/dev/neuron0..15; 64 logical NeuronCores at
-  the default LNC=2), 2 TiB host memory. ASSUMED 16 EFA devices (3.2 Tbps as
-  16 x 200 Gbps EFAv3 interfaces); check ``ls /dev/infiniband`` on a real instance.
+  the default LNC=2), 16 EFA devices, 2 TiB host memory. aws-neuron-sdk v2.27.0
+  (0fae2f1), neuron-runtime/about/collectives.rst: "16 Trainium2 chips, each connected
+  to a 200Gbps EFA ... network interface, for an aggregated 3.2Tbps"; "64 ranks per
+  server" at LNC=2 (also about-neuron/arch/neuron-features/logical-neuroncore-config.rst).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neuron_serving.ecs.spec import DeploymentSpec
-from neuron_serving.ecs.taskdef import TAG_PREFIX, rank_environment
+from neuron_serving.ecs.taskdef import TAG_PREFIX, placement_constraints, rank_environment
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,14 +59,9 @@ def run_task_params(
         "startedBy": started_by(spec),
         # ECS spreads tasks of a group; one group per unit keeps a unit's view together.
         "group": f"{spec.name}:{node.unit_id}",
-        # One node per instance: each node owns all 16 Neuron devices and every EFA device.
-        "placementConstraints": [
-            {"type": "distinctInstance"},
-            {
-                "type": "memberOf",
-                "expression": f"attribute:ecs.instance-type == {spec.instance_type}",
-            },
-        ],
+        # One node per instance: each node owns all 16 Neuron devices and every EFA
+        # device; with a placement group, only instances of that cluster placement group.
+        "placementConstraints": [{"type": "distinctInstance"}, *placement_constraints(spec)],
         "overrides": {
             "containerOverrides": [
                 {

@@ -35,6 +35,9 @@ _NAME = re.compile(r"^[a-z][a-z0-9-]{0,27}$")
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/.+$")
 _SECRET_ARN = re.compile(r"^arn:aws[a-z-]*:(secretsmanager|ssm):[a-z0-9-]+:\d{12}:.+$")
 _SECURITY_GROUP = re.compile(r"^sg-[0-9a-z]+$")
+# ECS custom attribute values: letters, digits, hyphens, underscores, periods, at signs,
+# forward slashes, colons (spaces too, which the memberOf expression cannot carry).
+_ATTRIBUTE_VALUE = re.compile(r"^[A-Za-z0-9_.@/:-]{1,128}$")
 # Security groups of the network design (security_groups.py): the units' own group and
 # the groups allowed to reach them.
 SECURITY_GROUP_KEYS = (
@@ -70,8 +73,13 @@ class DeploymentSpec:
     region: str = "us-east-1"
     subnets: tuple[str, ...] = ()
     security_groups: tuple[str, ...] = ()
-    # NxDI's global tensor-parallel degree; must equal nodes_per_unit x NeuronCores.
+    # NxDI's global tensor-parallel degree; must equal nodes_per_unit x NeuronCores. It is
+    # the leader's --tp (taskdef.py); unset: nodes_per_unit x NeuronCores.
     tp_degree: int | None = None
+    # EC2 cluster placement group of the deployment's instances, as the custom container
+    # instance attribute neuron-serving.placement-group (user data); every node task is
+    # constrained to it (memberOf), so a unit's EFA traffic stays in one placement group.
+    placement_group: str | None = None
     model_dir: str = ""  # in the container; default /models/<model>
     # Host directory with the compiled model, bind-mounted read-only at model_dir
     # (the instance's user data fetches it); None: the image holds the model.
@@ -135,7 +143,15 @@ class DeploymentSpec:
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 p.append(f"{key} must be an integer >= {low}, got {value!r}")
-        if itype is not None and isinstance(self.nodes_per_unit, int) and self.tp_degree:
+        if self.tp_degree is not None and (
+            not isinstance(self.tp_degree, int) or isinstance(self.tp_degree, bool)
+        ):
+            p.append(f"tp_degree must be an integer, got {self.tp_degree!r}")
+        elif (
+            itype is not None
+            and isinstance(self.nodes_per_unit, int)
+            and self.tp_degree is not None
+        ):
             total = self.nodes_per_unit * itype.neuron_cores
             if self.tp_degree != total:
                 p.append(
@@ -143,6 +159,13 @@ class DeploymentSpec:
                     f"= {self.nodes_per_unit} x {itype.neuron_cores} = {total} on "
                     f"{itype.name} (each node shards over all of its cores)"
                 )
+        if self.placement_group is not None and not _ATTRIBUTE_VALUE.match(
+            str(self.placement_group)
+        ):
+            p.append(
+                "placement_group must be 1-128 letters, digits or ._@/:- (an ECS attribute "
+                f"value), got {self.placement_group!r}"
+            )
         if (self.service_discovery_namespace is None) != (
             self.service_discovery_namespace_id is None
         ):
@@ -228,7 +251,8 @@ class DeploymentSpec:
 
     @property
     def global_tp_degree(self) -> int:
-        return self.nodes_per_unit * self.instance.neuron_cores
+        """NxDI's tp_degree: the spec's (validated above), else every core of every node."""
+        return self.tp_degree or self.nodes_per_unit * self.instance.neuron_cores
 
     @property
     def memory_mib(self) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 
 from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.neuron import NEURON_CC_PORT_OFFSET, NeuronBackend
+from neuron_serving.devices.neuron_rank import NeuronUnitShape, follower_argv, leader_argv
 from neuron_serving.ecs.spec import (
     TRITON_GRPC_PORT,
     TRITON_HTTP_PORT,
@@ -27,8 +28,15 @@ from neuron_serving.ecs.spec import (
 )
 
 ROLES = ("leader", "follower")
-# Neuron variables that differ per rank or unit: they go in RunTask overrides.
-PER_RANK_NEURON_VARS = ("NEURON_RT_ROOT_COMM_ID", "NEURON_RANK_ID")
+# Neuron variables that differ per unit (the leader's address): RunTask overrides. A
+# node's NxDI ranks are not environment: the leader's --tp and the rank give them.
+PER_RANK_NEURON_VARS = ("NEURON_RT_ROOT_COMM_ID",)
+# ECS custom container-instance attribute naming the instance's EC2 cluster placement
+# group (set by the launch template's user data, see ecs/README.md "Placement").
+PLACEMENT_GROUP_ATTRIBUTE = "neuron-serving.placement-group"
+# EFA device files: AWS Batch's EFA guidance maps them with read, write and mknod.
+EFA_DEVICE_PERMISSIONS = ["read", "write", "mknod"]
+NEURON_DEVICE_PERMISSIONS = ["read", "write"]
 # Installed by ecs/Dockerfile.*: prints the task's awsvpc ENI address.
 TASK_IP = "/opt/neuron-serving/task-ip"
 # Where a node's command leaves that address for the container health check, which
@@ -38,6 +46,7 @@ TASK_IP_FILE = "/tmp/neuron-serving-task-ip"
 # too, so an image without a USER line does not silently run the node as root.
 NODE_USER = "10001"
 TAG_PREFIX = "neuron-serving/"
+COMPILED_ARTIFACTS_DIR = "/tmp/neuron-compiled-artifacts"
 
 
 def family(spec: DeploymentSpec, role: str) -> str:
@@ -50,6 +59,26 @@ def leader_dns_name(spec: DeploymentSpec, unit_id: str) -> str | None:
     if spec.service_discovery_namespace:
         return f"{unit_id}-leader.{spec.service_discovery_namespace}"
     return None
+
+
+def unit_shape(spec: DeploymentSpec) -> NeuronUnitShape:
+    """The spec's unit: its tp_degree (validated = nodes x cores) over its nodes."""
+    return NeuronUnitShape.from_tp_degree(spec.global_tp_degree, spec.instance.neuron_cores)
+
+
+def placement_constraints(spec: DeploymentSpec) -> list[dict[str, str]]:
+    """``memberOf`` constraints every node task has (task definition and RunTask)."""
+    out = [
+        {"type": "memberOf", "expression": f"attribute:ecs.instance-type == {spec.instance_type}"}
+    ]
+    if spec.placement_group:
+        out.append(
+            {
+                "type": "memberOf",
+                "expression": f"attribute:{PLACEMENT_GROUP_ATTRIBUTE} == {spec.placement_group}",
+            }
+        )
+    return out
 
 
 def neuron_environment(spec: DeploymentSpec, rank: int, leader_host: str) -> dict[str, str]:
@@ -90,6 +119,12 @@ def static_environment(spec: DeploymentSpec, role: str) -> dict[str, str]:
         NEURON_SERVING_NEURON_CORES_PER_NODE=str(spec.instance.neuron_cores),
         NEURON_SERVING_WORLD_SIZE=str(spec.nodes_per_unit),
         PYTHONUNBUFFERED="1",
+        # vllm-neuron 0.2.0 (worker/neuronx_distributed_model_loader.py) otherwise
+        # compiles into <model>/neuron-compiled-artifacts/<hash>, which it creates and
+        # empties first: impossible on the read-only host_model_dir mount. Container-local
+        # and fresh per task, so a node never loads artifacts compiled for another
+        # layout (precompiled artifacts ignore override_neuron_config, start_rank_id too).
+        NEURON_COMPILED_ARTIFACTS=COMPILED_ARTIFACTS_DIR,
     )
     # NEURON_SERVING_HEALTH_HOST is the task's ENI address, set by the command.
     if role == "leader":
@@ -119,12 +154,12 @@ def command(spec: DeploymentSpec, role: str) -> str:
     port is then decided by the unit's security group alone (security_groups.py)."""
     # The ENI address, kept for the container health check (TASK_IP_FILE).
     ip = f'IP="$({TASK_IP})" && printf %s "$IP" > {TASK_IP_FILE} && '
+    shape = unit_shape(spec)
     if role == "leader":
+        # --tp is NxDI's global tp_degree (every NeuronCore of the unit); the leader's
+        # engine derives the unit's nodes from it (unit/engine.py, devices/neuron_rank.py).
         args = [
-            "neuron-serving", "leader",
-            "--model", spec.model_dir,
-            "--tp", str(spec.nodes_per_unit),
-            "--control-port", str(spec.control_port),
+            *leader_argv(shape, spec.model_dir, spec.control_port),
             "--http-port", str(TRITON_HTTP_PORT),
             "--grpc-port", str(TRITON_GRPC_PORT),
             "--metrics-port", str(TRITON_METRICS_PORT),
@@ -135,17 +170,12 @@ def command(spec: DeploymentSpec, role: str) -> str:
         cc = spec.control_port + NEURON_CC_PORT_OFFSET
         prefix = (
             ip + f'export NEURON_RT_ROOT_COMM_ID="${{NEURON_RT_ROOT_COMM_ID:-$IP:{cc}}}" '
-            f'NEURON_RANK_ID="${{NEURON_RANK_ID:-0}}" NEURON_SERVING_HEALTH_HOST="$IP" && '
+            'NEURON_SERVING_HEALTH_HOST="$IP" && '
         )
         tail = ' --host "$IP" --control-host "$IP" --unit-id "$NEURON_SERVING_UNIT_ID"'
         prefix += fetch_command(spec, "0")
     else:
-        args = [
-            "neuron-serving", "follower",
-            "--world-size", str(spec.nodes_per_unit),
-            "--health-port", str(spec.health_port),
-            "--device", "neuron",
-        ]  # fmt: skip
+        args = [*follower_argv(shape), "--health-port", str(spec.health_port)]
         prefix = ip + fetch_command(spec, '"$NEURON_SERVING_RANK"')
         tail = (
             ' --health-host "$IP" --leader "$NEURON_SERVING_LEADER_ADDR"'
@@ -195,8 +225,12 @@ def health_check(spec: DeploymentSpec) -> dict[str, Any]:
 def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
     itype = spec.instance
     devices = [
-        {"hostPath": p, "containerPath": p, "permissions": ["read", "write"]}
-        for p in itype.neuron_device_paths() + itype.efa_device_paths()
+        {"hostPath": p, "containerPath": p, "permissions": perms}
+        for paths, perms in (
+            (itype.neuron_device_paths(), NEURON_DEVICE_PERMISSIONS),
+            (itype.efa_device_paths(), EFA_DEVICE_PERMISSIONS),
+        )
+        for p in paths
     ]
     env = static_environment(spec, role)
     container: dict[str, Any] = {
@@ -264,12 +298,7 @@ def task_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
             else []
         ),
         # distinctInstance is a RunTask constraint; task definitions take memberOf only.
-        "placementConstraints": [
-            {
-                "type": "memberOf",
-                "expression": f"attribute:ecs.instance-type == {spec.instance_type}",
-            }
-        ],
+        "placementConstraints": placement_constraints(spec),
     }
     params["tags"] = [
         {"key": TAG_PREFIX + "deployment", "value": spec.name},

@@ -12,6 +12,13 @@ from typing import Any
 from neuron_serving.checkpoint.compat import UnitShape, engine_overrides, is_sharded_checkpoint
 from neuron_serving.checkpoint.pin import env_pin
 from neuron_serving.checkpoint.trust import check_leader
+from neuron_serving.devices.neuron import NeuronBackend
+from neuron_serving.devices.neuron_rank import (
+    OVERRIDE_KEY,
+    NeuronUnitShape,
+    override_neuron_config,
+)
+from neuron_serving.devices.neuron_worker import WORKER_QUALNAME
 from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 
 UNIT_EXECUTOR = "neuron_serving.unit.executor.UnitExecutor"
@@ -33,16 +40,32 @@ def engine_kwargs(
 
     Every unit, even TP=1, runs through the unit executor so that one code path
     is tested everywhere (the gpt-fast habit: a no-op path for world size 1).
+
+    On the neuron device ``tp`` is NxD Inference's global ``tp_degree`` (every
+    NeuronCore of every node): vLLM's ``tensor_parallel_size`` becomes the unit's
+    nodes (the executor's ranks, one process per node), NxDI gets the global layout
+    through vllm-neuron's ``additional_config["override_neuron_config"]`` (rank 0's;
+    followers shift ``start_rank_id``), and the worker is ``UnitNeuronWorker``
+    (devices/neuron_rank.py, neuron_worker.py).
     """
     if tp < 1:
         raise ValueError(f"tp must be >= 1, got {tp}")
+    ranks = tp
+    additional: dict[str, Any] = {ADDITIONAL_CONFIG_KEY: unit.to_dict()}
+    device: dict[str, Any] = {}
+    if unit.device == "neuron":
+        shape = NeuronUnitShape.from_tp_degree(tp, NeuronBackend().cores_per_node)
+        ranks = shape.nodes
+        additional[OVERRIDE_KEY] = override_neuron_config(shape, 0)
+        device["worker_cls"] = WORKER_QUALNAME
     kwargs: dict[str, Any] = dict(
         model=model,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=ranks,
         distributed_executor_backend=UNIT_EXECUTOR,
-        additional_config={ADDITIONAL_CONFIG_KEY: unit.to_dict()},
+        additional_config=additional,
         enable_prefix_caching=enable_prefix_caching,
         seed=seed,
+        **device,
     )
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
@@ -55,7 +78,7 @@ def engine_kwargs(
         # of the wrong size, a manifest other than the deploy's pin or a changed config
         # or tokenizer file here, before any follower is waited for, and make every
         # rank read only its own model-rank-{rank}-part-* files in the shards' dtype.
-        manifest = check_leader(Path(model), UnitShape(tp, unit.device))
+        manifest = check_leader(Path(model), UnitShape(ranks, unit.device))
         if extra.get("dtype") in (None, "auto"):
             extra.pop("dtype", None)
         kwargs.update(engine_overrides(manifest))

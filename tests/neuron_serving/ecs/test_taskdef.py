@@ -9,6 +9,7 @@ import pytest
 
 from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.neuron import NeuronBackend
+from neuron_serving.devices.neuron_rank import rank_launch
 from neuron_serving.ecs import render as render_mod
 from neuron_serving.ecs import taskdef
 from neuron_serving.ecs.launch import NodeLaunch, run_task_params
@@ -20,7 +21,7 @@ DEVICES = {"trn1.32xlarge": (16, 8, 32), "trn2.48xlarge": (16, 16, 64)}
 
 
 def make_spec(**changes) -> DeploymentSpec:
-    raw = spec_dict(tp_degree=None, **changes)
+    raw = spec_dict(**{"tp_degree": None, **changes})
     return DeploymentSpec.from_dict(raw)
 
 
@@ -41,6 +42,9 @@ def test_task_definition_has_every_device_and_setting(itype, role):
         f"/dev/infiniband/uverbs{i}" for i in range(efa)
     ]
     assert all(d["containerPath"] == d["hostPath"] for d in c["linuxParameters"]["devices"])
+    # AWS Batch's EFA guidance: EFA device files need read, write and mknod.
+    perms = [d["permissions"] for d in c["linuxParameters"]["devices"]]
+    assert perms == [["read", "write"]] * neuron + [["read", "write", "mknod"]] * efa
     assert c["linuxParameters"]["capabilities"] == {"add": ["IPC_LOCK"]}
     assert {"name": "memlock", "softLimit": -1, "hardLimit": -1} in c["ulimits"]
     assert td["networkMode"] == "awsvpc" and td["requiresCompatibilities"] == ["EC2"]
@@ -66,7 +70,11 @@ def test_task_definition_has_every_device_and_setting(itype, role):
         {"name": "NEURON_SERVING_UNIT_TOKEN", "valueFrom": spec.unit_token_secret_arn}
     ]
     env = env_of(c)
-    assert env["NEURON_LOCAL_TP"] == str(cores)
+    assert not {"NEURON_LOCAL_TP", "NEURON_RANK_ID"} & set(env)  # Transformers NeuronX only
+    assert env["NEURON_SERVING_NEURON_CORES_PER_NODE"] == str(cores)
+    assert env["VLLM_PLUGINS"] == "neuron_serving"
+    # Writable and per task: vllm-neuron would compile inside the read-only model mount.
+    assert env["NEURON_COMPILED_ARTIFACTS"] == "/tmp/neuron-compiled-artifacts"
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["FI_EFA_FORK_SAFE"] == "1" and env["NEURON_SERVING_DEVICE"] == "neuron"
     assert env["NEURON_SERVING_WORLD_SIZE"] == "2"
@@ -92,7 +100,9 @@ def test_host_model_dir_is_mounted_read_only():
 def test_commands():
     spec = make_spec()
     leader = taskdef.command(spec, "leader")
-    assert "exec neuron-serving leader --model /models/llm --tp 2 --control-port 29500" in leader
+    # --tp is NxDI's global tp_degree: 2 nodes x 32 NeuronCores, not the node count.
+    assert "exec neuron-serving leader --model /models/llm --tp 64 --control-port 29500" in leader
+    assert "NEURON_RANK_ID" not in leader
     assert "--http-port 8000 --grpc-port 8001 --metrics-port 8002" in leader
     assert '--host "$IP" --control-host "$IP"' in leader
     assert "NEURON_RT_ROOT_COMM_ID:-$IP:29503" in leader
@@ -100,7 +110,9 @@ def test_commands():
     follower = taskdef.command(spec, "follower")
     ip = f'IP="$({taskdef.TASK_IP})" && printf %s "$IP" > {taskdef.TASK_IP_FILE} && '
     assert leader.startswith(ip) and follower.startswith(ip)
-    assert "exec neuron-serving follower --world-size 2 --health-port 9100" in follower
+    assert (
+        "exec neuron-serving follower --world-size 2 --device neuron --health-port 9100" in follower
+    )
     assert '--health-host "$IP" --leader "$NEURON_SERVING_LEADER_ADDR"' in follower
     assert '--rank "$NEURON_SERVING_RANK"' in follower
 
@@ -232,16 +244,50 @@ def test_neuron_environment_per_rank_matches_the_backend(itype):
         for key, value in backend.process_env(placement).items():
             assert env[key] == value, key
         assert env["NEURON_RT_ROOT_COMM_ID"] == f"{leader}:29503"
-        assert env["NEURON_RANK_ID"] == str(rank) and env["NEURON_SERVING_RANK"] == str(rank)
+        assert env["NEURON_SERVING_RANK"] == str(rank) and "NEURON_RANK_ID" not in env
         assert env["NEURON_SERVING_LEADER_ADDR"] == f"{leader}:29500"
         assert env["NEURON_SERVING_UNIT_ID"] == "llama-1"
-        nxdi = backend.nxdi_config(placement)
-        assert nxdi["tp_degree"] == spec.global_tp_degree == 4 * cores
-        starts.append(nxdi["start_rank_id"])
+        # The rank's NxDI layout follows from the leader's --tp and the rank.
+        launch = rank_launch(taskdef.unit_shape(spec), rank, leader, 29500, spec.model_dir)
+        assert launch.env == backend.process_env(placement)
+        assert launch.override_neuron_config["tp_degree"] == spec.global_tp_degree == 4 * cores
+        starts.append(launch.override_neuron_config["start_rank_id"])
         tags = {t["key"]: t["value"] for t in params["tags"]}
         assert tags["neuron-serving/unit"] == "llama-1" and tags["neuron-serving/rank"] == str(rank)
         assert {"type": "distinctInstance"} in params["placementConstraints"]
     assert starts == [0, cores, 2 * cores, 3 * cores]
+
+
+@pytest.mark.parametrize(("itype", "tp"), [("trn1.32xlarge", "64"), ("trn2.48xlarge", "128")])
+def test_leader_tp_is_the_specs_tp_degree(itype, tp):
+    """The rendered leader's --tp is the spec's tp_degree (nodes x NeuronCores), which
+    vllm-neuron would otherwise take from tensor_parallel_size (the node count)."""
+    spec = make_spec(instance_type=itype, tp_degree=int(tp))
+    assert spec.tp_degree == spec.global_tp_degree == int(tp)
+    (c,) = taskdef.task_definition(spec, "leader")["containerDefinitions"]
+    assert f" leader --model /models/llm --tp {tp} --control-port 29500 " in c["command"][0]
+    with pytest.raises(ValueError, match="does not match nodes_per_unit x NeuronCores"):
+        make_spec(instance_type=itype, tp_degree=int(tp) // 2)
+
+
+def test_placement_group_constrains_every_node_task():
+    pg = [{"type": "memberOf", "expression": "attribute:ecs.instance-type == trn1.32xlarge"}]
+    assert taskdef.task_definition(make_spec(), "leader")["placementConstraints"] == pg
+    spec = make_spec(placement_group="neuron-serving-trn1")
+    pg.append(
+        {
+            "type": "memberOf",
+            "expression": "attribute:neuron-serving.placement-group == neuron-serving-trn1",
+        }
+    )
+    for role in taskdef.ROLES:
+        assert taskdef.task_definition(spec, role)["placementConstraints"] == pg
+    for rank in (0, 1):
+        params = run_task_params(spec, NodeLaunch("llama-0", rank, "10.0.0.1", "llama-leader"))
+        validate("RunTask", params)
+        assert params["placementConstraints"] == [{"type": "distinctInstance"}, *pg]
+    with pytest.raises(ValueError, match="placement_group must be"):
+        make_spec(placement_group="has space")
 
 
 def test_leader_without_cloud_map_learns_its_address_in_the_container():

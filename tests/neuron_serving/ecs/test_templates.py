@@ -43,3 +43,24 @@ def test_dockerfiles_run_the_node_as_an_unprivileged_user(name):
     assert uid == NODE_USER and uid not in ("0", "root"), lines[users[-1]]
     text = "\n".join(lines)
     assert f"--uid {NODE_USER}" in text and f"chown {NODE_USER}:{NODE_USER} /models" in text
+
+
+@pytest.mark.parametrize(
+    ("itype", "tp", "efa"), [("trn1.32xlarge", 64, 8), ("trn2.48xlarge", 128, 16)]
+)
+def test_checked_in_templates_carry_the_neuron_contract(itype, tp, efa):
+    """What a real RegisterTaskDefinition would get: the global tp_degree as --tp, EFA
+    devices with mknod, the placement group, no Transformers NeuronX variables."""
+    tds = {r: (ECS / "task-definitions" / itype / f"{r}.json").read_text() for r in ROLES}
+    assert not any("NEURON_RANK_ID" in t or "NEURON_LOCAL_TP" in t for t in tds.values())
+    leader = json.loads(tds["leader"])
+    (c,) = leader["containerDefinitions"]
+    assert f"exec neuron-serving leader --model /models/llm --tp {tp} " in c["command"][0]
+    efa_devices = [d for d in c["linuxParameters"]["devices"] if "uverbs" in d["hostPath"]]
+    assert len(efa_devices) == efa
+    assert all(d["permissions"] == ["read", "write", "mknod"] for d in efa_devices)
+    group = itype.split(".")[0]
+    assert leader["placementConstraints"][-1] == {
+        "type": "memberOf",
+        "expression": f"attribute:neuron-serving.placement-group == neuron-serving-{group}",
+    }

@@ -1,12 +1,14 @@
 """Executor benchmark: the unit executor (TP=2, follower process) against vLLM's
-MultiprocExecutor (TP=2) on the same machine, model and workload, in one run.
+MultiprocExecutor (TP=2, one host) and vLLM's own multi-node mode (TP=2 across two
+"nodes" on loopback: ``multinode.py``), on the same machine, model and workload,
+in one run.
 
 Workload: 64 prompts x 64 output tokens, ignore_eos, greedy, demo model.
-Trials alternate unit/mp so drift on a shared machine hits both alike; each
+Trials rotate unit/mp/mn so drift on a shared machine hits every arm alike; each
 trial is its own process (``executor_trial.py``). Reported: output tok/s of
-each (median, min, max), their ratio (median/median, plus the spread of
-per-pair ratios), and the unit's control-plane cost per broadcast (leader-side
-send latency p50/p99, payload and wire bytes).
+each (median, min, max), the unit's ratio to each vLLM arm (median/median, plus
+the spread of per-repeat ratios), and the unit's control-plane cost per broadcast
+(leader-side send latency p50/p99, payload and wire bytes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ BASELINE = {
     "mp_tok_s": 3549,
     "note": "naive pickle-every-call version, at filing",
 }
+
+
+MODES = ("unit", "mp", "mn")
+# Ports of repeat i start at 29700 + 10 i: the unit's control ports from there, the
+# mn arm's master port (its TCPStore) 5 above (the mp arm binds none of its own).
+_PORT_BASE, _PORT_STEP, _PORT_OFFSET = 29700, 10, {"unit": 0, "mp": 0, "mn": 5}
 
 
 def _trial(mode: str, model: Path, prompts: int, max_tokens: int, port: int) -> dict:
@@ -58,6 +66,10 @@ def _trial(mode: str, model: Path, prompts: int, max_tokens: int, port: int) -> 
     return json.loads(lines[-1])
 
 
+def _per_repeat(ours: list[dict], theirs: list[dict]) -> dict[str, float]:
+    return spread([a["tok_s"] / b["tok_s"] for a, b in zip(ours, theirs, strict=True)])
+
+
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
     from neuron_serving.models.demo import build_demo_model
 
@@ -65,20 +77,24 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     prompts, max_tokens = 64, 64
     with tempfile.TemporaryDirectory(prefix="ns-bench-") as tmp:
         model_dir = Path(model) if model else build_demo_model(Path(tmp) / "demo", seed=0)
-        unit, mp = [], []
+        trials: dict[str, list[dict]] = {m: [] for m in MODES}
         for i in range(repeats):
-            port = 29700 + 10 * i
-            unit.append(_trial("unit", model_dir, prompts, max_tokens, port))
-            mp.append(_trial("mp", model_dir, prompts, max_tokens, port + 5))
+            port = _PORT_BASE + _PORT_STEP * i
+            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
+                trial = _trial(mode, model_dir, prompts, max_tokens, port + _PORT_OFFSET[mode])
+                trials[mode].append(trial)
             print(
-                f"trial {i + 1}/{repeats}: unit {unit[-1]['tok_s']:.0f} tok/s, "
-                f"mp {mp[-1]['tok_s']:.0f} tok/s",
+                f"trial {i + 1}/{repeats}: "
+                + ", ".join(f"{m} {trials[m][-1]['tok_s']:.0f} tok/s" for m in MODES),
                 file=sys.stderr,
                 flush=True,
             )
+    unit, mp, mn = (trials[m] for m in MODES)
     u = spread([t["tok_s"] for t in unit])
     m = spread([t["tok_s"] for t in mp])
-    pair = spread([a["tok_s"] / b["tok_s"] for a, b in zip(unit, mp, strict=True)])
+    n = spread([t["tok_s"] for t in mn])
+    pair = _per_repeat(unit, mp)
+    pair_mn = _per_repeat(unit, mn)
     result = {
         "workload": {
             "prompts": prompts,
@@ -87,7 +103,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "tp": 2,
             "model": "demo" if model is None else model,
             "repeats": repeats,
-            "engine_core": "in-process for both (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
+            "engine_core": "in-process in every arm (VLLM_ENABLE_V1_MULTIPROCESSING=0)",
             "cpu_bind": "0|1",
         },
         "ratio": u["median"] / m["median"],
@@ -96,6 +112,12 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "mp_tok_s": m["median"],
         "unit_tok_s_spread": u,
         "mp_tok_s_spread": m,
+        # vLLM's multi-node mode: engine core and rank 0 here, rank 1 a headless node.
+        "ratio_vs_mn": u["median"] / n["median"],
+        "ratio_vs_mn_per_pair": pair_mn,
+        "mn_tok_s": n["median"],
+        "mn_tok_s_spread": n,
+        "mn_headless_exit_codes": [t.get("headless_exit_codes") for t in mn],
         "control_p50_us": spread([t["control_p50_us"] for t in unit])["median"],
         "control_p99_us": spread([t["control_p99_us"] for t in unit])["median"],
         "payload_bytes_per_msg": spread([t["payload_bytes_per_msg"] for t in unit])["median"],
@@ -103,13 +125,15 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "broadcasts_per_step": unit[0]["control_messages"] / max(unit[0]["steps"], 1),
         "target_ratio": TARGET_RATIO,
         "baseline_at_filing": BASELINE,
-        "trials": {"unit": unit, "mp": mp},
+        "trials": trials,
     }
     path = write_result("executor" + ("-quick" if quick else ""), result)
     print(
         f"executor: unit {result['unit_tok_s']:.0f} tok/s vs MultiprocExecutor "
         f"{result['mp_tok_s']:.0f} tok/s -> ratio {result['ratio']:.2f} "
-        f"(target >= {TARGET_RATIO}; per-pair {pair['min']:.2f}..{pair['max']:.2f}); control plane "
+        f"(target >= {TARGET_RATIO}; per-pair {pair['min']:.2f}..{pair['max']:.2f}); vs vLLM "
+        f"multi-node {result['mn_tok_s']:.0f} tok/s -> ratio {result['ratio_vs_mn']:.2f} "
+        f"(per-pair {pair_mn['min']:.2f}..{pair_mn['max']:.2f}); control plane "
         f"p50 {result['control_p50_us']:.0f} us, p99 {result['control_p99_us']:.0f} us, "
         f"{result['payload_bytes_per_msg']:.0f} B payload / {result['wire_bytes_per_msg']:.0f} B wire "
         f"per broadcast; written to {path}",

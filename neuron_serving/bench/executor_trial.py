@@ -2,9 +2,12 @@
 
 ``--mode unit``: our UnitExecutor, rank 0 in this process, a follower process
 for rank 1 (``neuron_serving.unit.inprocess``). ``--mode mp``: vLLM's own
-MultiprocExecutor (both workers in processes it spawns). In both, the engine
+MultiprocExecutor (both workers in processes it spawns). ``--mode mn``: vLLM's
+own multi-node mode (``multinode.py``): this process is node 0 (its
+MultiprocExecutor spawns rank 0's worker), a ``vllm serve --headless`` process
+tree is node 1 (rank 1's worker), joined over loopback. In all three, the engine
 core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the
-executors are the only variable.
+executors are the only variable, with the same engine settings (``ENGINE``).
 Prints one JSON line.
 """
 
@@ -13,13 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
+
+# Engine settings of every arm (``LLM`` keyword arguments; the mn arm's headless node
+# gets the same as ``vllm serve`` flags). The unit arm's engine_kwargs match them.
+ENGINE = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 30,
+          "enable_prefix_caching": True, "seed": 0}  # fmt: skip
+# After node 0's engine shut down: how long the headless node gets to exit by itself
+# (reported), before its tree is stopped.
+HEADLESS_EXIT_WAIT_S = 10.0
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["unit", "mp"], required=True)
+    p.add_argument("--mode", choices=["unit", "mp", "mn"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--prompts", type=int, default=64)
@@ -27,6 +40,7 @@ def main() -> None:
     p.add_argument("--control-port", type=int, default=29700)
     p.add_argument("--bind", default="0|1")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--log-dir", default=None, help="mn: where the headless node logs")
     args = p.parse_args()
     # stdout carries the one JSON line; vLLM logs to stdout unless told otherwise.
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
@@ -56,24 +70,62 @@ def _trial(args: argparse.Namespace) -> int:
             print(json.dumps(_measure(unit.llm, args, unit.executor)), flush=True)
         return 0
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.mode == "mn":
+        return _multinode_trial(args)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind  # MultiprocExecutor binds each worker
     from vllm import LLM
 
-    llm = LLM(
-        model=args.model,
-        tensor_parallel_size=args.tp,
-        distributed_executor_backend="mp",
-        max_model_len=1024,
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=True,
-        seed=0,
-        dtype=args.dtype,
-    )
+    engine = {**ENGINE, "dtype": args.dtype}
+    llm = LLM(model=args.model, tensor_parallel_size=args.tp, distributed_executor_backend="mp",
+              **engine)  # fmt: skip
     print(json.dumps(_measure(llm, args, None)), flush=True)
+    _shutdown(llm)
+    return 0
+
+
+def _shutdown(llm: Any) -> None:
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
+
+
+def _multinode_trial(args: argparse.Namespace) -> int:
+    """Node 0 here (engine core and rank 0's worker process), nodes 1.. as ``vllm
+    serve --headless`` trees started first: node 0's workers wait for theirs in the
+    TCPStore at the master port."""
+    import tempfile
+
+    from neuron_serving.bench.multinode import MultiNodeConfig, start_node
+
+    cfg = MultiNodeConfig(model=args.model, tp=args.tp, nnodes=args.tp, master_port=args.control_port,
+                          cpu_bind=args.bind, engine={**ENGINE, "dtype": args.dtype})  # fmt: skip
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ns-bench-mn-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base_env = dict(os.environ)
+    os.environ.update(cfg.node_env(0))
+    nodes = [start_node(cfg, r, log_dir / f"node-{r}.log", base_env) for r in range(1, cfg.nnodes)]
+    try:
+        from vllm import LLM
+
+        llm = LLM(model=args.model, **cfg.parallel_kwargs(0), **cfg.engine)
+        result = _measure(llm, args, None)
+        _shutdown(llm)
+        # Does the headless node notice that node 0 is gone? Reported, then stopped.
+        exits = []
+        for node in nodes:
+            try:
+                exits.append(node.popen.wait(timeout=HEADLESS_EXIT_WAIT_S))
+            except subprocess.TimeoutExpired:
+                exits.append(None)
+        result["headless_exit_codes"] = exits
+        print(json.dumps(result), flush=True)
+    except BaseException as e:
+        e.add_note(f"headless node logs in {log_dir}")
+        raise
+    finally:
+        for node in nodes:
+            node.terminate(10.0)
     return 0
 
 

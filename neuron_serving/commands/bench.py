@@ -8,8 +8,9 @@ import sys
 import time
 
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
-# Diagnostic benchmarks: run by name, not part of `bench all`.
-DIAGNOSTIC = ("cpu",)
+# Diagnostic benchmarks: run by name, not part of `bench all` (failures: six deployments,
+# each watched for a window after a rank failure; bench/failures.py).
+DIAGNOSTIC = ("cpu", "failures")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 

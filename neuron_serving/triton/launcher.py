@@ -241,9 +241,13 @@ class TritonLeader:
         from neuron_serving import envs
         from neuron_serving.devices.base import RankPlacement
         from neuron_serving.devices.registry import get_backend
+        from neuron_serving.unit.engine import unit_ranks
 
-        backend = get_backend(envs.NEURON_SERVING_DEVICE)
-        placement = RankPlacement(0, self.s.tp, self.s.control_host, self.s.control_port)
+        device = envs.NEURON_SERVING_DEVICE
+        backend = get_backend(device)
+        # --tp is NxDI's global tp_degree on neuron; the placement counts processes.
+        ranks = unit_ranks(self.s.tp, device)
+        placement = RankPlacement(0, ranks, self.s.control_host, self.s.control_port)
         return backend.process_env(placement)
 
     def probe_model(self) -> bool | None:

@@ -24,6 +24,21 @@ from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
 UNIT_EXECUTOR = "neuron_serving.unit.executor.UnitExecutor"
 
 
+def neuron_shape(tp: int) -> NeuronUnitShape:
+    """The Neuron unit of a leader's ``--tp`` (NxDI's global ``tp_degree``) on nodes of
+    ``NEURON_SERVING_NEURON_CORES_PER_NODE`` cores; ValueError unless a multiple."""
+    return NeuronUnitShape.from_tp_degree(tp, NeuronBackend().cores_per_node)
+
+
+def unit_ranks(tp: int, device: str) -> int:
+    """The unit's ranks (vLLM's ``tensor_parallel_size``: one process per node, so
+    the followers are ranks 1..ranks-1) for a leader's ``--tp`` on ``device``: the
+    nodes of the Neuron shape on neuron, ``tp`` itself elsewhere."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    return neuron_shape(tp).nodes if device == "neuron" else tp
+
+
 def engine_kwargs(
     model: str,
     tp: int,
@@ -48,15 +63,11 @@ def engine_kwargs(
     followers shift ``start_rank_id``), and the worker is ``UnitNeuronWorker``
     (devices/neuron_rank.py, neuron_worker.py).
     """
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
-    ranks = tp
+    ranks = unit_ranks(tp, unit.device)
     additional: dict[str, Any] = {ADDITIONAL_CONFIG_KEY: unit.to_dict()}
     device: dict[str, Any] = {}
     if unit.device == "neuron":
-        shape = NeuronUnitShape.from_tp_degree(tp, NeuronBackend().cores_per_node)
-        ranks = shape.nodes
-        additional[OVERRIDE_KEY] = override_neuron_config(shape, 0)
+        additional[OVERRIDE_KEY] = override_neuron_config(neuron_shape(tp), 0)
         device["worker_cls"] = WORKER_QUALNAME
     kwargs: dict[str, Any] = dict(
         model=model,

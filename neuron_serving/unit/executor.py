@@ -36,11 +36,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from vllm.platforms import current_platform
-from vllm.v1.executor.abstract import Executor, FailureCallback
-from vllm.v1.outputs import AsyncModelRunnerOutput
-from vllm.v1.worker.worker_base import WorkerWrapperBase
-
 from neuron_serving.checkpoint.compat import manifest_identity
 from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.registry import get_backend
@@ -65,6 +60,14 @@ from neuron_serving.unit.messages import CheckpointRef, Start
 from neuron_serving.unit.node_metrics import NodeCollector
 from neuron_serving.unit.node_status import NodeState, NodeStatus
 from neuron_serving.unit.store import init_method as store_init_method
+from neuron_serving.unit.vllm_compat import (
+    EXECUTOR_BASES,
+    AsyncModelRunnerOutput,
+    FailureCallback,
+    WorkerWrapperBase,
+    new_worker_wrapper,
+    update_block_size_for_backend,
+)
 from neuron_serving.versions import runtime_versions
 
 logger = logging.getLogger("neuron_serving.unit.executor")
@@ -74,7 +77,8 @@ class UnitFailedError(RuntimeError):
     """The inference unit lost a rank; the message names it."""
 
 
-class UnitExecutor(Executor):
+# On vLLM 0.32 the bases are (Executor,); on 0.11.0 a mixin goes first (vllm_compat.py).
+class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
     uses_ray = False
     supports_pp = False
 
@@ -171,7 +175,7 @@ class UnitExecutor(Executor):
     def _init_workers(self) -> None:
         self.status.set_state(NodeState.LOADING)
         self.backend.prepare_worker(self.placement)
-        self.driver_worker = WorkerWrapperBase(rpc_rank=0)
+        self.driver_worker = new_worker_wrapper(0, self.vllm_config)
         all_kwargs = [
             dict(
                 vllm_config=self.vllm_config,
@@ -189,7 +193,7 @@ class UnitExecutor(Executor):
         self.load_stats = self._call(measured_load_model, (), {}, gather=True)
         for st in self.load_stats:
             logger.info("unit %s: %s", self.unit.unit_id, st.render())
-        current_platform.update_block_size_for_backend(self.vllm_config)
+        update_block_size_for_backend(self.vllm_config)
 
     # -- calls --------------------------------------------------------------
     def _call(

@@ -99,6 +99,7 @@ class InProcessUnitConfig:
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        self.ranks  # noqa: B018  neuron: ValueError unless tp is a multiple of a node's cores
         if self.follower_exit_timeout_s <= 0 or self.follower_stop_timeout_s <= 0:
             raise ValueError("follower_exit_timeout_s and follower_stop_timeout_s must be > 0")
         if not self.start_followers and (
@@ -111,9 +112,17 @@ class InProcessUnitConfig:
         if self.log_dir is not None:
             self.log_dir = Path(self.log_dir)
 
+    @property
+    def ranks(self) -> int:
+        """Processes of the unit (rank 0 and the followers): ``tp`` on CPU, the nodes
+        of NxDI's global ``tp_degree`` on neuron (unit/engine.py ``unit_ranks``)."""
+        from neuron_serving.unit.engine import unit_ranks
+
+        return unit_ranks(self.tp, self.unit.device)
+
     def follower_argv(self, rank: int) -> list[str]:
-        if not 0 < rank < self.tp:
-            raise ValueError(f"follower rank {rank} outside 1..{self.tp - 1}")
+        if not 0 < rank < self.ranks:
+            raise ValueError(f"follower rank {rank} outside 1..{self.ranks - 1}")
         leader = f"{self.unit.control_host}:{self.unit.control_port}"
         return [
             *self.follower_argv_prefix,
@@ -126,7 +135,7 @@ class InProcessUnitConfig:
             "--rank",
             str(rank),
             "--world-size",
-            str(self.tp),
+            str(self.ranks),
             "--device",
             self.unit.device,
         ]
@@ -145,7 +154,7 @@ class InProcessUnit:
         self.token = self._resolve_token()  # AuthError here, before anything starts
         self.cpu_bind = cfg.cpu_bind or envs.VLLM_CPU_OMP_THREADS_BIND
         if not self.cpu_bind and cfg.start_followers and cfg.unit.device == "cpu":
-            self.cpu_bind = default_cpu_bind(cfg.tp)
+            self.cpu_bind = default_cpu_bind(cfg.ranks)
         self.llm: LLM | None = None
         self.ready_s = 0.0  # LLM(...): followers joined, workers initialised, model loaded
         self.followers: list[tuple[int, ProcessTree, Path]] = []
@@ -153,7 +162,7 @@ class InProcessUnit:
         self._own_log_dir = False
 
     def _resolve_token(self) -> str | None:
-        if self.cfg.tp == 1:
+        if self.cfg.ranks == 1:
             return None  # no follower, no control connection
         token_configured = (
             envs.NEURON_SERVING_UNIT_TOKEN is not None
@@ -179,7 +188,7 @@ class InProcessUnit:
         if self.cpu_bind:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_bind
         backend = get_backend(unit.device)
-        placement = RankPlacement(0, cfg.tp, unit.control_host, unit.control_port)
+        placement = RankPlacement(0, cfg.ranks, unit.control_host, unit.control_port)
         rank0_env = backend.process_env(placement)  # ValueError (bad binding): nothing started
         if "torch" in sys.modules and rank0_env:
             logger.warning("torch is already imported: rank 0's %s may not apply", rank0_env)
@@ -188,7 +197,7 @@ class InProcessUnit:
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         try:
             if cfg.start_followers:
-                for rank in range(1, cfg.tp):
+                for rank in range(1, cfg.ranks):
                     self._start_follower(rank, follower_env)
             from vllm import LLM
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.v1.outputs import AsyncModelRunnerOutput
-from vllm.v1.serial_utils import run_method
-from vllm.v1.worker.worker_base import WorkerWrapperBase
-
 from neuron_serving.devices.base import RankPlacement
 from neuron_serving.unit.calls import Method
+from neuron_serving.unit.vllm_compat import AsyncModelRunnerOutput, WorkerWrapperBase, run_method
 
 
 def in_session(placement: RankPlacement, session_nonce: bytes) -> RankPlacement:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 
-from vllm.v1.worker.worker_base import WorkerWrapperBase
-
 from neuron_serving.devices.base import DeviceBackend, RankPlacement
 from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit import auth
@@ -26,6 +24,7 @@ from neuron_serving.unit.follower import Follower
 from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.local_worker import in_session, run_call
 from neuron_serving.unit.node_status import NodeState
+from neuron_serving.unit.vllm_compat import new_worker_wrapper
 
 logger = logging.getLogger("neuron_serving.follower")
 
@@ -46,7 +45,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
     )
     follower.on_exit.append(lambda: backend.release(placement))
     backend.prepare_worker(placement)
-    worker = WorkerWrapperBase(rpc_rank=cfg.rank)
+    worker = new_worker_wrapper(cfg.rank)  # its VllmConfig comes with init_worker
     status = follower.status
     logger.info("rank %d joined unit %s (%d ranks)", cfg.rank, welcome.unit_id, welcome.world_size)
 

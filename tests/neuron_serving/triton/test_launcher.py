@@ -101,3 +101,14 @@ def test_abandoned_load_is_noticed(leader, tmp_path: Path, monkeypatch) -> None:
     os.utime(marker, (old, old))
     ldr._marker = marker
     assert ldr.wait_ready() is False
+
+
+def test_rank0_placement_counts_nodes_on_neuron(tmp_path: Path, monkeypatch) -> None:
+    """--tp is NxDI's global tp_degree on neuron: rank 0's placement is one rank per
+    node (unit/engine.py unit_ranks), so a --tp that no node count gives is refused."""
+    monkeypatch.setenv("NEURON_SERVING_DEVICE", "neuron")
+    monkeypatch.setenv("NEURON_SERVING_NEURON_CORES_PER_NODE", "32")
+    env = TritonLeader(LeaderSettings(model=str(tmp_path), tp=64))._rank0_env()
+    assert env["NEURON_RT_ROOT_COMM_ID"] == "127.0.0.1:29503"
+    with pytest.raises(ValueError, match="multiple of the 32 NeuronCores"):
+        TritonLeader(LeaderSettings(model=str(tmp_path), tp=2))._rank0_env()

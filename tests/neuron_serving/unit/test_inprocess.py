@@ -164,3 +164,24 @@ def test_run_then_exit_ends_the_process_despite_non_daemon_threads(tmp_path):
     )
     assert proc.returncode == ExitCode.FAILED, proc.stderr
     assert "RuntimeError: the unit failed\n  follower rank 1 (exited 3); log: /x" in proc.stderr
+
+
+def test_neuron_tp_is_the_global_tp_degree_and_ranks_are_nodes(monkeypatch):
+    """On neuron --tp is NxDI's tp_degree over every NeuronCore of the unit; the
+    processes (rank 0 + followers) are its nodes (unit/engine.py unit_ranks)."""
+    from neuron_serving.unit.engine import unit_ranks
+
+    monkeypatch.setenv("NEURON_SERVING_NEURON_CORES_PER_NODE", "32")
+    assert unit_ranks(64, "neuron") == 2 and unit_ranks(3, "cpu") == 3
+    with pytest.raises(ValueError, match="multiple of the 32 NeuronCores"):
+        unit_ranks(2, "neuron")
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        unit_ranks(0, "cpu")
+    neuron = UnitConfig(control_port=29555, device="neuron")
+    cfg = InProcessUnitConfig("/models/m", 64, neuron)
+    assert cfg.ranks == 2
+    assert cfg.follower_argv(1)[-4:] == ["--world-size", "2", "--device", "neuron"]
+    with pytest.raises(ValueError, match="outside 1..1"):
+        cfg.follower_argv(2)
+    with pytest.raises(ValueError, match="multiple of the 32 NeuronCores"):
+        InProcessUnitConfig("/models/m", 2, neuron)  # refused before anything starts

@@ -3,8 +3,13 @@ MultiprocExecutor (TP=2, one host) and vLLM's own multi-node mode (TP=2 across t
 "nodes" on loopback: ``multinode.py``), on the same machine, model and workload,
 in one run.
 
+A fourth arm, ``unit_gloo``, is the unit with its follower under another host name
+(root: ``unshare -u``), so that its TP all-reduce is Gloo over TCP as in the mn arm
+(whose ranks never use the shared-memory all-reduce, even on one host): unit vs mn
+mixes the executor with the all-reduce path, unit_gloo vs mn compares like for like.
+
 Workload: 64 prompts x 64 output tokens, ignore_eos, greedy, demo model.
-Trials rotate unit/mp/mn so drift on a shared machine hits every arm alike; each
+Trials rotate the arms so drift on a shared machine hits every arm alike; each
 trial is its own process (``executor_trial.py``). Reported: output tok/s of
 each (median, min, max), the unit's ratio to each vLLM arm (median/median, plus
 the spread of per-repeat ratios), and the unit's control-plane cost per broadcast
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,10 +37,19 @@ BASELINE = {
 }
 
 
-MODES = ("unit", "mp", "mn")
-# Ports of repeat i start at 29700 + 10 i: the unit's control ports from there, the
-# mn arm's master port (its TCPStore) 5 above (the mp arm binds none of its own).
-_PORT_BASE, _PORT_STEP, _PORT_OFFSET = 29700, 10, {"unit": 0, "mp": 0, "mn": 5}
+MODES = ("unit", "unit_gloo", "mp", "mn")
+# Ports of repeat i start at 29700 + 10 i: the unit arms' control ports (3 each) from
+# there, the mn arm's master port (its TCPStore) 7 above; the mp arm binds none.
+_PORT_BASE, _PORT_STEP = 29700, 10
+_PORT_OFFSET = {"unit": 0, "unit_gloo": 3, "mp": 0, "mn": 7}
+
+
+def can_rename_host() -> bool:
+    """The unit_gloo arm runs its follower in a UTS namespace of its own (root)."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return False
+    probe = subprocess.run(["unshare", "-u", "true"], capture_output=True, timeout=10)
+    return probe.returncode == 0
 
 
 def _trial(mode: str, model: Path, prompts: int, max_tokens: int, port: int) -> dict:
@@ -77,19 +92,20 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     prompts, max_tokens = 64, 64
     with tempfile.TemporaryDirectory(prefix="ns-bench-") as tmp:
         model_dir = Path(model) if model else build_demo_model(Path(tmp) / "demo", seed=0)
-        trials: dict[str, list[dict]] = {m: [] for m in MODES}
+        modes = MODES if can_rename_host() else tuple(m for m in MODES if m != "unit_gloo")
+        trials: dict[str, list[dict]] = {m: [] for m in modes}
         for i in range(repeats):
             port = _PORT_BASE + _PORT_STEP * i
-            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
                 trial = _trial(mode, model_dir, prompts, max_tokens, port + _PORT_OFFSET[mode])
                 trials[mode].append(trial)
             print(
                 f"trial {i + 1}/{repeats}: "
-                + ", ".join(f"{m} {trials[m][-1]['tok_s']:.0f} tok/s" for m in MODES),
+                + ", ".join(f"{m} {trials[m][-1]['tok_s']:.0f} tok/s" for m in modes),
                 file=sys.stderr,
                 flush=True,
             )
-    unit, mp, mn = (trials[m] for m in MODES)
+    unit, mp, mn, gloo = (trials.get(m, []) for m in ("unit", "mp", "mn", "unit_gloo"))
     u = spread([t["tok_s"] for t in unit])
     m = spread([t["tok_s"] for t in mp])
     n = spread([t["tok_s"] for t in mn])
@@ -118,6 +134,12 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "mn_tok_s": n["median"],
         "mn_tok_s_spread": n,
         "mn_headless_exit_codes": [t.get("headless_exit_codes") for t in mn],
+        # The unit with its TP all-reduce on Gloo too (follower under another host name):
+        # the like-for-like comparison with mn, whose ranks never share memory.
+        "unit_gloo_tok_s_spread": spread([t["tok_s"] for t in gloo]),
+        "gloo_ratio_vs_mn": spread([t["tok_s"] for t in gloo]).get("median", float("nan"))
+        / n["median"],
+        "gloo_ratio_vs_mn_per_pair": _per_repeat(gloo, mn) if gloo else {},
         "control_p50_us": spread([t["control_p50_us"] for t in unit])["median"],
         "control_p99_us": spread([t["control_p99_us"] for t in unit])["median"],
         "payload_bytes_per_msg": spread([t["payload_bytes_per_msg"] for t in unit])["median"],
@@ -133,7 +155,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         f"{result['mp_tok_s']:.0f} tok/s -> ratio {result['ratio']:.2f} "
         f"(target >= {TARGET_RATIO}; per-pair {pair['min']:.2f}..{pair['max']:.2f}); vs vLLM "
         f"multi-node {result['mn_tok_s']:.0f} tok/s -> ratio {result['ratio_vs_mn']:.2f} "
-        f"(per-pair {pair_mn['min']:.2f}..{pair_mn['max']:.2f}); control plane "
+        f"(per-pair {pair_mn['min']:.2f}..{pair_mn['max']:.2f}), unit on Gloo vs multi-node "
+        f"{result['gloo_ratio_vs_mn']:.2f}; control plane "
         f"p50 {result['control_p50_us']:.0f} us, p99 {result['control_p99_us']:.0f} us, "
         f"{result['payload_bytes_per_msg']:.0f} B payload / {result['wire_bytes_per_msg']:.0f} B wire "
         f"per broadcast; written to {path}",

@@ -1,7 +1,9 @@
 """One trial of the executor benchmark, in its own process (run by ``executor.py``).
 
 ``--mode unit``: our UnitExecutor, rank 0 in this process, a follower process
-for rank 1 (``neuron_serving.unit.inprocess``). ``--mode mp``: vLLM's own
+for rank 1 (``neuron_serving.unit.inprocess``); ``--mode unit_gloo``: the same with
+the follower under another host name (``OTHER_HOST``), so the TP all-reduce is Gloo
+over TCP instead of shared memory, as across hosts. ``--mode mp``: vLLM's own
 MultiprocExecutor (both workers in processes it spawns). ``--mode mn``: vLLM's
 own multi-node mode (``multinode.py``): this process is node 0 (its
 MultiprocExecutor spawns rank 0's worker), a ``vllm serve --headless`` process
@@ -22,9 +24,13 @@ from pathlib import Path
 from typing import Any
 
 # Engine settings of every arm (``LLM`` keyword arguments; the mn arm's headless node
-# gets the same as ``vllm serve`` flags). The unit arm's engine_kwargs match them.
+# gets the same as ``vllm serve`` flags). The unit arm's engine_kwargs match them. The
+# batch limits are the offline LLM's CPU defaults, spelled out: `vllm serve` defaults
+# to other ones (usage context), and a node warming up with other batch shapes than
+# node 0 fails its Gloo collectives (multinode.py).
 ENGINE = {"max_model_len": 1024, "kv_cache_memory_bytes": 1 << 30,
-          "enable_prefix_caching": True, "seed": 0}  # fmt: skip
+          "enable_prefix_caching": True, "seed": 0,
+          "max_num_batched_tokens": 8192, "max_num_seqs": 256}  # fmt: skip
 # After node 0's engine shut down: how long the headless node gets to exit by itself
 # (reported), before its tree is stopped.
 HEADLESS_EXIT_WAIT_S = 10.0
@@ -32,7 +38,7 @@ HEADLESS_EXIT_WAIT_S = 10.0
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["unit", "mp", "mn"], required=True)
+    p.add_argument("--mode", choices=["unit", "unit_gloo", "mp", "mn"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--prompts", type=int, default=64)
@@ -50,8 +56,14 @@ def main() -> None:
     run_then_exit(lambda: _trial(args))
 
 
+# The unit_gloo arm's follower runs under another host name (its own UTS namespace):
+# the ranks' SHM group names then differ (devices/cpu.py), so the unit's TP all-reduce
+# falls back to Gloo over TCP, as between real hosts and as in the mn arm on one host.
+OTHER_HOST = ("unshare", "-u", "sh", "-c", 'hostname ns-bench-rank1 && exec "$@"', "sh")
+
+
 def _trial(args: argparse.Namespace) -> int:
-    if args.mode == "unit":
+    if args.mode in ("unit", "unit_gloo"):
         from neuron_serving.unit.config import UnitConfig
         from neuron_serving.unit.inprocess import InProcessUnit, InProcessUnitConfig
 
@@ -64,6 +76,7 @@ def _trial(args: argparse.Namespace) -> int:
                 kv_cache_bytes=1 << 30,
                 dtype=args.dtype,
                 cpu_bind=args.bind,
+                follower_argv_prefix=OTHER_HOST if args.mode == "unit_gloo" else (),
             )
         )
         with unit:

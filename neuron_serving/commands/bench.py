@@ -8,9 +8,10 @@ import sys
 import time
 
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
-# Diagnostic benchmarks: run by name, not part of `bench all` (failures: six deployments,
-# each watched for a window after a rank failure; bench/failures.py).
-DIAGNOSTIC = ("cpu", "failures")
+# Diagnostic benchmarks: run by name, not part of `bench all` (failures: six two-node
+# deployments, each watched for a window after a rank failure; serving_mn: a fresh
+# two-node deployment of each system per repeat).
+DIAGNOSTIC = ("cpu", "failures", "serving_mn")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 

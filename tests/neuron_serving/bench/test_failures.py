@@ -1,5 +1,6 @@
-"""failures.py: what its health probe reports for each way a server answers, and
-the request bodies each system is sent (no deployment starts)."""
+"""failures.py and twonode.py: what the health probe reports for each way a server
+answers, the request bodies each system is sent and the engine settings each gets
+(no deployment starts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import http.server
 import socket
 import threading
 
-from neuron_serving.bench.failures import Deployment, probe
+from neuron_serving.bench.failures import bodies
+from neuron_serving.bench.multinode import cli_args
+from neuron_serving.bench.twonode import TwoNodeEngine, probe
 from neuron_serving.ports import free_port
 
 
@@ -37,10 +40,22 @@ def test_probe_tells_ok_unavailable_refused_and_silent_apart():
 
 
 def test_both_systems_get_the_same_greedy_long_requests_in_their_own_api():
-    def bodies(system):
-        return Deployment(system, None, None, 0, "", "", None).bodies(2)  # type: ignore[arg-type]
-
-    unit, vllm = bodies("unit"), bodies("vllm_mn")
+    unit, vllm = bodies("unit", 2), bodies("vllm_mn", 2)
     assert [b["text_input"] for b in unit] == [b["prompt"] for b in vllm]
     assert unit[0]["parameters"] == {k: vllm[0][k] for k in unit[0]["parameters"]}
     assert unit[0]["stream"] and vllm[0]["stream"] and unit[0]["parameters"]["ignore_eos"]
+
+
+def test_both_systems_get_the_same_engine_settings():
+    engine = TwoNodeEngine(max_model_len=2048, kv_cache_bytes=512 << 20, max_num_seqs=64)
+    ours, theirs = engine.leader_args(), cli_args(engine.vllm_kwargs())
+    for flag in ("--max-model-len", "--max-num-seqs"):
+        assert ours[ours.index(flag) + 1] == theirs[theirs.index(flag) + 1]
+    assert ours[ours.index("--kv-cache-bytes") + 1] == theirs[
+        theirs.index("--kv-cache-memory-bytes") + 1
+    ]
+    assert "--enforce-eager" in ours and "--enforce-eager" in theirs
+    assert theirs[theirs.index("--max-num-batched-tokens") + 1] == "2048"
+    eager_off = TwoNodeEngine(max_model_len=1024, kv_cache_bytes=1 << 28, enforce_eager=False)
+    assert "--enforce-eager" not in eager_off.leader_args()
+    assert "--enforce-eager" not in cli_args(eager_off.vllm_kwargs())

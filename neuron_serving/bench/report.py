@@ -22,7 +22,8 @@ from typing import Any
 from neuron_serving.bench.common import RESULTS_DIR
 
 REPORT = RESULTS_DIR.parent / "REPORT.md"
-FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
+FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
+            "serving_mn", "failures")  # fmt: skip
 
 
 def family(name: str) -> str:
@@ -102,8 +103,20 @@ def _executor_targets(r: dict[str, Any]) -> list[Target]:
     pair = r.get("ratio_per_pair")
     measured = f"{num(r.get('ratio'))} (per pair {num(pair['min'])}..{num(pair['max'])}, n={pair['n']})" if pair else num(r.get("ratio"))  # fmt: skip
     ratio = r.get("ratio")
-    return [Target("executor", f"unit / MultiprocExecutor output tok/s >= {t}", measured,
-                   None if ratio is None else ratio >= t, straddles=straddles(pair, t))]  # fmt: skip
+    out = [Target("executor", f"unit / MultiprocExecutor output tok/s >= {t}", measured,
+                  None if ratio is None else ratio >= t, straddles=straddles(pair, t))]  # fmt: skip
+    for key, label in (("ratio_vs_mn", "unit"), ("gloo_ratio_vs_mn", "unit on Gloo")):
+        if r.get(key) is not None:
+            per = r.get(f"{key}_per_pair")
+            out.append(Target("executor", f"information: {label} / vLLM multi-node "
+                              "(--nnodes 2) output tok/s", _with_pairs(r[key], per), None,
+                              status="information, no target"))  # fmt: skip
+    return out
+
+
+def _with_pairs(v: Any, per: dict[str, Any] | None, word: str = "per pair") -> str:
+    return num(v) + (f" ({word} {num(per['min'])}..{num(per['max'])}, n={per['n']})"
+                     if per else "")  # fmt: skip
 
 
 def _serving_targets(r: dict[str, Any]) -> list[Target]:
@@ -134,6 +147,17 @@ def _serving_targets(r: dict[str, Any]) -> list[Target]:
                 out.append(Target("serving", f"Triton leader / vllm serve{via} {label} {rule}",
                                   text, None if v is None else ok(v),
                                   straddles=straddles(per, limit)))  # fmt: skip
+    return out
+
+
+def _serving_mn_targets(r: dict[str, Any]) -> list[Target]:
+    out = []
+    for key, label in (("throughput_ratio", "output tok/s"), ("ttft_p50_ratio", "TTFT p50")):
+        if r.get(key) is not None:
+            text = _with_pairs(r[key], r.get(f"{key}_per_repeat"), "per repeat")
+            out.append(Target("serving_mn", f"information: TP=2 unit behind Triton / vllm serve "
+                              f"--nnodes 2, {label}", text, None,
+                              status="information, no target"))  # fmt: skip
     return out
 
 
@@ -236,6 +260,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "routing": _routing_targets,
     "failover": _failover_targets,
     "load": _load_targets,
+    "serving_mn": _serving_mn_targets,
 }
 NOT_MEASURED = {
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
@@ -244,6 +269,7 @@ NOT_MEASURED = {
     "routing": ["prefix-aware hit rate >= 0.8 with load spread <= 1.5"],
     "failover": ["follower kill -> unhealthy < 3 s, 0 client errors, peak RSS < 12 GB"],
     "load": ["sharded vs full checkpoint load (bench load)"],
+    "serving_mn": ["information: TP=2 unit behind Triton / vllm serve --nnodes 2"],
 }
 
 
@@ -420,7 +446,12 @@ def _serving_section(r: dict[str, Any]) -> list[str]:
                                for q in ("p50", "p99")] + ["client_cpu_us_per_token"]  # fmt: skip
     rows = [[k] + [spread_text(arms[a].get(k), 1) for a in arms] for k in keys
             if any(arms[a].get(k) for a in arms)]  # fmt: skip
-    if r.get("ratio_arm") == "triton_http":
+    if r.get("benchmark", "").startswith("serving_mn"):
+        how = ("`triton_http`: our TP=2 unit (leader behind Triton, one follower), Triton's "
+               "HTTP generate_stream; `vllm`: `vllm serve --nnodes 2` (node 1 headless), "
+               "/v1/completions. Each repeat starts each system afresh; the ratio is ours "
+               "over theirs.")  # fmt: skip
+    elif r.get("ratio_arm") == "triton_http":
         how = ("The target ratios compare `triton_http` (the leader's HTTP generate_stream, SSE) "
                "with `vllm` (OpenAI /v1/completions, SSE): same transport, aiohttp clients of "
                "about the same CPU per token (`client_cpu_us_per_token`: the load driver's own "
@@ -458,6 +489,11 @@ def _executor_section(r: dict[str, Any]) -> list[str]:
         ["unit executor tok/s", spread_text(r.get("unit_tok_s_spread"), 0)],
         ["MultiprocExecutor tok/s", spread_text(r.get("mp_tok_s_spread"), 0)],
         ["ratio (median/median)", num(r.get("ratio"))],
+        *([["vLLM multi-node (--nnodes 2) tok/s", spread_text(r.get("mn_tok_s_spread"), 0)],
+           ["unit / multi-node", _with_pairs(r.get("ratio_vs_mn"), r.get("ratio_vs_mn_per_pair"))],
+           ["unit on Gloo / multi-node (like for like: no shared-memory all-reduce)",
+            _with_pairs(r.get("gloo_ratio_vs_mn"), r.get("gloo_ratio_vs_mn_per_pair") or None)]]
+          if r.get("mn_tok_s_spread") else []),
         ["control broadcast p50 / p99", f"{num(r.get('control_p50_us'), 0)} / {num(r.get('control_p99_us'), 0)} us"],
         ["bytes per broadcast (payload / wire)", f"{num(r.get('payload_bytes_per_msg'), 0)} / {num(r.get('wire_bytes_per_msg'), 0)}"],
     ])  # fmt: skip
@@ -517,6 +553,39 @@ def _failover_section(r: dict[str, Any]) -> list[str]:
     return _table(["figure", "value"], rows)
 
 
+def _failures_section(r: dict[str, Any]) -> list[str]:
+    """One row per case: what the serving process's health said, who exited when, how
+    the in-flight requests ended and what was left running."""
+
+    def exits(c: dict[str, Any]) -> str:
+        return ", ".join(f"{k} rc {v['rc']} at {v['s']} s" for k, v in
+                         sorted(c.get("exit_s", {}).items())) or "none"  # fmt: skip
+
+    def requests(c: dict[str, Any]) -> str:
+        counts: dict[str, int] = {}
+        for outcome in c.get("requests", []):
+            kind = outcome.split(":", 1)[0].split(",", 1)[0]
+            counts[kind] = counts.get(kind, 0) + 1
+        return ", ".join(f"{n} {k}" for k, n in counts.items()) or "n/a"
+
+    def left(c: dict[str, Any]) -> str:
+        return (
+            "; ".join(f"{k}: {len(v)}" for k, v in sorted(c.get("left", {}).items()) if v)
+            or "nothing"
+        )
+
+    rows = []
+    for c in r.get("cases", []):
+        case = [c.get("system", "?"), f"{c.get('signal')} {c.get('victim')}"]
+        if "error" in c:
+            rows.append([*case, "error: " + str(c["error"]).splitlines()[0], "", "", ""])
+            continue
+        health = " -> ".join(f"{a}@{t}s" for a, t in c.get("health", []))
+        rows.append([*case, health, exits(c), requests(c), left(c)])
+    return _table(["system", "failure", "health over time", "exits", "in-flight requests",
+                   "processes left at window end"], rows)  # fmt: skip
+
+
 def _generic_section(r: dict[str, Any]) -> list[str]:
     """Any result layout: top-level figures, then per-arm tables of spreads."""
     skip = {"benchmark", "commit", "machine", "time", "workload", "settings", "trials", "runs"}
@@ -547,6 +616,8 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "failover": _failover_section,
     "scaling": _scaling_section,
     "load": _generic_section,
+    "serving_mn": _serving_section,
+    "failures": _failures_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -556,6 +627,8 @@ TITLES = {
     "failover": "Failover and memory of the default local cluster",
     "scaling": "Scaling with concurrency (Triton leader, TP=1)",
     "load": "Checkpoint load: sharded vs full",
+    "serving_mn": "Serving across two nodes: TP=2 unit vs vllm serve --nnodes 2 (16 streams)",
+    "failures": "A rank's failure: TP=2 unit vs vLLM multi-node",
 }
 
 

@@ -144,3 +144,43 @@ def test_verdict_flags_spread_that_straddles_the_target():
     assert not report.straddles(spread([3.0]), 1.0)  # n=1: no spread to judge
     t = report.Target("proxy", "x", "y", True, straddles=True)
     assert t.mark() == "met (spread straddles the target)"
+
+
+def test_multinode_comparisons_are_reported_for_information(tmp_path):
+    """The mn arms of bench executor, bench serving_mn and bench failures: rows with
+    their spreads, no target status, and the failure table row by row."""
+    _write(tmp_path, "executor", {
+        "ratio": 0.89, "ratio_per_pair": spread([0.88, 0.9]), "target_ratio": 0.9,
+        "unit_tok_s_spread": spread([89, 90]), "mp_tok_s_spread": spread([100, 100]),
+        "mn_tok_s_spread": spread([80, 86]), "ratio_vs_mn": 1.07,
+        "ratio_vs_mn_per_pair": spread([1.05, 1.09]), "gloo_ratio_vs_mn": 1.06,
+        "gloo_ratio_vs_mn_per_pair": spread([1.04, 1.08]),
+    })  # fmt: skip
+    runs = [{"triton_http": _run(0.05, 0.01, duration=1.0), "vllm": _run(0.05, 0.01, duration=1.1)}
+            for _ in range(2)]  # fmt: skip
+    _write(tmp_path, "serving_mn-quick", {**serving.aggregate(runs), "runs": runs})
+    cases = [
+        {"system": "unit", "victim": "rank1", "signal": "SIGSTOP", "health": [["200", 0.0],
+         ["400", 3.64]], "exit_s": {"rank0": {"rc": 3, "s": 7.88}},
+         "requests": ["error event: model llm is unavailable: unit failed, +3.6 s"] * 4,
+         "left": {"rank0": [], "rank1": ["python 1 stopped"]}},
+        {"system": "vllm_mn", "victim": "rank1", "signal": "SIGSTOP", "health": [["200", 0.0]],
+         "exit_s": {}, "requests": ["hung: open, no event for 120.0 s"] * 4,
+         "left": {"rank0": ["python 2 sleeping"], "rank1": ["python 3 stopped"]}},
+        {"system": "unit", "victim": "rank0", "signal": "SIGKILL", "error": "no readiness\nx"},
+    ]  # fmt: skip
+    _write(tmp_path, "failures", {"cases": cases})
+    md_path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    md = md_path.read_text()
+    info = {t.target: t for t in ts if t.target.startswith("information")}
+    mn = info["information: unit / vLLM multi-node (--nnodes 2) output tok/s"]
+    assert mn.met is None and mn.measured == "1.07 (per pair 1.05..1.09, n=2)"
+    serving_mn = [t for t in ts if t.benchmark == "serving_mn"]
+    assert len(serving_mn) == 2 and serving_mn[0].measured.startswith("1.10 (per repeat")
+    assert (
+        "| unit | SIGSTOP rank1 | 200@0.0s -> 400@3.64s | rank0 rc 3 at 7.88 s | 4 error event"
+        in md
+    )
+    assert "| vllm_mn | SIGSTOP rank1 | 200@0.0s | none | 4 hung | rank0: 1; rank1: 1 |" in md
+    assert "| unit | SIGKILL rank0 | error: no readiness |" in md
+    assert "unit on Gloo / multi-node" in md and "`vllm serve --nnodes 2`" in md

@@ -36,6 +36,30 @@ def git_commit() -> str:
         return "unknown"
 
 
+# CPU features that change what a benchmark measures by several times: without
+# AVX-512 BF16 or AMX, bfloat16 matmuls (the demo model's dtype on CPU) are emulated.
+# The same benchmark ran ~7x slower on an AVX2-only AMD EPYC than on the machine of an
+# earlier run, for old and new code alike; results record the features to tell them apart.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU model name and which of ``ISA_FLAGS`` it has (Linux /proc/cpuinfo)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor(),
+            "cpu_flags": [f for f in ISA_FLAGS if f in flags]}  # fmt: skip
+
+
 def machine() -> dict[str, Any]:
     mem_gib = None
     try:
@@ -51,6 +75,7 @@ def machine() -> dict[str, Any]:
         "memory_gib": mem_gib,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        **cpu_info(),
     }
 
 

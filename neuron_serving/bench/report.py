@@ -428,7 +428,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def _meta(r: dict[str, Any]) -> list[str]:
     m = r.get("machine", {})
     lines = [f"- result `{r['_file']}`, {r.get('time', '?')}, commit `{r.get('commit', '?')}`",
-             f"- machine: {m.get('cpus')} CPUs, {m.get('memory_gib')} GiB, {m.get('platform', '')}"]  # fmt: skip
+             f"- machine: {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}; "
+             f"{' '.join(m.get('cpu_flags', [])) or 'ISA flags not recorded'}), "
+             f"{m.get('memory_gib')} GiB, {m.get('platform', '')}"]  # fmt: skip
     if "machine_load" in r:
         ml = r["machine_load"]
         lines.append(f"- load average (1 min) at start {num(ml.get('load_avg_1m_start'))}, "

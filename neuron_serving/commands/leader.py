@@ -51,6 +51,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="",
         help="version named on every response (default: the checkpoint manifest's)",
     )
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        help="model name of the OpenAI API (default: the manifest's model name, else the "
+        "model directory's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help='vLLM tool-call parser for tool_choice "auto" (default pythonic; "" = none)',
+    )
     p.add_argument("--run-dir", default=None, help="where to render the model repository")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument(
@@ -81,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "canary_interval_s": args.canary_interval,
             "token_file": args.token_file,
             "unit_id": args.unit_id,
+            "tool_call_parser": args.tool_call_parser,
         }.items()
         if value is not None
     }
@@ -100,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
             log_verbose=args.log_verbose,
             model_overrides=overrides,
             model_version=args.model_version,
+            served_model_name=args.served_model_name,
         )
         leader = TritonLeader(settings)
     except (ValueError, FileNotFoundError) as e:

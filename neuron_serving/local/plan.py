@@ -96,6 +96,10 @@ def unit_processes(
             "1",
             "--ready-timeout",
             str(spec.ready_timeout_s),
+            # The proxy checks "model" against this name; vLLM's serving layer on the
+            # leader puts it in every response.
+            "--served-model-name",
+            spec.served_model_name,
             *spec.extra_leader_args,
         ),  # fmt: skip
         {**env, "NEURON_SERVING_LEADER_HEALTH_PORT": str(ports.health(0))},

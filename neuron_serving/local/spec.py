@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from neuron_serving.checkpoint.served_name import default_served_name
 from neuron_serving.devices.cpu import default_cpu_bind
 
 CONTROL_PORTS = 4  # see UnitConfig: control, store, dist, Neuron bootstrap
@@ -175,13 +176,3 @@ class ClusterSpec:
     def api_key_file(self) -> Path:
         """The client API key `up` generated, plain (what `status` and clients read)."""
         return self.run_dir / API_KEY_FILE
-
-
-def default_served_name(model_dir: Path) -> str:
-    """The manifest's model name for a sharded checkpoint, else the directory's name."""
-    from neuron_serving.checkpoint.manifest import Manifest  # lazy: keeps spec light
-
-    try:
-        return Manifest.read(model_dir).model_name
-    except (FileNotFoundError, ValueError):
-        return model_dir.resolve().name

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,11 @@ import numpy as np
 from neuron_serving.triton.backend_config import BackendConfig
 from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.metrics import BackendMetrics, serve_registry
+from neuron_serving.triton.openai_envelope import (
+    GENERATE_ENDPOINTS,
+    OpenAIEnvelope,
+    parse_envelope,
+)
 from neuron_serving.triton.request import (
     GenerateRequest,
     RequestError,
@@ -76,16 +82,32 @@ class LLMBackend:
             self.config,
             EngineThread(self.config.engine_kwargs(), ENGINE_START_TIMEOUT_S),
             BackendMetrics(self.config.resolved_unit_id()),
+            openai_serving=self._openai_serving,
         )
 
-    def start(self, config: BackendConfig, engine_thread: Any, metrics: BackendMetrics) -> None:
-        """Everything after reading the settings; tests pass a fake engine thread."""
+    def start(
+        self,
+        config: BackendConfig,
+        engine_thread: Any,
+        metrics: BackendMetrics,
+        openai_serving: Callable[[Any], Any] | None = None,
+    ) -> None:
+        """Everything after reading the settings; tests pass a fake engine thread.
+
+        ``openai_serving(engine)`` builds what answers ``openai_request`` (on the
+        engine loop: vLLM's serving objects belong to it); None = that input is
+        refused."""
         self.config = config
         self.metrics = metrics
         self.engine_thread = engine_thread
         self.engine_thread.start()
         self.engine = self.engine_thread.engine
         self.tokenizer = self.engine.get_tokenizer()
+        self.openai = None
+        if openai_serving is not None:
+            self.openai = self.engine_thread.call(
+                _call_on_loop(openai_serving, self.engine), ENGINE_START_TIMEOUT_S
+            )
         self.responses = ResponseThread(self.final, wake=self._wake_senders)
         self.responses.start()
 
@@ -128,10 +150,11 @@ class LLMBackend:
             request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex[:12]}"
             stream = Stream(sender)
             self.responses.register(request_id, stream)
+            handler = (
+                self._generate_openai if isinstance(parsed, OpenAIEnvelope) else self._generate
+            )
             try:
-                stream.future = self.engine_thread.submit(
-                    self._generate(request_id, parsed, stream)
-                )
+                stream.future = self.engine_thread.submit(handler(request_id, parsed, stream))
             except Exception as e:  # noqa: BLE001 - e.g. the engine loop already stopped
                 self.metrics.outcome("unavailable")
                 self.responses.put(request_id, self._error(f"{e!r}", "UNAVAILABLE"), self.final)
@@ -145,12 +168,21 @@ class LLMBackend:
 
     # ---- request handling ------------------------------------------------------------
 
-    def _parse(self, request: Any) -> GenerateRequest:
+    def _parse(self, request: Any) -> GenerateRequest | OpenAIEnvelope:
         def tensor(name: str) -> Any:
             t = self.pb.get_input_tensor_by_name(request, name)
             return None if t is None else t.as_numpy().reshape(-1)
 
         text = tensor("text_input")
+        openai = tensor("openai_request")
+        if openai is not None:
+            if text is not None:
+                raise RequestError("a request carries text_input or openai_request, not both")
+            if openai.size != 1:
+                raise RequestError("openai_request must hold exactly one string")
+            if self.openai is None:
+                raise RequestError("this model does not serve openai_request")
+            return parse_envelope(openai[0])
         if text is None or text.size != 1:
             raise RequestError("text_input must hold exactly one string")
         stream = tensor("stream")
@@ -176,8 +208,7 @@ class LLMBackend:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._in_flight += 1
-        self._idle_since = None
+        self._begin()
         produced = False
         loop = asyncio.get_running_loop()
         try:
@@ -249,9 +280,100 @@ class LLMBackend:
                 request_id, self._error(message, "UNAVAILABLE" if dead else "INTERNAL"), self.final
             )
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle_since = time.monotonic()
+            self._end()
+
+    async def _generate_openai(self, request_id: str, env: OpenAIEnvelope, stream: Stream) -> None:
+        """One OpenAI call through vLLM's serving layer; the bodies are relayed verbatim.
+
+        Same discipline as ``_generate``: one FINAL response whatever happens, the next
+        SSE events pulled only once the previous response was sent (SSEPuller), and a
+        unit fault is a Triton UNAVAILABLE error, never vLLM's in-stream error event.
+        """
+        from neuron_serving.triton.openai_serving import SSEPuller
+
+        self._begin()
+        puller = None
+        try:
+            result = await self.openai.handle(env)
+            tap = result.tap
+            if result.stream is None:
+                # vLLM's full generators answer a cancellation with an error body.
+                if stream.cancelled:
+                    raise asyncio.CancelledError
+                self._check_unit(tap)
+                response = self._openai_response(
+                    env, tap, result.body, status=result.status, last=True
+                )
+                self._enqueue(request_id, response, self.final)
+                self.metrics.outcome(_outcome(result.status))
+                return
+            puller = SSEPuller(result.stream, tap)
+            loop = asyncio.get_running_loop()
+            status: int | None = result.status
+            while True:
+                body = await puller.pull()
+                if stream.cancelled:  # noticed before the task's future existed
+                    raise asyncio.CancelledError
+                self._check_unit(tap)
+                response = self._openai_response(
+                    env, tap, body.encode("utf-8"), status=status, last=puller.done
+                )
+                status = None
+                if puller.done:
+                    self._enqueue(request_id, response, self.final)
+                    break
+                sent = loop.create_future()
+                self._enqueue(request_id, response, 0, sent)
+                await sent
+            self.metrics.outcome("ok")
+        except asyncio.CancelledError:
+            self.metrics.outcome("cancelled")
+            self._enqueue(request_id, self._error("request was cancelled", "CANCELLED"), self.final)
+        except _UnitFault:
+            self.metrics.outcome("unavailable")
+            self._enqueue(
+                request_id, self._error(self._unavailable_message(), "UNAVAILABLE"), self.final
+            )
+        except Exception as e:  # noqa: BLE001 - the client must always get a FINAL response
+            log.exception("request %s failed", request_id)
+            dead = self._unit_down(e)
+            self.metrics.outcome("unavailable" if dead else "error")
+            message = self._unavailable_message() if dead else f"generation failed: {e!r}"
+            self._enqueue(
+                request_id, self._error(message, "UNAVAILABLE" if dead else "INTERNAL"), self.final
+            )
+        finally:
+            if puller is not None:
+                await puller.aclose()
+            self._end()
+
+    def _begin(self) -> None:
+        self._in_flight += 1
+        self._idle_since = None
+
+    def _end(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle_since = time.monotonic()
+
+    def _unit_down(self, fault: BaseException | None) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(fault, EngineDeadError) or self.engine.errored or not self.health.healthy
+
+    def _check_unit(self, tap: Any) -> None:
+        """The engine failed under this request: a unit fault ends it as UNAVAILABLE
+        (whatever vLLM made of it), anything else is relayed as vLLM answers it."""
+        if tap.fault is not None and self._unit_down(tap.fault):
+            raise _UnitFault from tap.fault
+
+    def _openai_serving(self, engine: Any) -> Any:
+        from neuron_serving.checkpoint.served_name import default_served_name
+        from neuron_serving.triton.openai_serving import OpenAIServing
+
+        c = self.config
+        name = c.served_model_name or default_served_name(Path(c.model))
+        return OpenAIServing(engine, name, c.model, c.tool_call_parser)
 
     # ---- responses -------------------------------------------------------------------
 
@@ -312,6 +434,36 @@ class LLMBackend:
             tensors.append(T("model_version", np.array([version], dtype=np.object_)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
+    def _openai_response(
+        self, env: OpenAIEnvelope, tap: Any, body: bytes, *, status: int | None, last: bool
+    ) -> Any:
+        """``status`` (and the prompt ids, model version) go with the first response
+        only, counts with the first and the last, the finish reason with the last:
+        fewer tensors per streamed response, as on the text path."""
+        T = self.pb.Tensor
+        tensors = [T("openai_body", np.array([body], dtype=np.object_))]
+        first = status is not None
+        ids = env.token_ids and env.endpoint in GENERATE_ENDPOINTS
+        if first:
+            tensors.append(T("openai_status", np.array([status], dtype=np.int32)))
+            if ids and tap.prompt_token_ids is not None:
+                prompt = np.array(tap.prompt_token_ids, dtype=np.int64)
+                tensors.append(T("prompt_token_ids", prompt))
+            if self.config.model_version:
+                version = self.config.model_version.encode()
+                tensors.append(T("model_version", np.array([version], dtype=np.object_)))
+        if ids:
+            tensors.append(T("token_ids", np.array(tap.take_token_ids(), dtype=np.int64)))
+        if (first or last) and tap.prompt_token_ids is not None:
+            tensors += [
+                T("prompt_tokens", np.array([len(tap.prompt_token_ids)], dtype=np.int32)),
+                T("completion_tokens", np.array([tap.completion_tokens], dtype=np.int32)),
+            ]
+        if last:
+            reason = (tap.finish_reason or "done").encode()
+            tensors.append(T("finish_reason", np.array([reason], dtype=np.object_)))
+        return self.pb.InferenceResponse(output_tensors=tensors)
+
     def _error(self, message: str, code: str) -> Any:
         error = self.pb.TritonError(message, getattr(self.pb.TritonError, code))
         return self.pb.InferenceResponse(output_tensors=[], error=error)
@@ -336,6 +488,18 @@ class LLMBackend:
             self.pb.unload_model(self.model_name)
         except Exception:  # noqa: BLE001 - the leader still exits on its readiness watch
             log.exception("unloading %s after a unit failure failed", self.model_name)
+
+
+class _UnitFault(Exception):
+    """The engine died (or the unit went unhealthy) under an OpenAI request."""
+
+
+def _outcome(status: int) -> str:
+    return "ok" if status < 400 else "invalid" if status < 500 else "error"
+
+
+async def _call_on_loop(fn: Callable[[Any], Any], arg: Any) -> Any:
+    return fn(arg)
 
 
 def _resolve_all(waiters: list[asyncio.Future]) -> None:

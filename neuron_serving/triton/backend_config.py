@@ -65,6 +65,14 @@ class BackendConfig:
     # with every request's first response and published as the Triton model config
     # parameter "model_version", which the proxy reads to route and tag responses.
     model_version: str = ""
+    # The model name of the OpenAI API (vLLM's --served-model-name; what responses
+    # carry in "model"). "" = the manifest's model name, else the directory's name
+    # (checkpoint/served_name.py, the function `neuron-serving up` uses too).
+    served_model_name: str = ""
+    # vLLM's --tool-call-parser with --enable-auto-tool-choice; "" = neither (tool_choice
+    # "auto" is refused, as by vllm serve without them). "pythonic" needs no special
+    # tokens, so it works with any tokenizer, the demo model's included.
+    tool_call_parser: str = "pythonic"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

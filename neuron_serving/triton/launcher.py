@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving import proctree
+from neuron_serving.checkpoint.served_name import default_served_name
 from neuron_serving.exitcodes import ExitCode
 from neuron_serving.ports import free_port, free_port_block
 from neuron_serving.proctree import ProcessTree
@@ -113,6 +114,8 @@ class LeaderSettings:
     model_overrides: dict[str, Any] = field(default_factory=dict)
     # "" = the manifest's version for a sharded checkpoint, else unversioned.
     model_version: str = ""
+    # "" = the manifest's model name, else the model directory's name.
+    served_model_name: str = ""
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -125,6 +128,8 @@ class LeaderSettings:
         if self.ready_timeout_s <= 0 or self.drain_s < 0 or self.stop_timeout_s <= 0:
             raise ValueError("timeouts must be positive")
         self.model_version = served_version(Path(self.model), self.model_version)
+        if not self.served_model_name:
+            self.served_model_name = default_served_name(Path(self.model))
 
     @property
     def connect_host(self) -> str:
@@ -167,6 +172,7 @@ class TritonLeader:
             "vllm_metrics_port": vllm_metrics_port,
             "init_marker": str(self._init_marker(run_dir)),
             "model_version": s.model_version,
+            "served_model_name": s.served_model_name,
         }
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)

@@ -51,9 +51,10 @@ def test_both_systems_get_the_same_engine_settings():
     ours, theirs = engine.leader_args(), cli_args(engine.vllm_kwargs())
     for flag in ("--max-model-len", "--max-num-seqs"):
         assert ours[ours.index(flag) + 1] == theirs[theirs.index(flag) + 1]
-    assert ours[ours.index("--kv-cache-bytes") + 1] == theirs[
-        theirs.index("--kv-cache-memory-bytes") + 1
-    ]
+    assert (
+        ours[ours.index("--kv-cache-bytes") + 1]
+        == theirs[theirs.index("--kv-cache-memory-bytes") + 1]
+    )
     assert "--enforce-eager" in ours and "--enforce-eager" in theirs
     assert theirs[theirs.index("--max-num-batched-tokens") + 1] == "2048"
     eager_off = TwoNodeEngine(max_model_len=1024, kv_cache_bytes=1 << 28, enforce_eager=False)

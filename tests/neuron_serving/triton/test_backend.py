@@ -145,6 +145,7 @@ class Engine:
                 else:
                     ids, text = list(range(n)), "".join(f"t{j} " for j in range(n))
                 seq = SimpleNamespace(
+                    index=0,
                     text=text,
                     token_ids=ids,
                     finish_reason="length" if last else None,
@@ -177,6 +178,7 @@ class Engine:
                 done += len(ids)
                 last = done == n
                 seq = SimpleNamespace(
+                    index=0,
                     text="".join(f"t{i} " for i in ids),
                     token_ids=ids,
                     finish_reason="length" if last else None,
@@ -210,8 +212,7 @@ class LoopThread:
         self._thread.join(timeout=5)
 
 
-@pytest.fixture
-def backend():
+def make_backend(openai_serving=None):
     unloaded: list[str] = []
     pb = SimpleNamespace(
         TRITONSERVER_RESPONSE_COMPLETE_FINAL=FINAL,
@@ -228,7 +229,14 @@ def backend():
     config = BackendConfig(
         model="/m", max_model_len=64, health_interval_s=0.02, canary_interval_s=0.05
     )
-    b.start(config, LoopThread(engine), BackendMetrics("u", CollectorRegistry()))
+    metrics = BackendMetrics("u", CollectorRegistry())
+    b.start(config, LoopThread(engine), metrics, openai_serving=openai_serving)
+    return b
+
+
+@pytest.fixture
+def backend():
+    b = make_backend()
     yield b
     b.finalize()
 
@@ -282,11 +290,22 @@ def test_streaming_sends_deltas_and_cumulative_counts(backend) -> None:
         ({"text_input": b"\xff"}, "not valid UTF-8"),
         ({"text_input": b"x", "sampling_parameters": "{"}, "not valid JSON"),
         ({"text_input": b"x " * 64}, "max_model_len is 64"),  # found after tokenizing
+        ({"openai_request": b"{"}, "not a valid envelope"),
+        ({"openai_request": b'{"endpoint": "embeddings"}'}, "not a valid envelope"),
+        ({"openai_request": b'{"endpoint": "completions", "x": 1}'}, "not a valid envelope"),
+        (
+            {
+                "openai_request": b'{"endpoint": "tokenize", "resume": '
+                b'{"prompt_token_ids": [1], "output_token_ids": []}}'
+            },
+            "resume applies",
+        ),
+        ({"openai_request": b'{"endpoint": "version"}', "text_input": b"hi"}, "not both"),
     ],
 )
-def test_invalid_input_is_one_invalid_arg_final(backend, inputs, fragment) -> None:
+def test_invalid_input_is_one_invalid_arg_final(openai_backend, inputs, fragment) -> None:
     s = Sender()
-    backend.execute([Request(s, **inputs)])
+    openai_backend.execute([Request(s, **inputs)])
     r = wait_final(s)
     assert r.error.code == TritonError.INVALID_ARG and fragment in r.error.message
 
@@ -334,14 +353,23 @@ def test_idle_canary_runs(backend) -> None:
         time.sleep(0.01)
 
 
-def test_request_cancelled_before_any_output_is_aborted(backend) -> None:
-    backend.engine.step_s = 0.01
-    s = Sender(cancel_after=0)  # the client is gone before the first token
-    backend.execute([Request(s, text_input=b"hi", sampling_parameters='{"max_tokens": 60}')])
+@pytest.mark.parametrize(
+    ("make", "cancel_after"),
+    [
+        # the client is gone before the first token
+        (lambda s: Request(s, text_input=b"hi", sampling_parameters='{"max_tokens": 60}'), 0),
+        (lambda s: openai_request(s, {"max_tokens": 60, "stream": True}), 0),
+        (lambda s: openai_request(s, {"max_tokens": 60, "stream": True}), 2),
+    ],
+)
+def test_cancelled_request_is_aborted(openai_backend, make, cancel_after) -> None:
+    openai_backend.engine.step_s = 0.01
+    s = Sender(cancel_after=cancel_after)
+    openai_backend.execute([make(s)])
     r = wait_final(s)
     assert r.error.code == TritonError.CANCELLED
     deadline = time.monotonic() + 5
-    while not backend.engine.aborted:
+    while not openai_backend.engine.aborted:
         assert time.monotonic() < deadline
         time.sleep(0.01)
 
@@ -422,3 +450,187 @@ def test_cancel_while_waiting_for_a_slow_send(backend) -> None:
     r = wait_final(s)
     assert r.error.code == TritonError.CANCELLED
     assert len(backend.engine.aborted) == 1
+
+
+# ---- openai_request: vLLM's serving layer, faked here around the same fake engine --------
+
+
+class FakeOpenAI:
+    """Stands in for OpenAIServing: the real TeeEngineClient and EngineTap around the
+    fake engine, and a stream generator that behaves as vLLM's does (one event per
+    output, an in-stream error event on an engine exception, then [DONE])."""
+
+    def __init__(self, engine: Engine) -> None:
+        from neuron_serving.triton.openai_serving import TeeEngineClient
+
+        self.engine = TeeEngineClient(engine)
+
+    async def handle(self, env):
+        from vllm.sampling_params import RequestOutputKind
+
+        from neuron_serving.triton import openai_serving as s
+
+        tap = s.EngineTap(env.resume)
+        s._TAP.set(tap)
+        if "max_tokens" not in env.body:
+            return s.OpenAIResult(400, tap, b'{"error":{"message":"max_tokens","code":400}}')
+        stream = env.body.get("stream", False)
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        params = SimpleNamespace(max_tokens=env.body["max_tokens"], output_kind=kind, min_tokens=0)
+        outputs = self.engine.generate({"prompt_token_ids": [7, 8, 9]}, params, "r")
+        if not stream:
+            async for out in outputs:
+                text = out.outputs[0].text
+            tap.carry()
+            return s.OpenAIResult(200, tap, json.dumps({"text": text}).encode())
+        held = env.body.get("hold", [])  # token indices whose output makes no event
+        return s.OpenAIResult(200, tap, stream=self._events(outputs, held))
+
+    async def _events(self, outputs, held):
+        try:
+            async for out in outputs:
+                if out.outputs[0].token_ids[0] in held:
+                    continue  # as vLLM holds back a partial UTF-8 character
+                yield f"data: {json.dumps({'text': out.outputs[0].text})}\n\n"
+        except Exception as e:  # noqa: BLE001 - as vLLM's chat_completion_stream_generator
+            yield f"data: {json.dumps({'error': {'message': str(e), 'code': 500}})}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+@pytest.fixture
+def openai_backend():
+    b = make_backend(openai_serving=FakeOpenAI)
+    yield b
+    b.finalize()
+
+
+def openai_request(sender: Sender, body: dict, **envelope: Any) -> Request:
+    env = {"endpoint": "chat/completions", "body": body, **envelope}
+    return Request(sender, openai_request=json.dumps(env).encode())
+
+
+def body_of(r: InferenceResponse) -> str:
+    return r.outputs["openai_body"][0].decode()
+
+
+def test_openai_non_streaming_is_one_final_with_status_body_and_ids(openai_backend) -> None:
+    s = Sender()
+    openai_backend.execute([openai_request(s, {"max_tokens": 3}, token_ids=True)])
+    r = wait_final(s)
+    assert len(s.sent) == 1 and r.error is None
+    out = r.outputs
+    assert out["openai_status"].tolist() == [200]
+    assert json.loads(body_of(r)) == {"text": "t0 t1 t2 "}
+    assert out["prompt_token_ids"].tolist() == [7, 8, 9]
+    assert out["token_ids"].tolist() == [0, 1, 2]
+    assert out["finish_reason"][0] == b"length"
+    assert out["prompt_tokens"][0] == 3 and out["completion_tokens"][0] == 3
+
+
+def test_openai_stream_status_first_ids_per_response_done_last(openai_backend) -> None:
+    s = Sender()
+    body = {"max_tokens": 4, "stream": True}
+    openai_backend.execute([openai_request(s, body, token_ids=True)])
+    wait_final(s)
+    outs = [r.outputs for r, _ in s.sent]
+    assert [f for _, f in s.sent] == [0] * (len(s.sent) - 1) + [FINAL]
+    assert outs[0]["openai_status"].tolist() == [200]
+    assert outs[0]["prompt_token_ids"].tolist() == [7, 8, 9]
+    assert all("openai_status" not in o and "prompt_token_ids" not in o for o in outs[1:])
+    assert all("finish_reason" not in o for o in outs[:-1])
+    assert outs[-1]["finish_reason"][0] == b"length"
+    assert outs[-1]["completion_tokens"][0] == 4
+    assert [i for o in outs for i in o["token_ids"].tolist()] == [0, 1, 2, 3]
+    text = "".join(body_of(r) for r, _ in s.sent)
+    events = [f"data: {json.dumps({'text': f't{i} '})}\n\n" for i in range(4)]
+    assert text == "".join(events) + "data: [DONE]\n\n"
+    # The last event and [DONE] were ready together: one response, the FINAL one.
+    assert body_of(s.sent[-1][0]).endswith("data: [DONE]\n\n")
+    assert body_of(s.sent[-1][0]).startswith("data: {")
+
+
+def test_openai_without_token_ids_sends_no_ids(openai_backend) -> None:
+    s = Sender()
+    openai_backend.execute([openai_request(s, {"max_tokens": 2, "stream": True})])
+    wait_final(s)
+    assert all(
+        "token_ids" not in r.outputs and "prompt_token_ids" not in r.outputs for r, _ in s.sent
+    )
+
+
+def test_openai_error_status_is_one_final_relayed_as_is(openai_backend) -> None:
+    s = Sender()
+    openai_backend.execute([openai_request(s, {"stream": True}, token_ids=True)])
+    r = wait_final(s)
+    assert len(s.sent) == 1 and r.error is None
+    assert r.outputs["openai_status"].tolist() == [400]
+    assert json.loads(body_of(r))["error"]["code"] == 400
+    assert r.outputs["finish_reason"][0] == b"done"
+
+
+def test_openai_engine_death_mid_stream_is_unavailable_not_an_event(openai_backend) -> None:
+    engine = openai_backend.engine
+    engine.fail_after = 2
+    engine.errored = True  # AsyncLLM's flag once EngineCore is gone
+    s = Sender()
+    openai_backend.execute([openai_request(s, {"max_tokens": 8, "stream": True})])
+    r = wait_final(s)
+    assert r.error.code == TritonError.UNAVAILABLE and "unavailable" in r.error.message
+    assert not any('"error"' in body_of(x) for x, _ in s.sent if x.error is None)
+
+
+def test_openai_request_error_mid_stream_is_relayed_as_vllms_event(openai_backend) -> None:
+    openai_backend.engine.fail_after = 2  # the unit is healthy: a per-request failure
+    s = Sender()
+    openai_backend.execute([openai_request(s, {"max_tokens": 8, "stream": True})])
+    r = wait_final(s)
+    assert r.error is None and body_of(r).endswith("data: [DONE]\n\n")
+    assert '"error"' in "".join(body_of(x) for x, _ in s.sent)
+
+
+def test_openai_on_a_dead_unit_is_unavailable(openai_backend) -> None:
+    openai_backend.engine.dead = True
+    deadline = time.monotonic() + 10
+    while openai_backend.health.healthy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    s = Sender()
+    openai_backend.execute([openai_request(s, {"max_tokens": 2})])
+    assert wait_final(s).error.code == TritonError.UNAVAILABLE
+
+
+def test_openai_request_without_the_serving_layer_is_invalid_arg(backend) -> None:
+    s = Sender()
+    backend.execute([openai_request(s, {"max_tokens": 2})])
+    assert wait_final(s).error.code == TritonError.INVALID_ARG
+
+
+def test_openai_slow_sends_coalesce_events_exactly(openai_backend) -> None:
+    engine = openai_backend.engine
+    engine.collect = True
+    engine.step_s = 0.001
+    s = Sender(send_s=0.01)
+    openai_backend.execute([openai_request(s, {"max_tokens": 40, "stream": True}, token_ids=True)])
+    wait_final(s)
+    text = "".join(
+        json.loads(line[6:])["text"]
+        for r, _ in s.sent
+        for line in body_of(r).split("\n\n")
+        if line.startswith("data: {")
+    )
+    assert text == "".join(f"t{i} " for i in range(40))
+    assert [i for r, _ in s.sent for i in r.outputs["token_ids"].tolist()] == list(range(40))
+    assert len(s.sent) < 20, "outputs were not merged"
+
+
+def test_openai_ids_of_an_output_without_event_go_with_the_next_event(openai_backend) -> None:
+    """token_ids never run ahead of the text a response carries: a migration resumes
+    after exactly the tokens whose text the client has."""
+    openai_backend.engine.step_s = 0.01
+    s = Sender()
+    body = {"max_tokens": 4, "stream": True, "hold": [1]}
+    openai_backend.execute([openai_request(s, body, token_ids=True)])
+    wait_final(s)
+    pairs = [(body_of(r), r.outputs["token_ids"].tolist()) for r, _ in s.sent]
+    assert [ids for _, ids in pairs] == [[0], [1, 2], [3]]
+    assert '"t2 "' in pairs[1][0] and '"t1 "' not in "".join(b for b, _ in pairs)

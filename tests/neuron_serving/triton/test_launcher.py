@@ -112,3 +112,12 @@ def test_rank0_placement_counts_nodes_on_neuron(tmp_path: Path, monkeypatch) -> 
     assert env["NEURON_RT_ROOT_COMM_ID"] == "127.0.0.1:29503"
     with pytest.raises(ValueError, match="multiple of the 32 NeuronCores"):
         TritonLeader(LeaderSettings(model=str(tmp_path), tp=2))._rank0_env()
+
+
+def test_served_model_name_defaults_like_the_local_cluster(tmp_path: Path) -> None:
+    from neuron_serving.checkpoint.served_name import default_served_name
+
+    model = tmp_path / "shoes"
+    model.mkdir()
+    assert LeaderSettings(model=str(model)).served_model_name == default_served_name(model)
+    assert LeaderSettings(model=str(model), served_model_name="x").served_model_name == "x"

@@ -1,0 +1,349 @@
+"""vLLM's own OpenAI serving layer on the backend's AsyncLLM: envelope in, bytes out.
+
+The leader answers ``/v1/chat/completions``, ``/v1/completions``, ``/tokenize``,
+``/detokenize`` and ``/version`` with the code ``vllm serve`` runs
+(``OpenAIServingChat``, ``OpenAIServingCompletion``, ``ServingTokenization`` on an
+``OnlineRenderer``), minus FastAPI: a body is validated with the same pydantic
+models, errors take the same shape (``validation_error`` mirrors vLLM's
+``validation_exception_handler``), and JSON is serialized as Starlette's
+``JSONResponse`` does. So chat templates, tools, structured outputs, logprobs and
+the prompt tokens are vLLM's by construction; the proxy relays the bytes.
+
+``TeeEngineClient`` is the engine client those objects get: the AsyncLLM, except
+that ``generate()`` looks up the calling request's ``EngineTap`` (a ContextVar the
+handler task sets) to
+
+- record the prompt token ids and every generated token id of choice 0, which the
+  backend sends as the ``prompt_token_ids`` / ``token_ids`` outputs (a migration
+  needs them), and the finish reason and counts;
+- on ``resume``, feed the engine ``prompt_token_ids + output_token_ids`` instead of
+  the rendered prompt, with ``max_tokens``/``min_tokens`` reduced by the tokens
+  already generated (the body is still rendered and validated as for a fresh
+  request, so sampling parameters are the same);
+- remember an exception from the engine (``fault``), because vLLM's stream
+  generator turns it into an in-stream error event, while a unit fault must reach
+  the proxy as a Triton UNAVAILABLE error so that it can retry or migrate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from pydantic import TypeAdapter
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.entrypoints.openai.models.protocol import BaseModelPath
+from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+from vllm.entrypoints.serve import create_error_response
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+from vllm.entrypoints.serve.exception_handling.handlers.validation import (
+    _format_error,
+    clean_loc_for_param,
+)
+from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
+from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
+from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.renderers.online_renderer import OnlineRenderer
+from vllm.sampling_params import RequestOutputKind
+from vllm.version import __version__ as VLLM_VERSION
+
+from neuron_serving.triton.openai_envelope import OpenAIEnvelope, Resume
+
+SSE_DONE = "data: [DONE]\n\n"
+
+_TAP: ContextVar[EngineTap | None] = ContextVar("neuron_serving_engine_tap", default=None)
+
+
+def dumps(obj: Any) -> bytes:
+    """Byte-identical to Starlette's ``JSONResponse.render`` (what vllm serve sends)."""
+    return json.dumps(
+        obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+def validation_error(e: pydantic.ValidationError) -> ErrorResponse:
+    """vLLM's ``validation_exception_handler`` (serve/exception_handling/handlers/
+    validation.py), for a body validated outside FastAPI: locations get the
+    ``body`` prefix FastAPI would have added."""
+    errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+    param = None
+    for err in errors:
+        ctx = err.get("ctx") or {}
+        if "error" in ctx and hasattr(ctx["error"], "parameter"):
+            param = ctx["error"].parameter
+            break
+    if param is None and errors and errors[0].get("loc"):
+        param = clean_loc_for_param(errors[0]["loc"])
+    n = len(errors)
+    label = "error" if n == 1 else "errors"
+    message = f"{n} validation {label}:\n" + "".join(f"  {_format_error(x)}\n" for x in errors[:10])
+    if n > 10:
+        message += f"  ...and {n - 10} more {label}\n"
+    info = ErrorInfo(
+        message=sanitize_message(message.rstrip()), type="Bad Request", code=400, param=param
+    )
+    return ErrorResponse(error=info)
+
+
+class EngineTap:
+    """What one request's engine calls saw; read by the backend for its outputs."""
+
+    __slots__ = (
+        "resume",
+        "prompt_token_ids",
+        "_observed",
+        "_carried",
+        "_seen",
+        "completion_tokens",
+        "finish_reason",
+        "fault",
+    )
+
+    def __init__(self, resume: Resume | None = None) -> None:
+        self.resume = resume
+        self.prompt_token_ids: list[int] | None = None  # as rendered (before a resume)
+        # Choice 0's generated ids: seen by the tee, then carried by an event that was
+        # handed out (``carry``), then taken for a response. An output that makes no
+        # event (text held back: a partial UTF-8 character, a tool-call buffer) has
+        # its ids carried by the next event, so ids never run ahead of the text.
+        self._observed: list[int] = []
+        self._carried: list[int] = []
+        self._seen: dict[int, int] = {}  # choice index -> generated tokens so far
+        self.completion_tokens = 0  # every choice
+        self.finish_reason: str | None = None  # choice 0's, once finished
+        self.fault: BaseException | None = None
+
+    def carry(self) -> None:
+        """An event (or a whole body) was produced from everything observed so far."""
+        self._carried += self._observed
+        self._observed = []
+
+    def take_token_ids(self) -> list[int]:
+        ids, self._carried = self._carried, []
+        return ids
+
+    def observe(self, out: Any, kind: RequestOutputKind) -> None:
+        for seq in out.outputs:
+            ids = seq.token_ids
+            seen = self._seen.get(seq.index, 0)
+            # DELTA outputs carry the new tokens; CUMULATIVE/FINAL_ONLY carry all.
+            new = list(ids) if kind == RequestOutputKind.DELTA else list(ids[seen:])
+            self._seen[seq.index] = seen + len(new)
+            self.completion_tokens += len(new)
+            if seq.index == 0:
+                self._observed.extend(new)
+                if seq.finish_reason is not None:
+                    self.finish_reason = seq.finish_reason
+
+
+class TeeEngineClient:
+    """The AsyncLLM as vLLM's serving objects see it (see the module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def generate(
+        self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        tap = _TAP.get()
+        if tap is None:
+            outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
+        else:
+            if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+                tap.prompt_token_ids = list(prompt["prompt_token_ids"])
+            if tap.resume is not None:
+                prompt = resumed_prompt(prompt, tap.resume)
+                skip = len(tap.resume.output_token_ids)
+                if sampling_params.max_tokens is not None:
+                    sampling_params.max_tokens = max(1, sampling_params.max_tokens - skip)
+                sampling_params.min_tokens = max(0, sampling_params.min_tokens - skip)
+            outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
+        try:
+            async for out in outputs:
+                if tap is not None:
+                    tap.observe(out, sampling_params.output_kind)
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException as e:
+            if tap is not None:
+                tap.fault = e
+            raise
+        finally:
+            # Close the engine's generator now, not at garbage collection: on an early
+            # exit, AsyncLLM.generate aborts the request (frees its KV blocks) there.
+            await outputs.aclose()
+
+
+def resumed_prompt(prompt: Any, resume: Resume) -> dict[str, Any]:
+    """The rendered token prompt with its ids replaced by the resume's."""
+    if not isinstance(prompt, dict) or prompt.get("type", "token") != "token":
+        raise ValueError("resume needs a token prompt (no embeddings, no multimodal input)")
+    out = {k: v for k, v in prompt.items() if k not in ("prompt", "prompt_token_offsets")}
+    out["prompt_token_ids"] = [*resume.prompt_token_ids, *resume.output_token_ids]
+    return out
+
+
+@dataclass(slots=True)
+class OpenAIResult:
+    """``status`` with the whole ``body``, or 200 with an SSE ``stream``."""
+
+    status: int
+    tap: EngineTap
+    body: bytes = b""
+    stream: AsyncIterator[str] | None = None
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: Any, served_model_name: str, model_path: str, tool_call_parser: str = ""
+    ) -> None:
+        self.engine = TeeEngineClient(engine)
+        self.models = OpenAIServingModels(
+            engine_client=self.engine,
+            base_model_paths=[BaseModelPath(name=served_model_name, model_path=model_path)],
+        )
+        # As `vllm serve --enable-auto-tool-choice --tool-call-parser P`; "" = neither.
+        tools = {
+            "enable_auto_tools": bool(tool_call_parser),
+            "tool_parser": tool_call_parser or None,
+            "reasoning_parser": "",
+        }
+        template = {"chat_template": None, "chat_template_content_format": "auto"}
+        self.renderer = OnlineRenderer(
+            model_config=self.engine.model_config,
+            renderer=self.engine.renderer,
+            request_logger=None,
+            **template,
+            **tools,
+        )
+        self.renderer.warmup()
+        self.chat = OpenAIServingChat(
+            self.engine,
+            self.models,
+            "assistant",
+            online_renderer=self.renderer,
+            request_logger=None,
+            **template,
+            **tools,
+        )
+        self.completion = OpenAIServingCompletion(
+            self.engine, self.models, online_renderer=self.renderer, request_logger=None
+        )
+        self.tokenization = ServingTokenization(
+            self.models, self.renderer, request_logger=None, **template
+        )
+        self._routes = {
+            "chat/completions": (
+                TypeAdapter(ChatCompletionRequest),
+                self.chat.create_chat_completion,
+            ),
+            "completions": (TypeAdapter(CompletionRequest), self.completion.create_completion),
+            "tokenize": (TypeAdapter(TokenizeRequest), self.tokenization.create_tokenize),
+            "detokenize": (TypeAdapter(DetokenizeRequest), self.tokenization.create_detokenize),
+        }
+
+    async def handle(self, env: OpenAIEnvelope) -> OpenAIResult:
+        """Must run in the request's own task: the tap is set in its context, and the
+        stream has to be iterated there too (cancelling that task aborts in vLLM)."""
+        tap = EngineTap(env.resume)
+        _TAP.set(tap)
+        if env.endpoint == "version":
+            return OpenAIResult(200, tap, dumps({"version": VLLM_VERSION}))
+        adapter, create = self._routes[env.endpoint]
+        try:
+            request = adapter.validate_python(env.body, from_attributes=True)
+        except pydantic.ValidationError as e:
+            return _error(validation_error(e), tap)
+        except Exception as e:  # noqa: BLE001
+            # A VLLMValidationError from a model validator is not a ValueError, so
+            # pydantic lets it through, as in FastAPI's body parsing; vllm serve's
+            # generic exception handler answers it.
+            return _error(create_error_response(e), tap)
+        try:
+            out = await create(request, None)
+        except Exception as e:  # noqa: BLE001 - what vllm serve's exception handlers do
+            return _error(create_error_response(e), tap)
+        if isinstance(out, ErrorResponse):
+            return _error(out, tap)
+        if isinstance(out, pydantic.BaseModel):
+            tap.carry()
+            return OpenAIResult(200, tap, dumps(out.model_dump()))
+        return OpenAIResult(200, tap, stream=out)
+
+
+def _error(err: ErrorResponse, tap: EngineTap) -> OpenAIResult:
+    tap.carry()
+    return OpenAIResult(err.error.code, tap, dumps(err.model_dump()))
+
+
+class SSEPuller:
+    """Pulls SSE events from vLLM's stream generator, one response's worth at a time.
+
+    ``pull()`` waits for one event, then takes every further event that is ready
+    without waiting for the engine (vLLM often yields several per output: the last
+    content chunk, the usage chunk, ``[DONE]``), so they travel in one response.
+    The caller pulls again only after its previous response was sent: meanwhile
+    vLLM's output collector merges the engine's DELTA outputs, so a slow sender
+    gets fewer, larger events. Checking readiness starts the generator's next step;
+    if that step has to wait, it stays pending for the next ``pull()`` (so at most
+    one event is prepared while a response is in flight).
+    """
+
+    def __init__(self, stream: AsyncIterator[str], tap: EngineTap | None = None) -> None:
+        self._stream = stream
+        self._tap = tap  # told of each event taken (EngineTap.carry)
+        self._next: asyncio.Future[str | None] | None = None
+        self.done = False
+
+    async def pull(self) -> str:
+        parts = [await self._take()]
+        while not self.done:
+            self._next = asyncio.ensure_future(_next_event(self._stream))
+            await asyncio.sleep(0)  # the step runs now; done if it did not wait
+            if not self._next.done():
+                break
+            parts.append(await self._take())
+        return "".join(parts)
+
+    async def _take(self) -> str:
+        nxt, self._next = self._next, None
+        event = await (nxt if nxt is not None else _next_event(self._stream))
+        if self._tap is not None:
+            self._tap.carry()
+        # vLLM ends every stream with [DONE] (errors included); the end of the
+        # generator is the backstop.
+        if event is None or event.endswith(SSE_DONE):
+            self.done = True
+        return event or ""
+
+    async def aclose(self) -> None:
+        """Stop the generator (cancelled request, unit fault, or finished)."""
+        if self._next is not None:
+            self._next.cancel()
+            with contextlib.suppress(BaseException):
+                await self._next
+            self._next = None
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _next_event(stream: AsyncIterator[str]) -> str | None:
+    """The next event, or None at the end (StopAsyncIteration does not cross a task)."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return None

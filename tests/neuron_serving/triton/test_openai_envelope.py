@@ -1,0 +1,63 @@
+"""The ``openai_request`` envelope: typed, strict, and separate from the client's body."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from neuron_serving.triton.openai_envelope import OpenAIEnvelope, Resume, parse_envelope
+from neuron_serving.triton.request import RequestError
+
+
+def test_full_envelope() -> None:
+    raw = json.dumps(
+        {
+            "endpoint": "chat/completions",
+            "body": {"model": "m", "messages": [], "anything": {"the": "client's"}},
+            "token_ids": True,
+            "resume": {"prompt_token_ids": [1, 2], "output_token_ids": [3]},
+        }
+    ).encode()
+    env = parse_envelope(raw)
+    assert env == OpenAIEnvelope(
+        "chat/completions",
+        {"model": "m", "messages": [], "anything": {"the": "client's"}},
+        True,
+        Resume([1, 2], [3]),
+    )
+
+
+def test_defaults() -> None:
+    env = parse_envelope('{"endpoint": "version"}')
+    assert env.body == {} and env.token_ids is False and env.resume is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ("not json", "not a valid envelope"),
+        ("[]", "not a valid envelope"),
+        ('{"body": {}}', "endpoint"),
+        ('{"endpoint": "embeddings"}', "endpoint"),
+        ('{"endpoint": "completions", "body": [1]}', "body"),
+        ('{"endpoint": "completions", "extra": 1}', "extra"),
+        ('{"endpoint": "completions", "token_ids": "yes"}', "token_ids"),
+        (
+            '{"endpoint": "completions", "resume": {"prompt_token_ids": [], "output_token_ids": []}}',
+            "prompt_token_ids",
+        ),
+        (
+            '{"endpoint": "completions", "resume": {"prompt_token_ids": [-1], "output_token_ids": []}}',
+            "prompt_token_ids",
+        ),
+        (
+            '{"endpoint": "detokenize", "resume": {"prompt_token_ids": [1], "output_token_ids": []}}',
+            "resume applies",
+        ),
+    ],
+)
+def test_malformed_envelopes_are_request_errors(raw: str, fragment: str) -> None:
+    with pytest.raises(RequestError, match="openai_request") as e:
+        parse_envelope(raw)
+    assert fragment in str(e.value)

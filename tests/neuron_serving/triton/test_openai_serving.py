@@ -1,0 +1,233 @@
+"""vLLM's OpenAI serving layer on a real in-process AsyncLLM (demo model), through
+``openai_serving.py``: what the leader answers to an ``openai_request``.
+
+One engine for the module (in-process EngineCore, eager, 512-token context), on the
+same ``EngineThread`` the backend uses. Heavy: run under the shared lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import pytest
+
+from neuron_serving.triton.engine_thread import EngineThread
+from neuron_serving.triton.openai_envelope import OpenAIEnvelope, Resume
+from neuron_serving.triton.openai_serving import SSE_DONE, OpenAIServing, SSEPuller
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+SERVED = "demo"
+TIMEOUT_S = 60.0
+# Bounded values: on random weights a free string runs until max_tokens, and the
+# test is about the grammar closing the JSON, not about what the model likes to say.
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Berlin"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def served(demo_model):
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore in this process
+    kwargs = {
+        "model": str(demo_model),
+        "max_model_len": 512,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+        "disable_log_stats": True,
+        "seed": 0,
+    }
+    thread = EngineThread(kwargs, start_timeout_s=120.0)
+    try:
+        thread.start()
+
+        async def build() -> OpenAIServing:
+            return OpenAIServing(thread.engine, SERVED, str(demo_model), "pythonic")
+
+        yield thread, thread.call(build(), TIMEOUT_S)
+    finally:
+        thread.stop()
+        if saved is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+def call(served, endpoint: str, body: dict, **envelope):
+    """(status, body bytes or the list of pulled response bodies, tap, ids per pull)."""
+    thread, serving = served
+
+    async def run():
+        result = await serving.handle(OpenAIEnvelope(endpoint, body, **envelope))
+        if result.stream is None:
+            return result.status, result.body, result.tap, []
+        puller, pulls, ids = SSEPuller(result.stream, result.tap), [], []
+        try:
+            while not puller.done:
+                pulls.append(await puller.pull())
+                ids.append(result.tap.take_token_ids())
+        finally:
+            await puller.aclose()
+        return result.status, pulls, result.tap, ids
+
+    return thread.call(run(), TIMEOUT_S)
+
+
+def events(pulls: list[str]) -> list[dict]:
+    text = "".join(pulls)
+    assert text.endswith(SSE_DONE)
+    chunks = text.split("\n\n")
+    assert chunks[-1] == "" and all(c.startswith("data: ") for c in chunks[:-1])
+    return [json.loads(c[len("data: ") :]) for c in chunks[:-2]]
+
+
+def test_streamed_chat_with_a_named_tool_follows_the_schema(served) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    status, pulls, tap, _ = call(
+        served,
+        "chat/completions",
+        {
+            "model": SERVED,
+            "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "stream": True,
+            "max_tokens": 200,
+            "temperature": 0,
+        },
+    )
+    assert status == 200
+    chunks = events(pulls)
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == SERVED for c in chunks)
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert calls[0]["function"]["name"] == "get_weather"
+    arguments = json.loads("".join(tc["function"].get("arguments") or "" for tc in calls))
+    jsonschema.validate(arguments, WEATHER)  # the grammar forces it, even on random weights
+    assert chunks[-1]["choices"][0]["finish_reason"] == tap.finish_reason == "stop"
+
+
+def test_completion_with_logprobs_and_echo(served) -> None:
+    status, body, tap, _ = call(
+        served,
+        "completions",
+        {"model": SERVED, "prompt": "Hello world", "max_tokens": 4, "logprobs": 2, "echo": True},
+        token_ids=True,
+    )
+    assert status == 200
+    response = json.loads(body)
+    choice = response["choices"][0]
+    assert response["object"] == "text_completion" and response["model"] == SERVED
+    assert choice["text"].startswith("Hello world")
+    logprobs = choice["logprobs"]
+    # echo: the prompt's tokens (first without a logprob) and then the 4 generated
+    n = len(tap.prompt_token_ids) + 4
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == n
+    assert logprobs["token_logprobs"][0] is None
+    assert all(len(top) <= 3 for top in logprobs["top_logprobs"][1:])  # sampled + top 2
+    assert response["usage"]["prompt_tokens"] == len(tap.prompt_token_ids)
+    assert response["usage"]["completion_tokens"] == tap.completion_tokens == 4
+    assert len(tap.take_token_ids()) == 4
+
+
+def test_bad_field_is_vllms_400_and_unknown_fields_pass(served) -> None:
+    status, body, _, _ = call(
+        served, "completions", {"model": SERVED, "prompt": "x", "max_tokens": "abc"}
+    )
+    assert status == 400
+    # Byte for byte what `vllm serve` answers (its validation_exception_handler).
+    assert body == (
+        b'{"error":{"message":"1 validation error:\\n  {\'type\': \'int_parsing\', '
+        b"'loc': 'body.max_tokens', 'msg': 'Input should be a valid integer, unable to "
+        b"parse string as an integer', 'input': 'abc'}\",\"type\":\"Bad Request\","
+        b'"param":"body.max_tokens","code":400}}'
+    )
+    # A model validator's VLLMValidationError (not a pydantic error): vLLM's generic
+    # exception handler's answer.
+    messages = [{"role": "user", "content": "x"}]
+    body = {"model": SERVED, "messages": messages, "stream_options": {"include_usage": True}}
+    status, body, _, _ = call(served, "chat/completions", body)
+    error = json.loads(body)["error"]
+    assert status == 400 and (error["type"], error["param"]) == (
+        "BadRequestError",
+        "stream_options",
+    )
+    status, body, _, _ = call(
+        served,
+        "completions",
+        {"model": SERVED, "prompt": "x", "max_tokens": 2, "no_such_field": {"a": 1}},
+    )
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+def test_tokenize_equals_the_prompt_the_engine_received(served) -> None:
+    messages = [
+        {"role": "system", "content": "You are a shopping assistant."},
+        {"role": "user", "content": "Do you have running shoes?"},
+    ]
+    status, body, _, _ = call(served, "tokenize", {"model": SERVED, "messages": messages})
+    assert status == 200
+    tokens = json.loads(body)["tokens"]
+    status, _, tap, _ = call(
+        served,
+        "chat/completions",
+        {"model": SERVED, "messages": messages, "max_tokens": 2},
+        token_ids=True,
+    )
+    assert status == 200 and tap.prompt_token_ids == tokens
+    assert tokens.count(tokens[0]) == 1, "one BOS"
+
+
+def stream_chat(served, max_tokens: int, **envelope):
+    body = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": "Tell me about running shoes."}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "request_id": "resume-test",
+        "return_token_ids": True,  # each chunk names the tokens its delta holds
+    }
+    status, pulls, tap, ids = call(served, "chat/completions", body, token_ids=True, **envelope)
+    assert status == 200
+    # (token ids, content) per chunk that carries a choice
+    deltas = [
+        (c["choices"][0].get("token_ids") or [], c["choices"][0]["delta"].get("content") or "")
+        for c in events(pulls)
+        if c["choices"]
+    ]
+    return deltas, tap, [i for batch in ids for i in batch]
+
+
+def test_resume_continues_token_exactly(served) -> None:
+    first, tap, ids = stream_chat(served, 24)
+    assert len(ids) == 24 and [i for d, _ in first for i in d] == ids
+    # The text the first run had streamed once its 10th token was out: the 10th token
+    # must end a chunk (the in-process puller keeps up, so each token is its own).
+    counts = [len(d) for d, _ in first]
+    cut = next(k for k in range(len(first) + 1) if sum(counts[:k]) >= 10)
+    assert sum(counts[:cut]) == 10, counts
+    head = "".join(t for _, t in first[:cut])
+    text = "".join(t for _, t in first)
+
+    resume = Resume(prompt_token_ids=tap.prompt_token_ids, output_token_ids=ids[:10])
+    rest, rest_tap, rest_ids = stream_chat(served, 24, resume=resume)
+    assert rest_ids == ids[10:], "generated ids differ from the undisturbed run"
+    assert rest_tap.prompt_token_ids == tap.prompt_token_ids  # as rendered, before resume
+    assert rest_tap.finish_reason == "length" and rest_tap.completion_tokens == 14
+    rest_text = "".join(t for _, t in rest)
+    assert head + rest_text == text, (head, rest_text, text)
+
+
+def test_version(served) -> None:
+    status, body, _, _ = call(served, "version", {})
+    assert status == 200 and set(json.loads(body)) == {"version"}

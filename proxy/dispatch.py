@@ -1,14 +1,22 @@
-"""One generation, end to end across units: routing, retries, request migration.
+"""One request, end to end across units: routing, retries, request migration.
 
-- Before the first token reaches the client, a failed attempt is retried on
+Two kinds of job: ``OpenAIJob`` (``relay``: an OpenAI call whose answer, vLLM's
+bytes, is relayed) and ``GenerationJob`` (``generate``: Triton's generate front
+end's text request).
+
+- Before the first response reaches the client, a failed attempt is retried on
   another unit (up to ``retry.max_attempts`` attempts in all, full-jitter
-  exponential backoff, within the Envoy-style retry budget).
-- After it, a unit that fails mid-stream is replaced: the prompt plus the text
-  generated so far is sent to another unit with the remaining ``max_tokens``
-  (Dynamo's request migration), and the client's stream simply continues. With
-  greedy decoding this yields the text an uninterrupted run gives, provided the
-  tokenizer round-trips the generated text; with sampling it yields a valid, but
-  different, continuation.
+  exponential backoff, within the Envoy-style retry budget). A non-streamed
+  OpenAI request is only ever answered by its final response, so a failure is
+  always "before": it is retried whole. vLLM's own error answer (status != 200)
+  is final and never retried: another unit would give the same.
+- After it, a unit that fails mid-stream is replaced (Dynamo's request
+  migration), and the client's stream simply continues. OpenAI streams that can
+  be resumed exactly (``protocol.resumable``) continue from their token ids: the
+  next unit is fed the prompt's token ids plus the ids streamed so far, and its
+  chunks are fixed up to continue the stream (``resume.py``); other OpenAI
+  streams end with an error event. Text requests resend the prompt plus the text
+  so far with the remaining ``max_tokens``.
 - Versions: a job is served by one checkpoint version. A client may pin one
   (``version``); otherwise the version of the unit that produces the first token
   is fixed from then on, so a migration only goes to a unit of that version and
@@ -22,19 +30,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from proxy.config import RetryConfig
 from proxy.errors import APIError
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
+from proxy.protocol import OpenAIRequest
 from proxy.registry import Registry, UnitState
+from proxy.resume import ResumedStream, first_event, response_id_suffix
 from proxy.routing import RouteRequest, RoutingPolicy
-from proxy.upstream import AttemptTiming, GenerationDelta, Upstream, UpstreamError
+from proxy.upstream import (
+    AttemptTiming,
+    GenerationDelta,
+    Upstream,
+    UpstreamError,
+    openai_envelope,
+)
 
 # Request header: pin a checkpoint version. Response header: the version that served it.
 VERSION_HEADER = "X-Model-Version"
@@ -57,7 +76,7 @@ def pinned_version(registry: Registry, model: str, headers: Any) -> str | None:
     return version
 
 
-def version_headers(job: GenerationJob) -> dict[str, str]:
+def version_headers(job: Job) -> dict[str, str]:
     return {VERSION_HEADER: job.version} if job.version else {}
 
 
@@ -65,12 +84,11 @@ class NoRoutableUnit(Exception):
     """No unit can take this model's traffic (none registered, or all draining/down)."""
 
 
-@dataclass(slots=True)
-class GenerationJob:
+@dataclass(slots=True, kw_only=True)
+class Job:
+    """What every request across units carries; its kind adds the request itself."""
+
     model: str
-    prompt: str
-    max_tokens: int
-    sampling: dict[str, Any]  # everything but max_tokens, in vllm_backend's JSON
     deadline: float  # loop.time()
     session_id: str | None = None
     # Pinned checkpoint version (None: any); fixed to the serving unit's version
@@ -84,6 +102,32 @@ class GenerationJob:
     # response read), when the first attempt produced the first token: the proxy's
     # hop is the client-side TTFT minus this (ProxyMetrics.first_written).
     upstream_ttft_s: float | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class GenerationJob(Job):
+    """A text request (Triton's generate front end)."""
+
+    prompt: str
+    max_tokens: int
+    sampling: dict[str, Any]  # everything but max_tokens, in vllm_backend's JSON
+
+    @property
+    def routing_key(self) -> str:
+        return self.prompt
+
+
+@dataclass(slots=True, kw_only=True)
+class OpenAIJob(Job):
+    """An OpenAI call: the client's body is relayed to the leader as it arrived."""
+
+    request: OpenAIRequest
+    raw_body: bytes  # valid JSON (the front end parsed it)
+    body: dict[str, Any]  # the same, parsed: a resumption sets its request_id
+
+    @property
+    def routing_key(self) -> str:
+        return self.request.routing_key
 
 
 class Dispatcher:
@@ -106,7 +150,7 @@ class Dispatcher:
         self.retries_in_flight = 0
         self._rng = random.Random()
 
-    def pick(self, job: GenerationJob, tried: set[str]) -> UnitState:
+    def pick(self, job: GenerationJob | OpenAIJob, tried: set[str]) -> UnitState:
         units = self.registry.for_model(job.model)
         if job.version is not None:
             units = [u for u in units if u.model_version == job.version]
@@ -117,7 +161,9 @@ class Dispatcher:
             raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at}{why}")
         # Prefer units this job has not failed on; fall back to all (one unit, a blip).
         fresh = [u for u in eligible.units if u.unit_id not in tried] or eligible.units
-        decision = self.policy.choose(RouteRequest(job.model, job.prompt, job.session_id), fresh)
+        decision = self.policy.choose(
+            RouteRequest(job.model, job.routing_key, job.session_id), fresh
+        )
         self.metrics.routing_decisions.labels(
             self.policy.name, "panic" if eligible.panic else decision.reason
         ).inc()
@@ -146,22 +192,15 @@ class Dispatcher:
             tokens_done = 0  # completion tokens of earlier, interrupted attempts
             prompt_tokens: int | None = None
             tried: set[str] = set()
-            failures_before_first = 0
+            failures = backoff = 0  # failed attempts before the first token; > 0: back off
             while True:
                 if tokens_done >= job.max_tokens:
                     # The unit died after the last token but before saying so: nothing to resume.
                     yield GenerationDelta("", "length", prompt_tokens, tokens_done)
                     return
-                unit = self.pick(job, tried)
-                job.units.append(unit.unit_id)
-                job.attempts += 1
-                is_retry = job.attempts > 1
+                unit, is_retry = await self._begin_attempt(job, tried, backoff)
                 sampling = dict(job.sampling, max_tokens=job.max_tokens - tokens_done)
                 seg_tokens = seg_reported = 0
-                backoff = 0  # > 0: wait before the next attempt (outside this unit's in-flight)
-                unit.in_flight += 1
-                unit.requests_total += 1
-                self.retries_in_flight += is_retry
                 try:
                     timing = AttemptTiming()
                     gen = self.upstream.generate(
@@ -185,8 +224,7 @@ class Dispatcher:
                                 if d.text:
                                     yield d
                                 continue
-                            self.outlier.record_success(unit, time.monotonic())
-                            self.metrics.upstream_attempts.labels(unit.unit_id, "ok").inc()
+                            self._record_answer(unit, None)
                             yield GenerationDelta(
                                 d.text,
                                 d.finish_reason,
@@ -195,45 +233,166 @@ class Dispatcher:
                             )
                             return
                 except UpstreamError as e:
-                    self._record_failure(unit, e)
-                    tried.add(unit.unit_id)
-                    if not e.retriable:
-                        raise
                     tokens_done += max(seg_tokens, seg_reported)
-                    if generated:
-                        job.migrations += 1
-                        if job.migrations > self.retry.max_migrations:
-                            self.metrics.migrations.labels("exhausted").inc()
-                            on = "" if job.version is None else f" on version {job.version!r}"
-                            public = (
-                                f"unit failed mid-stream and {self.retry.max_migrations} "
-                                f"migrations{on} were used"
-                            )
-                            raise UpstreamError(
-                                f"{public}: {e}",
-                                unit_fault=False,
-                                retriable=False,
-                                client_message=public,
-                            ) from e
-                        self.metrics.migrations.labels("started").inc()
-                    else:
-                        failures_before_first += 1
-                        if failures_before_first >= self.retry.max_attempts:
-                            raise
-                        if not self._retry_allowed():
-                            self.metrics.retries.labels("budget_exhausted").inc()
-                            raise
-                        self.metrics.retries.labels("retried").inc()
-                        backoff = failures_before_first
+                    failures, backoff = self._failed(job, unit, e, tried, bool(generated), failures)
                 finally:
-                    unit.in_flight -= 1
-                    self.retries_in_flight -= is_retry
-                if backoff:
-                    await self._backoff(backoff, job.deadline)
+                    self._end_attempt(unit, is_retry)
         finally:
             self.active_jobs -= 1
 
+    async def relay(self, job: OpenAIJob) -> AsyncIterator[GenerationDelta]:
+        """Yield the leader's responses to one OpenAI call, across units, until the
+        final one. The first has ``status``; when it is not 200 it is the only one.
+        ``body`` of each is what the client gets (resumed attempts' already fixed up)."""
+        self.active_jobs += 1
+        try:
+            req = job.request
+            envelope = openai_envelope(req.endpoint, job.raw_body, req.resumable)
+            tried: set[str] = set()
+            failures = backoff = 0  # failed attempts before the first response; > 0: back off
+            prompt_ids: list[int] | None = None
+            output_ids: list[int] = []  # generated ids streamed to the client so far
+            origin: bytes | None = None  # a stream's first event: the client has it
+            while True:
+                resumed: ResumedStream | None = None
+                if origin is not None and prompt_ids is not None:
+                    resumed = ResumedStream(
+                        origin, req.endpoint == "chat/completions", len(prompt_ids), len(output_ids)
+                    )
+                    if req.max_tokens is not None and len(output_ids) >= req.max_tokens:
+                        # Every token was streamed; the unit died before saying so.
+                        body = resumed.length_finish(req.include_usage)
+                        yield GenerationDelta("", "length", body=body)
+                        return
+                    body_json = msgspec.json.encode(
+                        dict(job.body, request_id=response_id_suffix(resumed.id))
+                    )
+                    resume = {"prompt_token_ids": prompt_ids, "output_token_ids": output_ids}
+                    envelope = openai_envelope(req.endpoint, body_json, True, resume)
+                unit, is_retry = await self._begin_attempt(job, tried, backoff)
+                try:
+                    timing = AttemptTiming()
+                    gen = self.upstream.openai(unit.spec, envelope, job.deadline, timing)
+                    async with contextlib.aclosing(gen):
+                        first = True
+                        async for d in gen:
+                            if first:
+                                first = False
+                                if d.model_version is not None:
+                                    self.registry.set_version(unit, d.model_version)
+                                if d.status is None:  # not an answer of the OpenAI contract
+                                    raise UpstreamError(
+                                        "leader answered an openai_request without openai_status",
+                                        unit_fault=True,
+                                        retriable=True,
+                                    )
+                                if resumed is not None and d.status != 200:
+                                    raise _not_resumed(d.status)
+                                if job.version is None:
+                                    job.version = unit.model_version
+                                    if job.attempts == 1:
+                                        job.upstream_ttft_s = timing.upstream_ttft_s
+                                if prompt_ids is None:
+                                    prompt_ids = d.prompt_token_ids
+                            if d.token_ids:
+                                output_ids.extend(d.token_ids)
+                            if resumed is not None:
+                                d = dataclasses.replace(d, body=resumed.fix(d.body))
+                            elif origin is None and req.stream and d.status == 200:
+                                origin = first_event(d.body)
+                            if d.final:
+                                self._record_answer(unit, d.status)
+                            yield d
+                            if d.final:
+                                return
+                except UpstreamError as e:
+                    started = origin is not None
+                    if started and e.retriable and (not req.resumable or prompt_ids is None):
+                        self._record_failure(unit, e)
+                        self.metrics.migrations.labels("not_resumable").inc()
+                        raise _not_resumable(e) from e
+                    failures, backoff = self._failed(job, unit, e, tried, started, failures)
+                finally:
+                    self._end_attempt(unit, is_retry)
+        finally:
+            self.active_jobs -= 1
+
+    # -- one attempt's bookkeeping, shared by both kinds of job ----------------------------
+
+    async def _begin_attempt(
+        self, job: GenerationJob | OpenAIJob, tried: set[str], backoff: int
+    ) -> tuple[UnitState, bool]:
+        """Pick the attempt's unit (after backing off, outside any unit's in-flight,
+        when ``backoff`` failures came before) and count the attempt."""
+        if backoff:
+            await self._backoff(backoff, job.deadline)
+        unit = self.pick(job, tried)
+        job.units.append(unit.unit_id)
+        job.attempts += 1
+        is_retry = job.attempts > 1
+        unit.in_flight += 1
+        unit.requests_total += 1
+        self.retries_in_flight += is_retry
+        return unit, is_retry
+
+    def _end_attempt(self, unit: UnitState, is_retry: bool) -> None:
+        unit.in_flight -= 1
+        self.retries_in_flight -= is_retry
+
+    def _record_answer(self, unit: UnitState, status: int | None) -> None:
+        """The unit answered the request. vLLM's error answers (status != 200) are the
+        request's fault, not the unit's: neither a success nor a fault of the unit."""
+        if status is None or status == 200:
+            self.outlier.record_success(unit, time.monotonic())
+            self.metrics.upstream_attempts.labels(unit.unit_id, "ok").inc()
+        else:
+            self.metrics.upstream_attempts.labels(unit.unit_id, "request_error").inc()
+
+    def _failed(
+        self,
+        job: GenerationJob | OpenAIJob,
+        unit: UnitState,
+        e: UpstreamError,
+        tried: set[str],
+        started: bool,
+        failures: int,
+    ) -> tuple[int, int]:
+        """A failed attempt, recorded; raises ``e`` when no other attempt may follow.
+        ``started``: the client has had part of the answer (migrate, without delay);
+        else another attempt after a backoff. Returns (failures before the first
+        response, how many to back off for)."""
+        self._record_failure(unit, e)
+        tried.add(unit.unit_id)
+        if not e.retriable:
+            raise e
+        if started:
+            self._start_migration(job, e)
+            return failures, 0
+        failures += 1
+        if failures >= self.retry.max_attempts:
+            raise e
+        if not self._retry_allowed():
+            self.metrics.retries.labels("budget_exhausted").inc()
+            raise e
+        self.metrics.retries.labels("retried").inc()
+        return failures, failures
+
+    def _start_migration(self, job: GenerationJob | OpenAIJob, e: UpstreamError) -> None:
+        """Count a mid-stream migration; raise when the job has used them all."""
+        job.migrations += 1
+        if job.migrations > self.retry.max_migrations:
+            self.metrics.migrations.labels("exhausted").inc()
+            on = "" if job.version is None else f" on version {job.version!r}"
+            public = (
+                f"unit failed mid-stream and {self.retry.max_migrations} migrations{on} were used"
+            )
+            raise UpstreamError(
+                f"{public}: {e}", unit_fault=False, retriable=False, client_message=public
+            ) from e
+        self.metrics.migrations.labels("started").inc()
+
     def _record_failure(self, unit: UnitState, e: UpstreamError) -> None:
+        """A failed attempt: counted, and toward ejection if it was the unit's fault."""
         outcome = "unit_fault" if e.unit_fault else "request_error"
         self.metrics.upstream_attempts.labels(unit.unit_id, outcome).inc()
         if e.unit_fault and self.outlier.record_error(unit, time.monotonic()):
@@ -243,3 +402,24 @@ class Dispatcher:
                 "ejected",
                 f"for {self.outlier.ejection_duration(unit.times_ejected):.0f}s after {e}",
             )
+
+
+def _not_resumable(e: UpstreamError) -> UpstreamError:
+    public = (
+        "the unit serving this stream failed and the request cannot be resumed exactly "
+        "on another unit; the request can be retried"
+    )
+    return UpstreamError(
+        f"{public}: {e}", unit_fault=False, retriable=False, status=503, client_message=public
+    )
+
+
+def _not_resumed(status: int | None) -> UpstreamError:
+    public = "the unit serving this stream failed and its continuation was refused; retry"
+    return UpstreamError(
+        f"resumed request answered with status {status}",
+        unit_fault=False,
+        retriable=False,
+        status=503,
+        client_message=public,
+    )

@@ -1,13 +1,16 @@
-"""The leader's Triton gRPC stream, seen as an async iterator of text deltas (the
-gRPC transport of the upstream contract in ``upstream.py``).
+"""The leader's Triton gRPC stream, seen as an async iterator of deltas (the gRPC
+transport of the upstream contract in ``upstream.py``).
 
-One ``ModelStreamInfer`` call per generation, with the conventions of Triton's
-vllm_backend: inputs ``text_input`` (BYTES), ``stream`` (BOOL),
-``sampling_parameters`` (BYTES, JSON), ``exclude_input_in_output`` (BOOL);
-outputs ``text_output`` (the new text of this response), ``finish_reason``
-(empty until the last response), ``prompt_tokens`` and ``completion_tokens``
-(INT32, cumulative for the request; taken as a maximum, so a leader that sends
-them only on the last response works too).
+One ``ModelStreamInfer`` call per request. The text path (Triton's generate front
+end) uses the conventions of Triton's vllm_backend: inputs ``text_input`` (BYTES),
+``stream`` (BOOL), ``sampling_parameters`` (BYTES, JSON),
+``exclude_input_in_output`` (BOOL); outputs ``text_output`` (the new text of this
+response), ``finish_reason`` (empty until the last response), ``prompt_tokens`` and
+``completion_tokens`` (INT32, cumulative for the request; taken as a maximum, so a
+leader that sends them only on the last response works too). The OpenAI path sends
+one input, ``openai_request`` (the envelope), and reads ``openai_status`` (first
+response), ``openai_body`` (the bytes to relay), ``token_ids`` and
+``prompt_token_ids`` (INT64, every element) besides ``finish_reason`` and the counts.
 
 Every wait is bounded: the first response by ``first_token_s`` (a unit that
 accepts the request and then says nothing is broken), each later one by
@@ -28,7 +31,7 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from proxy.config import TimeoutConfig, UnitSpec
-from proxy.leader_client import TritonClientPool, build_request
+from proxy.leader_client import TritonClientPool, build_openai_request, build_request
 from proxy.upstream import (
     AttemptTiming,
     DeadlineExceeded,
@@ -55,8 +58,11 @@ _CONTENTS = {
     "UINT64": "uint64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
 }  # fmt: skip
 _WANTED = frozenset(
-    ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "model_version")
-)
+    ("text_output", "finish_reason", "prompt_tokens", "completion_tokens", "model_version",
+     "openai_status", "openai_body")
+)  # fmt: skip
+# Outputs read whole (every element), not element 0.
+_WHOLE = frozenset(("token_ids", "prompt_token_ids"))
 
 
 def _first_raw(datatype: str, raw: bytes) -> Any:
@@ -72,6 +78,36 @@ def _first_raw(datatype: str, raw: bytes) -> Any:
     if fmt is None:
         raise ValueError(f"unsupported datatype {datatype!r}")
     return fmt.unpack_from(raw)[0]
+
+
+def _all_raw(datatype: str, raw: bytes) -> list[int]:
+    """Every element of an integer tensor in Triton's raw layout."""
+    fmt = _NUMERIC.get(datatype)
+    if fmt is None or datatype in ("BOOL", "FP32", "FP64"):
+        raise ValueError(f"expected an integer tensor, got {datatype!r}")
+    if len(raw) % fmt.size:
+        raise ValueError(f"{len(raw)}-byte {datatype} tensor")
+    return [v for (v,) in fmt.iter_unpack(raw)]
+
+
+def _all_typed(tensor: Any) -> list[int]:
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:
+        raise ValueError(f"unsupported datatype {tensor.datatype!r}")
+    return [int(v) for v in getattr(tensor.contents, field)]
+
+
+def _body_raw(raw: bytes) -> bytes:
+    """A BYTES tensor's elements, concatenated (``openai_body`` is one element in
+    practice; several would be consecutive pieces of the same body)."""
+    parts, at = [], 0
+    while at < len(raw):
+        (n,) = _U32.unpack_from(raw, at)
+        if at + 4 + n > len(raw):
+            raise ValueError(f"BYTES element of {n} bytes in a {len(raw)}-byte tensor")
+        parts.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _first_typed(tensor: Any) -> Any:
@@ -100,13 +136,30 @@ def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta
         pairs: Any = zip(outputs, raws, strict=False)
     else:
         pairs = ((t, raws[i] if i < len(raws) else None) for i, t in enumerate(outputs))
-    text = reason = version = prompt_tokens = completion_tokens = None
+    text = reason = version = prompt_tokens = completion_tokens = status = None
+    body = b""
+    token_ids = prompt_token_ids = None
     for tensor, raw in pairs:
         name = tensor.name
+        if name in _WHOLE:
+            ids = _all_typed(tensor) if raw is None else _all_raw(tensor.datatype, raw)
+            if name == "token_ids":
+                token_ids = ids
+            else:
+                prompt_token_ids = ids
+            continue
         if name not in _WANTED:
             continue
+        if name == "openai_body":
+            if raw is None:
+                body = b"".join(tensor.contents.bytes_contents)
+            else:
+                body = _body_raw(raw)
+            continue
         value = _first_typed(tensor) if raw is None else _first_raw(tensor.datatype, raw)
-        if name == "text_output":
+        if name == "openai_status":
+            status = value
+        elif name == "text_output":
             text = value
         elif name == "finish_reason":
             reason = value
@@ -123,6 +176,10 @@ def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta
         None if prompt_tokens is None else int(prompt_tokens),
         None if completion_tokens is None else int(completion_tokens),
         _text(version),
+        None if status is None else int(status),
+        body,
+        token_ids,
+        prompt_token_ids,
     )
 
 
@@ -145,7 +202,7 @@ class TritonUpstream:
         self.clients = clients
         self.timeouts = timeouts
 
-    async def generate(
+    def generate(
         self,
         unit: UnitSpec,
         prompt: str,
@@ -160,12 +217,28 @@ class TritonUpstream:
         Callers must close the generator (``contextlib.aclosing``) so that an early
         exit cancels the call at once rather than whenever the generator is collected.
         """
+        request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling)
+        return self._stream(unit, request, deadline, timing)
+
+    def openai(
+        self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        """As ``generate``, for an OpenAI call (``upstream.Upstream.openai``)."""
+        request = build_openai_request(unit.triton_model, uuid.uuid4().hex, envelope)
+        return self._stream(unit, request, deadline, timing)
+
+    async def _stream(
+        self,
+        unit: UnitSpec,
+        request: service_pb2.ModelInferRequest,
+        deadline: float,
+        timing: AttemptTiming | None,
+    ) -> AsyncIterator[GenerationDelta]:
         loop = asyncio.get_running_loop()
         remaining = deadline - loop.time()
         if remaining <= 0:
             raise DeadlineExceeded()
         client = self.clients.get(unit.leader_grpc)
-        request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling)
         # One request and our half-close in one operation (leader_client.py); Triton
         # keeps the stream open until the request's final response. The call is
         # cancelled on the way out, which makes Triton cancel the request in vLLM if it
@@ -213,7 +286,7 @@ class TritonUpstream:
                         retriable=True,
                     ) from None
                 yield delta
-                if delta.finish_reason is not None:
+                if delta.final:
                     return
         finally:
             watchdog.close()

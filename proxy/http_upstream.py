@@ -10,7 +10,10 @@ loop: a token is one SSE line read from the socket and one small ``json.loads``.
 Measured in ``bench proxy`` (the ``proxy_http`` arm) and in the proxy README.
 
 Request (Triton's generate extension; JSON fields named like the model's inputs
-become its input tensors): ``text_input``, ``stream: true``,
+become its input tensors). OpenAI path: ``openai_request`` (the envelope, a JSON
+string); outputs ``openai_status``, ``openai_body``, ``token_ids``,
+``prompt_token_ids`` as JSON fields (one element as a scalar, several as a list).
+Text path: ``text_input``, ``stream: true``,
 ``exclude_input_in_output: true``, and ``sampling_parameters`` as a JSON *string*
 (a BYTES input, exactly what the gRPC upstream sends; Triton's request
 ``parameters`` cannot carry lists such as ``stop``). Response: ``text/event-stream``,
@@ -69,6 +72,24 @@ def build_body(prompt: str, sampling: dict[str, Any]) -> bytes:
     ).encode("utf-8")
 
 
+def build_openai_body(envelope: bytes) -> bytes:
+    """The OpenAI path: the ``openai_request`` input (a BYTES input, so a JSON string)."""
+    return json.dumps({"openai_request": envelope.decode("utf-8")}).encode("utf-8")
+
+
+def _ids(value: Any) -> list[int] | None:
+    """An INT64 output: Triton writes one element as a number, several as a list."""
+    if value is None:
+        return None
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _body(value: Any) -> bytes:
+    if isinstance(value, list):  # several BYTES elements: consecutive pieces
+        return "".join(value).encode("utf-8")
+    return value.encode("utf-8") if isinstance(value, str) else b""
+
+
 def decode_event(data: dict[str, Any]) -> GenerationDelta:
     """One ``generate_stream`` event (a JSON object) -> a delta. Missing outputs are
     None (our leader sends counts on a stream's first and last responses only); the
@@ -86,6 +107,10 @@ def decode_event(data: dict[str, Any]) -> GenerationDelta:
         None if reason in (None, "", "None", "null") else str(reason),
         _int(prompt_tokens),
         _int(completion_tokens),
+        status=_int(data.get("openai_status")),
+        body=_body(data.get("openai_body")),
+        token_ids=_ids(data.get("token_ids")),
+        prompt_token_ids=_ids(data.get("prompt_token_ids")),
     )
 
 
@@ -153,7 +178,7 @@ class TritonHttpUpstream:
             await self._session.close()
             self._session = None
 
-    async def generate(
+    def generate(
         self,
         unit: UnitSpec,
         prompt: str,
@@ -162,6 +187,17 @@ class TritonHttpUpstream:
         timing: AttemptTiming | None = None,
     ) -> AsyncIterator[GenerationDelta]:
         """As ``TritonUpstream.generate``; needs ``unit.leader_http``."""
+        return self._stream(unit, build_body(prompt, sampling), deadline, timing)
+
+    def openai(
+        self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        """As ``TritonUpstream.openai``; needs ``unit.leader_http``."""
+        return self._stream(unit, build_openai_body(envelope), deadline, timing)
+
+    async def _stream(
+        self, unit: UnitSpec, body: bytes, deadline: float, timing: AttemptTiming | None
+    ) -> AsyncIterator[GenerationDelta]:
         loop = asyncio.get_running_loop()
         if deadline - loop.time() <= 0:
             raise DeadlineExceeded()
@@ -177,15 +213,15 @@ class TritonHttpUpstream:
                 # first-token budget covers this await too.
                 watchdog.waiting(budget)
                 resp = await self._get_session().post(
-                    url, data=build_body(prompt, sampling), headers=_HEADERS,
+                    url, data=body, headers=_HEADERS,
                     trace_request_ctx=timing,
                 )  # fmt: skip
                 watchdog.idle()
                 if resp.status != 200:
                     watchdog.waiting(budget)
-                    body = await resp.content.read(_MAX_ERROR_BODY)
+                    error_body = await resp.content.read(_MAX_ERROR_BODY)
                     watchdog.idle()
-                    raise classify_http_error(resp.status, body)
+                    raise classify_http_error(resp.status, error_body)
             except asyncio.CancelledError:
                 error = watchdog.timed_out(budget)
                 if error is None:
@@ -244,7 +280,7 @@ class TritonHttpUpstream:
                     if timing is not None:
                         timing.first = loop.time()
                 budget = self.timeouts.inter_token_s
-                if delta.finish_reason is not None:
+                if delta.final:
                     finished = True
                 yield delta
                 if finished:

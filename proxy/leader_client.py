@@ -74,6 +74,19 @@ def build_request(
     return req
 
 
+def build_openai_request(
+    model: str, request_id: str, envelope: bytes
+) -> service_pb2.ModelInferRequest:
+    """The OpenAI path: one input, ``openai_request`` (BYTES [1], the UTF-8 JSON
+    envelope of proxy/README.md's upstream contract); no ``text_input``."""
+    req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    t = req.inputs.add()
+    t.name, t.datatype = "openai_request", "BYTES"
+    t.shape.append(1)
+    req.raw_input_contents.append(_bytes_tensor(envelope))
+    return req
+
+
 class LeaderClient:
     """Readiness, model config and streaming inference against one leader."""
 

@@ -1,13 +1,18 @@
-"""OpenAI-compatible front end: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+"""OpenAI-compatible front end: ``/v1/completions``, ``/v1/chat/completions``,
+``/tokenize``, ``/detokenize``, ``/version`` and ``/v1/models``.
 
-Streaming follows OpenAI's framing exactly: ``data: {json}\\n\\n`` per chunk, a
-last chunk with ``finish_reason``, an optional usage chunk (``stream_options.
-include_usage``: ``choices: []``), then ``data: [DONE]\\n\\n``. Response headers are
-sent only once the first token exists, so that every failure before it (no
-unit, all retries failed, overload, bad request found by the unit) is a plain
-HTTP error with the right status. After it, a failure that migration cannot
-repair becomes an SSE ``{"error": ...}`` event followed by ``[DONE]``: the client
-always sees the stream end, never a hang.
+The leader runs vLLM's own OpenAI serving layer and answers with the bytes ``vllm
+serve`` would send; this front end relays them. It reads the body (bounded), checks
+that it is a JSON object naming a served model, reads the few fields it needs
+(``protocol.parse_openai``), admits the request and hands it to the dispatcher; it
+never re-renders a response. A non-streamed answer is one JSON body with vLLM's
+status. A stream's response headers are sent only once its first response exists
+with status 200, so that every failure before it (no unit, all retries failed,
+overload, vLLM's own 4xx) is a plain HTTP error with the right status; after it
+each leader response's body (one or more whole SSE events) is written as it
+comes, bounded by ``limits.write_timeout_s``. A failure that migration cannot
+repair becomes one SSE error event in vLLM's format followed by ``[DONE]``: the
+client always sees the stream end, never a hang.
 """
 
 from __future__ import annotations
@@ -17,95 +22,48 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from aiohttp import web
 
 from proxy.admission import Overloaded
-from proxy.dispatch import GenerationJob, NoRoutableUnit, pinned_version, version_headers
-from proxy.errors import APIError, invalid
+from proxy.dispatch import NoRoutableUnit, OpenAIJob, pinned_version, version_headers
+from proxy.errors import APIError
 from proxy.front_end import as_api_error, read_json, text_header
 from proxy.http_guard import write_bounded
-from proxy.protocol import ParsedRequest, parse_chat, parse_completion
-from proxy.sse import TextTemplate
-from proxy.upstream import GenerationDelta, UpstreamError
+from proxy.metrics import REQUEST_UNIT
+from proxy.protocol import Endpoint, parse_openai
+from proxy.upstream import DeadlineExceeded, GenerationDelta, UpstreamError
 
 if TYPE_CHECKING:
     from proxy.server import ProxyServer
 
 log = logging.getLogger(__name__)
-_FINISH_REASONS = ("stop", "length")
+_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}  # fmt: skip
+# vLLM's error "type" by status (vllm/entrypoints/serve/exception_handling).
+_ERROR_TYPES = {503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
-def _openai_finish(reason: str | None) -> str:
-    # vLLM also says "abort"; OpenAI clients know only stop/length/... for plain text.
-    return reason if reason in _FINISH_REASONS else "stop"
-
-
-def _usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict[str, int]:
-    p, c = prompt_tokens or 0, completion_tokens or 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-class Completion:
-    """Shapes of one response (completion or chat) with a fixed id and creation time."""
-
-    def __init__(self, parsed: ParsedRequest, version: str | None = None) -> None:
-        self.parsed = parsed
-        # OpenAI's field for "the backend configuration that served this": here the
-        # checkpoint version (null when the unit is unversioned).
-        self.fingerprint = version or None
-        self.chat = parsed.kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.parsed.model,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
-
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            out = self._envelope("chat.completion.chunk", [choice])
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            out = self._envelope("text_completion", [choice])
-        if self.parsed.include_usage:
-            out["usage"] = None  # OpenAI: null on every chunk but the usage chunk
-        return out
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage}
-
-    def full(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-            return {**self._envelope("chat.completion", [choice]), "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self._envelope("text_completion", [choice]), "usage": usage}
+def stream_error_event(e: Exception) -> bytes:
+    """A failure after the stream started, as vLLM writes an in-stream error: one
+    ``data: {"error": {message, type, param, code}}`` event (code: the HTTP status
+    the failure would have had)."""
+    if isinstance(e, DeadlineExceeded):
+        status, message = 504, "request deadline exceeded"
+    elif isinstance(e, UpstreamError):
+        status = e.status if e.status >= 500 else 502
+        message = e.client_message or "the unit serving this stream failed; retry the request"
+    elif isinstance(e, NoRoutableUnit):
+        status, message = 503, f"the unit serving this stream failed and {e}; retry the request"
+    else:
+        status, message = 500, "internal proxy error"
+    kind = _ERROR_TYPES.get(status, "InternalServerError")
+    error = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
 
 
 class OpenAIFrontEnd:
@@ -116,176 +74,133 @@ class OpenAIFrontEnd:
         return [
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
             web.get("/v1/models", self.models),
         ]
 
     async def models(self, request: web.Request) -> web.Response:
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "neuron-serving"}
-            for name in self.proxy.model_names()
-        ]
+        """vLLM's model cards (``ModelCard``), ``max_model_len`` from the proxy's config."""
+        now = int(time.time())
+        data = []
+        for name in self.proxy.model_names():
+            spec = self.proxy.config.model_spec(name)
+            permission = {
+                "id": f"modelperm-{name}", "object": "model_permission", "created": now,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }  # fmt: skip
+            data.append({
+                "id": name, "object": "model", "created": now, "owned_by": "vllm",
+                "root": (spec.model_dir if spec else None) or name, "parent": None,
+                "max_model_len": spec.max_model_len if spec else None,
+                "permission": [permission],
+            })  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_completion(await read_json(request))
-        self._check_model(parsed.model)
-        return await self._serve(request, parsed, parsed.prompt)
+        return await self._serve(request, "completions", await read_json(request))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        parsed = parse_chat(await read_json(request))
-        self._check_model(parsed.model)
-        prompt = self.proxy.tokenizer(parsed.model).render_chat(parsed.messages)
-        return await self._serve(request, parsed, prompt)
+        return await self._serve(request, "chat/completions", await read_json(request))
 
-    def _check_model(self, model: str) -> None:
-        if model not in self.proxy.model_names():
-            raise APIError(
-                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-            )
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "tokenize", await read_json(request))
 
-    async def _max_tokens(self, parsed: ParsedRequest, prompt: str) -> int:
-        spec = self.proxy.config.model_spec(parsed.model)
-        default = spec.default_max_tokens if spec else 16
-        if parsed.kind == "chat":
-            default = spec.default_chat_max_tokens if spec else 1024
-        limit = spec.max_model_len if spec else None
-        if limit is None:
-            return parsed.max_tokens or default
-        if parsed.max_tokens is not None and parsed.max_tokens >= limit:
-            raise invalid(
-                f"'max_tokens' ({parsed.max_tokens}) must be below the model's context ({limit})",
-                "max_tokens",
-            )
-        max_tokens = parsed.max_tokens or min(default, limit - 1)
-        tok = self.proxy.tokenizer(parsed.model)
-        # Long prompts are encoded off the event loop: the loop carries every stream.
-        if len(prompt) > 4096:
-            n = await asyncio.to_thread(tok.count_tokens, prompt)
-        else:
-            n = tok.count_tokens(prompt)
-        if n is not None and n + (parsed.max_tokens or 1) > limit:  # room for one token at least
-            raise invalid(
-                f"This model's maximum context length is {limit} tokens; the prompt has {n} "
-                f"and max_tokens is {parsed.max_tokens}",
-                "messages" if parsed.kind == "chat" else "prompt",
-                "context_length_exceeded",
-            )
-        if n is not None and parsed.max_tokens is None:
-            max_tokens = min(max_tokens, limit - n)  # the default never overflows the context
-        return max_tokens
+    async def detokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "detokenize", await read_json(request))
+
+    async def version(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's version, from any unit (of the first served model that has one)."""
+        models = sorted(self.proxy.registry.models()) or self.proxy.model_names()
+        if not models:
+            raise APIError(503, "no model is served", "server_error", None, "no_routable_unit")
+        return await self._serve(request, "version", {"model": models[0]})
 
     async def _serve(
-        self, request: web.Request, parsed: ParsedRequest, prompt: str
+        self, request: web.Request, endpoint: Endpoint, body: Any
     ) -> web.StreamResponse:
         proxy = self.proxy
         loop = asyncio.get_running_loop()
         start = loop.time()
-        job = GenerationJob(
-            model=parsed.model,
-            prompt=prompt,
-            max_tokens=await self._max_tokens(parsed, prompt),
-            sampling=parsed.sampling,
+        req = parse_openai(body, endpoint, proxy.model_names())
+        if endpoint == "version":
+            body = {}  # the model was only for routing
+        job = OpenAIJob(
+            model=req.model,
             deadline=start + proxy.config.timeouts.request_s,
             session_id=text_header(request, proxy.config.routing.session_header),
-            version=pinned_version(proxy.registry, parsed.model, request.headers),
+            version=pinned_version(proxy.registry, req.model, request.headers),
+            request=req,
+            # The client's JSON as msgspec re-encodes it (same values, same key order):
+            # a few microseconds, and the leader gets exactly what the client sent.
+            raw_body=msgspec.json.encode(body),
+            body=body,
         )
         try:
             async with proxy.admission.slot():
-                gen = proxy.dispatcher.generate(job)
+                gen = proxy.dispatcher.relay(job)
                 async with contextlib.aclosing(gen):
-                    if parsed.stream:
-                        return await self._stream(request, parsed, job, gen, start)
-                    return await self._collect(request, parsed, job, gen, start)
+                    first = await anext(gen)  # failures up to here are plain HTTP errors
+                    if first.status == 200:
+                        proxy.metrics.first_token(request, job.units[-1], loop.time() - start)
+                    else:  # vLLM's error answer: served by the unit, but no first token
+                        request[REQUEST_UNIT] = job.units[-1]
+                    if req.stream and first.status == 200:
+                        return await self._stream(request, job, first, gen, start)
+                    parts, d = [first.body], first
+                    while not d.final:
+                        d = await anext(gen)
+                        parts.append(d.body)
+                    proxy.metrics.e2e.observe(loop.time() - start)
+                    return web.Response(
+                        body=b"".join(parts),
+                        status=first.status or 200,
+                        content_type="application/json",
+                        headers=version_headers(job),
+                    )
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
             raise as_api_error(e) from None
-
-    async def _collect(
-        self,
-        request: web.Request,
-        parsed: ParsedRequest,
-        job: GenerationJob,
-        gen: AsyncIterator[GenerationDelta],
-        start: float,
-    ) -> web.Response:
-        parts: list[str] = []
-        last = GenerationDelta("")
-        first = True
-        async for d in gen:
-            if first:
-                now = asyncio.get_running_loop().time()
-                self.proxy.metrics.first_token(request, job.units[-1], now - start)
-                first = False
-            parts.append(d.text)
-            last = d
-        self.proxy.metrics.e2e.observe(asyncio.get_running_loop().time() - start)
-        body = Completion(parsed, job.version).full(
-            "".join(parts),
-            _openai_finish(last.finish_reason),
-            _usage(last.prompt_tokens, last.completion_tokens),
-        )
-        return web.json_response(body, headers=version_headers(job))
 
     async def _stream(
         self,
         request: web.Request,
-        parsed: ParsedRequest,
-        job: GenerationJob,
+        job: OpenAIJob,
+        first: GenerationDelta,
         gen: AsyncIterator[GenerationDelta],
         start: float,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         metrics = self.proxy.metrics
-        first = await anext(gen)  # failures up to here are plain HTTP errors
-        now = loop.time()
-        metrics.first_token(request, job.units[-1], now - start)
-        out = Completion(parsed, job.version)  # fixed by the first token
-        resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-                **version_headers(job),
-            }
-        )
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, **version_headers(job)})
         await resp.prepare(request)
         limit = self.proxy.config.limits.write_timeout_s
-
-        async def write(data: bytes) -> None:
-            await write_bounded(request, resp, data, limit)
-
-        if out.chat:
-            await write(_sse(out.chunk("", None, role=True)))
-        # Every text chunk differs only in its text: render the envelope once.
-        text_chunk = TextTemplate(lambda t: _sse(out.chunk(t, None)))
-        delta: GenerationDelta | None = first
-        hop_pending = True
+        d, now, hop_pending = first, loop.time(), True
         try:
-            while delta is not None:
-                if delta.text:
-                    await write(text_chunk(delta.text))
+            while not d.final:
+                if d.body:
+                    await write_bounded(request, resp, d.body, limit)
                 if hop_pending:
                     metrics.first_written(job.upstream_ttft_s, loop.time() - start)
                     hop_pending = False
-                if delta.finish_reason is not None:
-                    finish = _openai_finish(delta.finish_reason)
-                    await write(_sse(out.chunk(None if out.chat else "", finish)))
-                    if parsed.include_usage:
-                        usage = _usage(delta.prompt_tokens, delta.completion_tokens)
-                        await write(_sse(out.usage_chunk(usage)))
-                    break
-                delta = await anext(gen, None)
+                d = await anext(gen)
                 t = loop.time()
                 metrics.itl.observe(t - now)
                 now = t
         except (NoRoutableUnit, UpstreamError) as e:
-            log.warning("stream %s failed after the first token: %s", out.id, e)
-            await write(_sse(as_api_error(e).body()))
+            log.warning("stream of %s failed after its first response: %s", job.units, e)
+            tail = stream_error_event(e) + _DONE
         except ConnectionError:  # the client left or stopped reading: nothing to tell it
             raise
-        except Exception:  # a proxy bug must still end the stream cleanly, not hang it
-            log.exception("stream %s failed", out.id)
-            error = APIError(500, "internal proxy error", "server_error", None, "internal_error")
-            await write(_sse(error.body()))
+        except Exception as e:  # a proxy bug must still end the stream cleanly, not hang it
+            log.exception("stream of %s failed", job.units)
+            tail = stream_error_event(e) + _DONE
+        else:
+            tail = d.body  # the final response: its events end with [DONE]
+            if hop_pending:
+                metrics.first_written(job.upstream_ttft_s, loop.time() - start)
         metrics.e2e.observe(loop.time() - start)
-        await write_bounded(request, resp, b"data: [DONE]\n\n", limit, eof=True)
+        await write_bounded(request, resp, tail, limit, eof=True)
         return resp

@@ -1,45 +1,187 @@
-"""Validation of OpenAI request bodies into typed requests.
+"""What the proxy itself reads of a request body.
 
-Every rejection is an ``APIError`` (400/404) naming the offending parameter, so
-the front end never passes a value to the unit that the unit would choke on.
-Parameters we cannot honour (n > 1, logprobs, tools, echo, ...) are refused
-with a clear message rather than silently ignored; a small set of fields that
-only describe the caller (user, metadata, store) is accepted and ignored.
+OpenAI routes (``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``,
+``/detokenize``): the body goes to the leader untouched, where vLLM's own request
+models validate it (their 400s reach the client as ``vllm serve`` sends them, and
+unknown fields are accepted, as there). The proxy reads only what it needs to
+route and relay: ``model`` (which units), ``stream`` (SSE or one JSON body),
+``stream_options.include_usage``, what decides whether a stream can be resumed
+token-exactly on another unit (``resumable``), and the text that keys the
+prefix-aware routing policy. ``stream`` is read with pydantic's lax boolean rules,
+as vLLM reads it (``1``, ``"true"``, ``"yes"``... are true), so the proxy and the
+leader never disagree about whether a response is a stream.
+
+Triton's generate route (``triton_api.py``) still validates its sampling keys
+here (``parse_sampling``, ``int_param``): it builds the leader's text request itself.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from proxy.errors import invalid
+from proxy.errors import APIError, invalid
 
-_COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
-    "seed", "presence_penalty", "frequency_penalty", "user", "logprobs", "logit_bias",
-    # vLLM extensions that Triton's vllm_backend forwards to SamplingParams
-    "top_k", "min_p", "repetition_penalty", "ignore_eos",
-}  # fmt: skip
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-    "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
-}  # fmt: skip
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+Endpoint = Literal["chat/completions", "completions", "tokenize", "detokenize", "version"]
+GENERATE_ENDPOINTS = ("chat/completions", "completions")
 MAX_STOP = 4
 
+# pydantic's lax bool (what vLLM's request models accept), strings case-insensitive.
+_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
+_FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
+# Request fields that make the engine's output depend on more than the token ids so
+# far: a continuation fed prompt + output ids would not be the undisturbed stream.
+_STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern")  # fmt: skip
 
-@dataclass(slots=True)
-class ParsedRequest:
-    kind: Literal["completion", "chat"]
+
+@dataclass(frozen=True, slots=True)
+class OpenAIRequest:
+    """The few facts the proxy reads of an OpenAI body (the body itself is relayed)."""
+
+    endpoint: Endpoint
     model: str
-    stream: bool
-    include_usage: bool
-    max_tokens: int | None  # None: the model's default
-    sampling: dict[str, Any] = field(default_factory=dict)  # vllm_backend keys, set ones only
-    prompt: str = ""  # completion
-    messages: list[dict[str, str]] = field(default_factory=list)  # chat, content flattened
+    stream: bool = False
+    include_usage: bool = False
+    resumable: bool = False  # a broken stream may continue on another unit, token-exact
+    max_tokens: int | None = None  # the body's limit on generated tokens, if it set one
+    routing_key: str = ""
+
+
+def lax_bool(value: Any, param: str) -> bool:
+    """``value`` as vLLM's pydantic models read an optional bool field; 400 otherwise."""
+    if value is None:
+        return False
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+    raise invalid(f"'{param}' must be a boolean", param)
+
+
+def request_model(body: dict[str, Any], served: list[str]) -> str:
+    """The served model a body names. vLLM serves its one model when ``model`` is
+    absent or empty; the proxy does the same when it fronts exactly one model."""
+    model = body.get("model")
+    if model is None or model == "":
+        if len(served) == 1:
+            return served[0]
+        raise invalid("'model' is required: this server serves several models", "model")
+    if not isinstance(model, str):
+        raise invalid("'model' must be a string", "model")
+    if model not in served:
+        # vLLM's own answer for a model it does not serve: its message, type and
+        # (integer) code, so a client sees what `vllm serve` would have said.
+        message = f"The model `{model}` does not exist."
+        raise APIError(404, message, "NotFoundError", "model", 404)  # type: ignore[arg-type]
+    return model
+
+
+def parse_openai(body: Any, endpoint: Endpoint, served: list[str]) -> OpenAIRequest:
+    """Read what the proxy needs; everything else is vLLM's to validate."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    model = request_model(body, served)
+    if endpoint not in GENERATE_ENDPOINTS:
+        return OpenAIRequest(endpoint, model, routing_key=routing_key(body, endpoint))
+    stream = lax_bool(body.get("stream"), "stream")
+    include_usage = False
+    opts = body.get("stream_options")
+    if stream and isinstance(opts, dict):
+        include_usage = lax_bool(opts.get("include_usage"), "stream_options.include_usage")
+    limit = body.get("max_completion_tokens") if endpoint == "chat/completions" else None
+    if limit is None:
+        limit = body.get("max_tokens")
+    return OpenAIRequest(
+        endpoint,
+        model,
+        stream=stream,
+        include_usage=include_usage,
+        resumable=stream and resumable(body, endpoint),
+        max_tokens=limit if _is_int(limit) else None,
+        routing_key=routing_key(body, endpoint),
+    )
+
+
+def resumable(body: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether a stream broken mid-way can continue on another unit from its token ids
+    and give the tokens the undisturbed stream would have given (proxy/README.md,
+    "Migration"). Not: structured outputs and tool calls (the grammar's and the tool
+    parser's state is not in the token ids), several choices (``n``, ``best_of``,
+    batched prompts), ``echo`` and ``prompt_logprobs`` (they describe the prompt,
+    which a continuation changes), frequency/presence penalties (they count only
+    output tokens, which a continuation sees as prompt), and sampling (temperature
+    absent or above 0), even with a ``seed``: vLLM's per-request generator starts again
+    from the seed on the new unit, so a seeded continuation is reproducible but not the
+    undisturbed stream's."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return False
+    if any(body.get(k) is not None for k in _STRUCTURED):
+        return False
+    if body.get("tools") and body.get("tool_choice") != "none":
+        return False
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            return False
+    if body.get("echo") not in (None, False) or body.get("prompt_logprobs") is not None:
+        return False
+    for key in ("frequency_penalty", "presence_penalty"):
+        if body.get(key) not in (None, 0):
+            return False
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
+            if len(prompt) != 1:  # a batch: one choice per prompt
+                return False
+    temperature = body.get("temperature")
+    return _is_number(temperature) and temperature == 0
+
+
+def routing_key(body: dict[str, Any], endpoint: Endpoint) -> str:
+    """The text the prefix-aware policy hashes: a completion's prompt (token ids as
+    text), or a chat's roles and text contents in order. Never raises: what it cannot
+    read adds nothing (vLLM rejects a malformed body anyway)."""
+    if endpoint in ("completions", "tokenize", "detokenize"):
+        prompt = body.get("prompt", body.get("tokens"))
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list):
+            return " ".join(p if isinstance(p, str) else _ids_text(p) for p in prompt)
+        if endpoint == "completions" or not isinstance(body.get("messages"), list):
+            return ""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return ""
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        role, content = m.get("role"), m.get("content")
+        parts.append(role if isinstance(role, str) else "")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(
+                c["text"] for c in content if isinstance(c, dict) and isinstance(c.get("text"), str)
+            )
+    return "\n".join(parts)
+
+
+def _ids_text(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(str(t) for t in value if _is_int(t))
+    return str(value) if _is_int(value) else ""
+
+
+# -- Triton generate's sampling keys ---------------------------------------------------
 
 
 def _is_int(v: Any) -> bool:
@@ -80,10 +222,6 @@ def _bool(body: dict, key: str) -> bool | None:
     return v
 
 
-def _unsupported(key: str, why: str) -> Exception:
-    return invalid(f"'{key}' is not supported by this server: {why}", key, "unsupported_parameter")
-
-
 SAMPLING_FIELDS = {
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "top_k", "seed", "ignore_eos", "stop",
@@ -116,117 +254,3 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         if stops:
             sampling["stop"] = stops
     return sampling
-
-
-def _common(body: Any, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise invalid(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0])
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("'model' is required and must be a non-empty string", "model")
-    if body.get("n") is not None and (int_param(body, "n", 1) != 1):
-        raise _unsupported("n", "only n=1")
-    if body.get("logprobs") not in (None, False):
-        raise _unsupported("logprobs", "log probabilities are not returned")
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias", "not forwarded to the engine")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise invalid("'user' must be a string", "user")
-    stream = _bool(body, "stream") or False
-    include_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not stream:
-            raise invalid(
-                "'stream_options' is only allowed when 'stream' is true", "stream_options"
-            )
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise invalid("'stream_options' must be {\"include_usage\": bool}", "stream_options")
-        include_usage = _bool(opts, "include_usage") or False
-
-    sampling = parse_sampling(body)
-    return {"model": model, "stream": stream, "include_usage": include_usage, "sampling": sampling}
-
-
-def parse_completion(body: Any) -> ParsedRequest:
-    common = _common(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise _unsupported("prompt", "only a single string prompt (no batches, no token ids)")
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise invalid("'prompt' is required and must be a non-empty string", "prompt")
-    if body.get("echo") not in (None, False):
-        raise _unsupported("echo", "the prompt is not echoed")
-    if body.get("best_of") is not None and int_param(body, "best_of", 1) != 1:
-        raise _unsupported("best_of", "only best_of=1")
-    if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix", "no insertion mode")
-    return ParsedRequest(
-        kind="completion",
-        max_tokens=int_param(body, "max_tokens", 1),
-        prompt=prompt,
-        **common,
-    )
-
-
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if content is None and message.get("role") == "assistant":
-        return ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise _unsupported(f"messages[{i}].content", "only text content parts")
-            if not isinstance(part.get("text"), str):
-                raise invalid(
-                    f"messages[{i}].content[].text must be a string", f"messages[{i}].content"
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise invalid(
-        f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content"
-    )
-
-
-def parse_chat(body: Any) -> ParsedRequest:
-    common = _common(body, CHAT_FIELDS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("'messages' is required and must be a non-empty list", "messages")
-    flat: list[dict[str, str]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise invalid(f"messages[{i}] must be an object", f"messages[{i}]")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            if role == "tool":
-                raise _unsupported(f"messages[{i}].role", "tool messages (no tool calling)")
-            raise invalid(
-                f"messages[{i}].role must be one of {list(CHAT_ROLES)}", f"messages[{i}].role"
-            )
-        if m.get("tool_calls"):
-            raise _unsupported(f"messages[{i}].tool_calls", "no tool calling")
-        if m.get("name") is not None and not isinstance(m["name"], str):
-            raise invalid(f"messages[{i}].name must be a string", f"messages[{i}].name")
-        flat.append({"role": role, "content": _content(m, i)})
-    if body.get("tools"):
-        raise _unsupported("tools", "no tool calling")
-    if body.get("tool_choice") not in (None, "none"):
-        raise _unsupported("tool_choice", "no tool calling")
-    if body.get("top_logprobs") is not None:
-        raise _unsupported("top_logprobs", "log probabilities are not returned")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", 'only {"type": "text"}')
-    max_tokens = int_param(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = int_param(body, "max_tokens", 1)
-    return ParsedRequest(kind="chat", max_tokens=max_tokens, messages=flat, **common)

@@ -28,8 +28,14 @@ class UnitTransport:
         """``Upstream.generate`` on the unit's transport. It returns the chosen
         transport's own generator, not a wrapper around it: every layer of async
         generators costs a resumption per token."""
-        upstream = self.http if self.http is not None and unit.leader_http else self.grpc
-        return upstream.generate(unit, *args)
+        return self._for(unit).generate(unit, *args)
+
+    def openai(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:
+        """``Upstream.openai`` on the unit's transport (the same way)."""
+        return self._for(unit).openai(unit, *args)
+
+    def _for(self, unit: UnitSpec) -> TritonUpstream | TritonHttpUpstream:
+        return self.http if self.http is not None and unit.leader_http else self.grpc
 
     async def close(self) -> None:
         if self.http is not None:

@@ -1,8 +1,9 @@
 """The upstream contract: what the dispatcher needs of a transport to a unit's leader,
 whichever carries it (gRPC in ``grpc_upstream.py``, HTTP in ``http_upstream.py``).
 
-A transport's ``generate`` is an async iterator of ``GenerationDelta`` that ends
-with (and including) the delta that has a finish reason, and raises only
+A transport's ``generate`` (a text request) and ``openai`` (an OpenAI call in the
+``openai_request`` envelope) are async iterators of ``GenerationDelta`` that end
+with (and including) the final response (``GenerationDelta.final``), and raise only
 ``UpstreamError`` (``DeadlineExceeded`` for the request deadline): the error says
 whether the unit is at fault (outlier ejection), whether another unit may succeed
 (retry, migration) and what the client sees if it is final. In-stream error
@@ -16,6 +17,7 @@ of it by the request deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -66,11 +68,41 @@ class DeadlineExceeded(UpstreamError):
 
 @dataclass(frozen=True, slots=True)
 class GenerationDelta:
+    """One leader response. The text path (``text_input``) fills ``text``; the OpenAI
+    path (``openai_request``) fills ``body`` (bytes to relay as they are), ``status``
+    (the HTTP status, first response only) and, when the request asked for them, the
+    token ids (``token_ids``: generated ids this response's events carry;
+    ``prompt_token_ids``: first response). Both: ``finish_reason`` on the last response."""
+
     text: str
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     model_version: str | None = None  # the leader sends it with the first response
+    status: int | None = None
+    body: bytes = b""
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @property
+    def final(self) -> bool:
+        """The request's last response: a finish reason, or an OpenAI error status
+        (an error answer is always a request's only response)."""
+        return self.finish_reason is not None or (self.status is not None and self.status != 200)
+
+
+def openai_envelope(
+    endpoint: str, body: bytes, token_ids: bool, resume: dict[str, list[int]] | None = None
+) -> bytes:
+    """The ``openai_request`` input: ``{"endpoint", "token_ids", "resume", "body"}``
+    (UTF-8 JSON). ``body`` is the client's JSON as it arrived (the front end has parsed
+    it, so it is valid JSON), spliced in rather than re-encoded: the proxy forwards
+    the body untouched and pays no encoding per request. ``resume``:
+    ``{"prompt_token_ids", "output_token_ids"}`` (a migrated stream's continuation)."""
+    head = b'{"endpoint":' + json.dumps(endpoint).encode()
+    head += b',"token_ids":' + (b"true" if token_ids else b"false")
+    head += b',"resume":' + (b"null" if resume is None else json.dumps(resume).encode())
+    return head + b',"body":' + body + b"}"
 
 
 def classify_stream_error(message: str) -> UpstreamError:
@@ -178,3 +210,10 @@ class Upstream(Protocol):
         deadline: float,
         timing: AttemptTiming | None = None,
     ) -> AsyncIterator[GenerationDelta]: ...
+
+    def openai(
+        self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None
+    ) -> AsyncIterator[GenerationDelta]:
+        """One OpenAI call (the ``openai_request`` envelope, UTF-8 JSON): the leader's
+        responses until (and including) the final one (``GenerationDelta.final``)."""
+        ...

@@ -10,8 +10,16 @@ every process of the server's tree, grouped by process name: ``tritonserver``,
 CPU (this process: ``os.times``), before and after the run, divided by the output
 tokens the run produced. Arms alternate, order flipped every repeat.
 
+Arm ``proxy_openai``: OpenAI ``/v1/completions`` through ``neuron-serving proxy`` to
+the same leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes): the
+proxy's CPU per token (label ``neuron-serving proxy``) set against ``vllm serve``'s
+API server (``vllm api server``) on the same load. A second, short pass measures CPU
+per *request* (``PER_REQUEST_REQUESTS`` requests of one output token each) for the
+proxy and for vLLM's API server.
+
 ``neuron-serving bench cpu [--quick] [--py-spy DIR]`` (diagnostic, not in ``bench
-all``): one leader and one vLLM server, side by side as in the serving benchmark.
+all``): one leader and one vLLM server, side by side as in the serving benchmark,
+and a proxy in front of the leader.
 ``--py-spy DIR``: additionally record each arm's
 server tree with py-spy (if installed) during the first measured repeat, as
 speedscope files, for reading where the front end's time goes.
@@ -60,23 +68,35 @@ def _label(proc: Any) -> str:
             cmd = proc.cmdline()
             mod = next((c for c in cmd if c.startswith(("neuron_serving", "vllm."))), "")
             return {"vllm.entrypoints.openai.api_server": "vllm api server",
-                    "neuron_serving.cli": "neuron-serving leader"}.get(mod, name)  # fmt: skip
+                    "neuron_serving.cli": _cli_label(cmd)}.get(mod, name)  # fmt: skip
         return name
     except Exception:  # noqa: BLE001 - a process that just exited
         return "?"
 
 
-def cpu_by_name(pid: int) -> dict[str, float]:
+def cpu_by_name(*pids: int) -> dict[str, float]:
     """CPU seconds (user + system, children not reaped yet excluded) per process
-    label over the tree rooted at ``pid``."""
+    label over the trees rooted at ``pids``."""
     out: dict[str, float] = {}
-    for proc in _tree(pid):
+    for proc in (p for pid in pids for p in _tree(pid)):
         try:
             t = proc.cpu_times()
             out[_label(proc)] = out.get(_label(proc), 0.0) + t.user + t.system
         except Exception:  # noqa: BLE001
             continue
     return out
+
+
+def _cli_label(cmd: list[str]) -> str:
+    """``neuron-serving leader`` or ``neuron-serving proxy``: the subcommand."""
+    rest = cmd[cmd.index("neuron_serving.cli") + 1 :] if "neuron_serving.cli" in cmd else []
+    return "neuron-serving " + (rest[0] if rest else "?")
+
+
+# The per-request pass: many requests of one output token, so what is measured is the
+# per-request work (parse, route, render, the first and last chunk), not per-token.
+PER_REQUEST_REQUESTS = 128
+PER_REQUEST_ARMS = ("proxy_openai", "vllm")
 
 
 def _client_cpu() -> float:
@@ -100,7 +120,7 @@ def _py_spy(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
     )  # fmt: skip
 
 
-async def _measure(arms: list[Any], servers: dict[str, int], repeats: int, requests: int,
+async def _measure(arms: list[Any], servers: dict[str, tuple[int, ...]], repeats: int, requests: int,
                    max_tokens: int, profile_dir: Path | None) -> list[dict[str, Any]]:  # fmt: skip
     extra = {"temperature": 0.0}
     ids = itertools.count()
@@ -110,14 +130,14 @@ async def _measure(arms: list[Any], servers: dict[str, int], repeats: int, reque
     for r in range(repeats):
         run: dict[str, Any] = {}
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            pid = servers[arm.name]
+            pids = servers[arm.name]
             spy = None
             if profile_dir is not None and r == 0:
-                spy = _py_spy(pid, 8, profile_dir / f"{arm.name}.speedscope.json")
+                spy = _py_spy(pids[-1], 8, profile_dir / f"{arm.name}.speedscope.json")
                 await asyncio.sleep(1.0)  # py-spy attaches to every process of the tree
-            before, client0 = cpu_by_name(pid), _client_cpu()
+            before, client0 = cpu_by_name(*pids), _client_cpu()
             summary = await run_load(arm, ids, requests, CONCURRENCY, max_tokens, extra)
-            after, client1 = cpu_by_name(pid), _client_cpu()
+            after, client1 = cpu_by_name(*pids), _client_cpu()
             if spy is not None:
                 spy.wait(timeout=60)
             tokens = summary["output_tokens"] or 1
@@ -139,6 +159,28 @@ async def _measure(arms: list[Any], servers: dict[str, int], repeats: int, reque
     return runs
 
 
+async def _per_request(arms: list[Any], servers: dict[str, tuple[int, ...]],
+                       repeats: int) -> dict[str, Any]:  # fmt: skip
+    """CPU microseconds per request by process label, one-token requests."""
+    ids = itertools.count(10_000_000)
+    extra = {"temperature": 0.0}
+    chosen = [a for a in arms if a.name in PER_REQUEST_ARMS]
+    out: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
+    for r in range(repeats):
+        for arm in chosen if r % 2 == 0 else chosen[::-1]:
+            pids = servers[arm.name]
+            before = cpu_by_name(*pids)
+            summary = await run_load(arm, ids, PER_REQUEST_REQUESTS, CONCURRENCY, 1, extra)
+            after = cpu_by_name(*pids)
+            n = max(PER_REQUEST_REQUESTS - summary["failed"], 1)
+            out[arm.name].append(
+                {k: v / n * 1e6 for k, v in _delta(after, before).items() if v > 0}
+            )
+    return {name: {k: spread([row.get(k, 0.0) for row in rows])
+                   for k in sorted({k for row in rows for k in row})}
+            for name, rows in out.items()}  # fmt: skip
+
+
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     arms: dict[str, Any] = {}
     for name in runs[0]:
@@ -155,9 +197,34 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return arms
 
 
+TARGET_PROXY_PER_TOKEN_RATIO = 0.5  # proxy / vLLM's API server, CPU per output token
+TARGET_PROXY_US_PER_REQUEST = 500.0
+PROXY_LABEL, API_SERVER_LABEL = "neuron-serving proxy", "vllm api server"
+
+
+def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures: the proxy's CPU per output token against vLLM's API
+    server's on the same load, and the proxy's CPU per request."""
+    med = lambda s: (s or {}).get("median", float("nan"))  # noqa: E731
+    proxy_tok = med(agg.get("proxy_openai", {}).get("server_us_per_token", {}).get(PROXY_LABEL))
+    api_tok = med(agg.get("vllm", {}).get("server_us_per_token", {}).get(API_SERVER_LABEL))
+    proxy_req = med(per_request.get("proxy_openai", {}).get(PROXY_LABEL))
+    ratio = proxy_tok / api_tok if api_tok else float("nan")
+    return {
+        "proxy_us_per_token": proxy_tok, "api_server_us_per_token": api_tok,
+        "per_token_ratio": ratio, "proxy_us_per_request": proxy_req,
+        "api_server_us_per_request": med(per_request.get("vllm", {}).get(API_SERVER_LABEL)),
+        "targets": {"per_token_ratio": TARGET_PROXY_PER_TOKEN_RATIO,
+                    "proxy_us_per_request": TARGET_PROXY_US_PER_REQUEST},
+        "met": {"per_token_ratio": ratio <= TARGET_PROXY_PER_TOKEN_RATIO,
+                "proxy_us_per_request": proxy_req <= TARGET_PROXY_US_PER_REQUEST},
+    }  # fmt: skip
+
+
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
          profile_dir: str | None = None) -> int:  # fmt: skip
-    from neuron_serving.bench.stack import wait_ready
+    from neuron_serving.bench.stack import proxy_config, start_proxy, wait_ready
+    from neuron_serving.bench.workload import proxy_arm
     from neuron_serving.models.demo import build_demo_model
 
     repeats = repeats or (2 if quick else 4)
@@ -168,16 +235,22 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
         leader = start_bench_leader(model_dir, work)
         vllm = start_bench_vllm(model_dir, work)
+        proxy = None
         try:
             wait_ready([leader, vllm])
-            arm_list = arms(leader, vllm.base)
-            servers = {"triton": leader.process.popen.pid, "triton_http": leader.process.popen.pid,
-                       "vllm": vllm.process.popen.pid}  # fmt: skip
+            proxy = start_proxy(proxy_config([leader], model_dir, ENGINE["max_model_len"]), work)
+            arm_list = [*arms(leader, vllm.base), proxy_arm(proxy.base)]
+            ldr, srv = leader.process.popen.pid, vllm.process.popen.pid
+            servers = {"triton": (ldr,), "triton_http": (ldr,), "vllm": (srv,),
+                       "proxy_openai": (ldr, proxy.process.popen.pid)}  # fmt: skip
             pdir = Path(profile_dir) if profile_dir else None
             if pdir is not None:
                 pdir.mkdir(parents=True, exist_ok=True)
             runs = asyncio.run(_measure(arm_list, servers, repeats, requests, max_tokens, pdir))
+            per_request = asyncio.run(_per_request(arm_list, servers, repeats))
         finally:
+            if proxy is not None:
+                proxy.process.stop()
             leader.process.stop()
             vllm.process.stop()
     agg = aggregate(runs)
@@ -188,6 +261,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                             "client = this load driver's own process"},  # fmt: skip
         "machine_load": {"load_avg_1m_start": load_before[0], "load_avg_1m_end": os.getloadavg()[0]},
         "arms": agg,
+        "proxy_vs_vllm_api_server": proxy_vs_api_server(agg, per_request),
+        "per_request_us": per_request,
         "runs": runs,
     }  # fmt: skip
     path = write_result("cpu" + ("-quick" if quick else ""), result)
@@ -195,6 +270,11 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         print(f"{name}: {a['output_tok_s']['median']:.0f} tok/s, server "
               f"{a['server_total_us_per_token']['median']:.0f} us/token, client "
               f"{a['client_us_per_token']['median']:.0f} us/token", file=sys.stderr)  # fmt: skip
+    cmp = result["proxy_vs_vllm_api_server"]
+    print(f"proxy {cmp['proxy_us_per_token']:.0f} us/token vs vllm api server "
+          f"{cmp['api_server_us_per_token']:.0f} (ratio {cmp['per_token_ratio']:.2f}, target <= "
+          f"{TARGET_PROXY_PER_TOKEN_RATIO}); per request {cmp['proxy_us_per_request']:.0f} us "
+          f"(target <= {TARGET_PROXY_US_PER_REQUEST:.0f})", file=sys.stderr)  # fmt: skip
     print(f"-> {path}", file=sys.stderr)
     if emit_json:
         print(json.dumps({n: a["server_total_us_per_token"]["median"] for n, a in agg.items()}))

@@ -117,7 +117,9 @@ def start_leader(
     args = ["leader", "--model", str(model), "--tp", "1", "--control-port", str(free_port_block()),
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
             "--max-model-len", str(max_model_len), "--kv-cache-bytes", str(kv_cache_bytes),
-            "--run-dir", str(workdir / f"{name}-run"), "--drain", "1", *extra_args]  # fmt: skip
+            "--run-dir", str(workdir / f"{name}-run"), "--drain", "1",
+            # The model name proxy_config routes by: the leader's OpenAI layer answers for it.
+            "--served-model-name", "llm", *extra_args]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_bind, "PYTHONUNBUFFERED": "1",
            "NEURON_SERVING_UNIT_TOKEN": os.environ.get("NEURON_SERVING_UNIT_TOKEN", _BENCH_TOKEN)}  # fmt: skip
     proc = _spawn_cli(name, args, workdir, env)

@@ -54,6 +54,9 @@ def start_leader(
         "leader", "--model", str(model), "--tp", str(tp), "--control-port", str(control),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
         "--run-dir", str(tmp / "run"),
+        # The name the e2e proxies route by (leader_fixture.proxy_config): vLLM's OpenAI
+        # layer on the leader answers only for its served name.
+        "--served-model-name", "llm",
         # Tests exercise the serving path, not torch.compile: eager startup keeps
         # each leader to seconds instead of ~30 s per rank on CPU.
         "--enforce-eager", *extra,

@@ -1,19 +1,22 @@
 """Small real servers on loopback for the proxy tests.
 
 ``FakeTriton`` speaks Triton's gRPC protocol (tritonclient's generated stubs):
-ServerReady, ModelReady and a decoupled ModelStreamInfer with the vllm_backend
-tensor names; and Triton's HTTP ``/v2/models/{model}/generate_stream`` (SSE) on a
-second port, with the same model and knobs. Its "model" is deterministic: each next word is a function of the
-whole text so far, so resuming from prompt + generated-so-far continues exactly
-the sequence an uninterrupted run produces (what greedy decoding gives a real
-request migration). ``FakeFollower`` is a grpc.health.v1 server.
+ServerReady, ModelReady and a decoupled ModelStreamInfer; and Triton's HTTP
+``/v2/models/{model}/generate_stream`` (SSE) on a second port, with the same model
+and knobs. Both carry both request kinds of the leader's ``llm`` model: the text
+path (vllm_backend's tensor names: ``text_input`` ...) and the OpenAI path
+(``openai_request`` -> ``openai_status``, ``openai_body``, ``token_ids``,
+``prompt_token_ids``; fake_openai.py). Its "model" is deterministic: each next word
+is a function of the whole text so far, so resuming from prompt + generated-so-far
+(text, or token ids) continues exactly the sequence an uninterrupted run produces
+(what greedy decoding gives a real request migration). ``FakeFollower`` is a
+grpc.health.v1 server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import zlib
 from dataclasses import dataclass, field
 
 import grpc
@@ -24,11 +27,18 @@ from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
-WORDS = ["red", "green", "blue", "shoe", "cart", "price", "size", "brand", "sale", "ship", "end"]
+from tests.proxy.fake_openai import (
+    WORD_ID,
+    WORDS,
+    BadRequest,
+    Chunks,
+    FakeOpenAIResponse,
+    decode,
+    next_word,
+    parse_request,
+)
 
-
-def next_word(text: str) -> str:
-    return WORDS[zlib.crc32(text.encode("utf-8")) % len(WORDS)]
+__all__ = ["WORDS", "next_word"]
 
 
 def reference_completion(prompt: str, max_tokens: int, ignore_eos: bool = False) -> tuple[str, str]:
@@ -59,6 +69,9 @@ class Behavior:
     # response, like neuron_serving's leader (None: an unversioned leader).
     model_version: str | None = None
     prompts: list[str] = field(default_factory=list)
+    envelopes: list[dict] = field(default_factory=list)  # openai_request, as received
+    openai_bodies: list[bytes] = field(default_factory=list)  # openai_body, as sent
+    created: int = 0  # OpenAI chunks' "created" (0: the server's own constant)
     http_peers: list[tuple] = field(default_factory=list)  # client address per HTTP request
     started: int = 0
     cancelled: int = 0
@@ -90,6 +103,46 @@ def _response(
         raw = serialize_byte_tensor(arr).item() if dtype == "BYTES" else arr.tobytes()
         resp.raw_output_contents.append(raw)
     return service_pb2.ModelStreamInferResponse(infer_response=resp)
+
+
+def _openai_response(model: str, rid: str, r: FakeOpenAIResponse):
+    resp = service_pb2.ModelInferResponse(model_name=model, id=rid)
+    outputs: list[tuple[str, str, np.ndarray]] = [
+        ("openai_body", "BYTES", np.array([r.body], dtype=np.object_))
+    ]
+    if r.status is not None:
+        outputs.append(("openai_status", "INT32", np.array([r.status], dtype=np.int32)))
+    for name, ids in (("token_ids", r.token_ids), ("prompt_token_ids", r.prompt_token_ids)):
+        if ids is not None:
+            outputs.append((name, "INT64", np.array(ids, dtype=np.int64)))
+    for name, n in (("prompt_tokens", r.prompt_tokens), ("completion_tokens", r.completion_tokens)):
+        if n is not None:
+            outputs.append((name, "INT32", np.array([n], dtype=np.int32)))
+    for name, text in (("finish_reason", r.finish_reason), ("model_version", r.model_version)):
+        if text is not None:
+            outputs.append((name, "BYTES", np.array([text.encode()], dtype=np.object_)))
+    for name, dtype, arr in outputs:
+        out = resp.outputs.add()
+        out.name, out.datatype = name, dtype
+        out.shape.append(arr.size)
+        raw = serialize_byte_tensor(arr).item() if dtype == "BYTES" else arr.tobytes()
+        resp.raw_output_contents.append(raw)
+    return service_pb2.ModelStreamInferResponse(infer_response=resp)
+
+
+def _openai_event(r: FakeOpenAIResponse) -> dict:
+    """As Triton's generate_stream writes outputs: one element as a scalar, several
+    as a list."""
+    event: dict = {"model_name": "llm", "model_version": "1", "openai_body": r.body.decode()}
+    fields = (("openai_status", r.status), ("token_ids", r.token_ids),
+              ("prompt_token_ids", r.prompt_token_ids), ("prompt_tokens", r.prompt_tokens),
+              ("completion_tokens", r.completion_tokens), ("finish_reason", r.finish_reason))  # fmt: skip
+    for name, value in fields:
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if value is not None:
+            event[name] = value
+    return event
 
 
 def _inputs(req: service_pb2.ModelInferRequest) -> dict:
@@ -130,6 +183,10 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield service_pb2.ModelStreamInferResponse(error_message=b.stream_error)
                 continue
             values = _inputs(req)
+            if "openai_request" in values:
+                async for r in self.owner.openai(values["openai_request"]):
+                    yield _openai_response("llm", req.id, r)
+                continue
             async for text, finish, prompt_tokens, completion, version in self.owner.generate(
                 values["text_input"], values.get("sampling_parameters") or "{}"
             ):
@@ -155,6 +212,11 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     if b.stream_error:
         await resp.write(b"data: " + json.dumps({"error": b.stream_error}).encode() + b"\n\n")
+        return resp
+    if "openai_request" in body:
+        async for r in owner.openai(body["openai_request"]):
+            data = json.dumps(_openai_event(r), sort_keys=True, separators=(",", ":"))
+            await resp.write(b"data: " + data.encode() + b"\n\n")
         return resp
     async for text, finish, prompt_tokens, completion, _version in owner.generate(
         body["text_input"], body.get("sampling_parameters") or "{}"
@@ -219,13 +281,7 @@ class FakeTriton:
         try:
             out = ""
             for i in range(max_tokens):
-                if b.kill_after_tokens is not None and i >= b.kill_after_tokens:
-                    asyncio.get_running_loop().create_task(self.kill())
-                    await asyncio.sleep(3600)  # the server dies under us
-                if b.stall_after_tokens is not None and i >= b.stall_after_tokens:
-                    await asyncio.sleep(3600)  # cancelled when the client gives up
-                if b.token_delay_s:
-                    await asyncio.sleep(b.token_delay_s)
+                await self._token_gate(i)
                 word = next_word(prompt + out) * b.word_repeat
                 version = b.model_version if i == 0 else None
                 if word == "end" and not ignore_eos:
@@ -236,15 +292,121 @@ class FakeTriton:
                 yield " " + word, "length" if last else "", len(prompt), i + 1, version
             else:
                 if b.finish_separately:
-                    if b.kill_after_tokens is not None and max_tokens >= b.kill_after_tokens:
-                        asyncio.get_running_loop().create_task(self.kill())
-                        await asyncio.sleep(3600)
+                    if b.kill_after_tokens is not None:
+                        await self._token_gate(max_tokens)
                     yield "", "length", len(prompt), max_tokens, None
         except asyncio.CancelledError:
             b.cancelled += 1
             raise
         finally:
             b.active -= 1
+
+    async def _token_gate(self, i: int) -> None:
+        """Before token ``i`` of a request: the knobs that kill, stall or slow it."""
+        b = self.behavior
+        if b.kill_after_tokens is not None and i >= b.kill_after_tokens:
+            asyncio.get_running_loop().create_task(self.kill())
+            await asyncio.sleep(3600)  # the server dies under us
+        if b.stall_after_tokens is not None and i >= b.stall_after_tokens:
+            await asyncio.sleep(3600)  # cancelled when the client gives up
+        if b.token_delay_s:
+            await asyncio.sleep(b.token_delay_s)
+
+    async def openai(self, raw: str):
+        async for r in self._openai(raw):
+            self.behavior.openai_bodies.append(r.body)
+            yield r
+
+    async def _openai(self, raw: str):
+        """The OpenAI path: ``FakeOpenAIResponse``s for one envelope, as the leader's
+        contract has them (status first, body on every response, the finish reason
+        and ``[DONE]`` on the last; token ids when the envelope asks)."""
+        b = self.behavior
+        envelope = json.loads(raw)
+        b.envelopes.append(envelope)
+        endpoint = envelope["endpoint"]
+        if endpoint == "version":
+            yield FakeOpenAIResponse(b'{"version":"fake"}', 200, "done")
+            return
+        if endpoint in ("tokenize", "detokenize"):
+            yield self._tokenization(endpoint, envelope["body"])
+            return
+        try:
+            req = parse_request(envelope)
+            if req.max_tokens < 1:
+                raise BadRequest("max_tokens must be at least 1", "max_tokens")
+        except BadRequest as e:
+            yield FakeOpenAIResponse(e.body(), e.status, "done")
+            return
+        text = decode(req.engine_ids, b.word_repeat)
+        b.prompts.append(text)
+        chunks = Chunks(req, b.created or 1_800_000_000 + self.port,
+                        req.body.get("model") or "llm", b.model_version or "fp-fake")  # fmt: skip
+        first = FakeOpenAIResponse(
+            b"", 200, prompt_tokens=len(req.engine_ids), model_version=b.model_version,
+            prompt_token_ids=req.engine_ids if req.token_ids else None,
+        )  # fmt: skip
+        pending: FakeOpenAIResponse | None = first  # the first response's extras
+        b.active += 1
+        try:
+            out, finish, n = "", "length", 0
+            for i in range(req.max_tokens):
+                await self._token_gate(i)
+                word = next_word(text + out)
+                if word == "end" and not req.ignore_eos:
+                    finish = "stop"
+                    break
+                out += " " + word * b.word_repeat
+                n = i + 1
+                if not req.stream:
+                    continue
+                last = n == req.max_tokens and not b.finish_separately
+                body = chunks.role() if pending is not None and req.chat else b""
+                body += chunks.token(" " + word * b.word_repeat, "length" if last else None, n)
+                r = pending or FakeOpenAIResponse(b"")
+                r.body = body + (chunks.end(n) if last else b"")
+                r.token_ids = [WORD_ID + WORDS.index(word)] if req.token_ids else None
+                r.completion_tokens = n
+                if last:
+                    r.finish_reason = "length"
+                pending = None
+                yield r
+                if last:
+                    return
+            if b.finish_separately and b.kill_after_tokens is not None:
+                await self._token_gate(req.max_tokens)
+            r = pending or FakeOpenAIResponse(b"")
+            r.finish_reason, r.completion_tokens = finish, n
+            r.token_ids = [] if req.token_ids else None
+            if req.stream:
+                body = chunks.role() if pending is not None and req.chat else b""
+                r.body = body + chunks.token("", finish, n) + chunks.end(n)
+            else:
+                r.body = chunks.full(out, finish, n)
+            yield r
+        except asyncio.CancelledError:
+            b.cancelled += 1
+            raise
+        finally:
+            b.active -= 1
+
+    def _tokenization(self, endpoint: str, body: dict) -> FakeOpenAIResponse:
+        if endpoint == "tokenize":
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return FakeOpenAIResponse(
+                    BadRequest("prompt required", "prompt").body(), 400, "done"
+                )
+            ids = list(prompt.encode())
+            out = {"count": len(ids), "max_model_len": 4096, "tokens": ids, "token_strs": None}
+        else:
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list):
+                return FakeOpenAIResponse(
+                    BadRequest("tokens required", "tokens").body(), 400, "done"
+                )
+            out = {"prompt": decode(tokens)}
+        return FakeOpenAIResponse(json.dumps(out, separators=(",", ":")).encode(), 200, "done")
 
     async def kill(self) -> None:
         """Stop at once, breaking every open stream (what a crashed leader looks like)."""

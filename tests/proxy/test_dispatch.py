@@ -1,4 +1,5 @@
-"""Failures: retries before the first token, request migration mid-stream, 429/503."""
+"""Failures: retries before the first response, request migration mid-stream
+(token-exact resumption of OpenAI streams), 429/503."""
 
 import asyncio
 import time
@@ -6,6 +7,7 @@ import time
 import pytest
 
 from tests.proxy.conftest import read_sse, url
+from tests.proxy.fake_openai import WORD_ID, WORDS
 from tests.proxy.fakes import next_word, reference_completion, wait_until
 
 # Every test runs over both upstream transports (the fake leader serves both).
@@ -65,17 +67,25 @@ async def test_migration_mid_stream_continues_the_same_text(fleet):
     s = fleet.session()
     prompt = "find me running shoes"
     body = {"model": "llm", "prompt": prompt, "max_tokens": 12, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
     async with s.post(url(proxy, "/v1/completions"), json=body) as r:
         assert r.status == 200
         events = await read_sse(r)
     expected, _ = reference_completion(prompt, 12, ignore_eos=True)
     assert completion_text(events) == expected  # same as an uninterrupted run
-    assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 12
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == {
+        "prompt_tokens": len(prompt), "total_tokens": len(prompt) + 12, "completion_tokens": 12}  # fmt: skip
     assert [e for e in events if isinstance(e, dict) and "error" in e] == []
-    four = "".join(" " + w for w in expected.split()[:4])
-    assert b.behavior.prompts == [prompt + four]  # resent prompt + generated-so-far
-    assert next_word(prompt + four) == expected.split()[4]
+    assert (
+        len({e["id"] for e in events[:-1]}) == 1 and len({e["created"] for e in events[:-1]}) == 1
+    )
+    four = expected.split()[:4]
+    (resumed,) = b.behavior.envelopes  # fed the token ids, not text
+    assert resumed["resume"] == {"prompt_token_ids": list(prompt.encode()),
+                                 "output_token_ids": [WORD_ID + WORDS.index(w) for w in four]}  # fmt: skip
+    assert resumed["body"] == {**body, "request_id": events[0]["id"].removeprefix("cmpl-")}
+    assert b.behavior.prompts == [prompt + "".join(" " + w for w in four)]
+    assert next_word(b.behavior.prompts[0]) == expected.split()[4]
     async with s.get(url(proxy, "/metrics")) as r:
         assert 'proxy_migrations_total{outcome="started"} 1.0' in await r.text()
 
@@ -85,13 +95,14 @@ async def test_migration_impossible_ends_with_sse_error_event(fleet):
     a.behavior.kill_after_tokens = 3
     proxy = await fleet.proxy([a], outlier={"panic_threshold_pct": 0})
     s = fleet.session()
-    body = {"model": "llm", "prompt": "p", "max_tokens": 10, "ignore_eos": True, "stream": True}
+    body = {"model": "llm", "prompt": "p", "max_tokens": 10, "ignore_eos": True, "stream": True,
+            "temperature": 0}  # fmt: skip
     async with s.post(url(proxy, "/v1/completions"), json=body) as r:
         assert r.status == 200
         events = await asyncio.wait_for(read_sse(r), 10)
     assert events[-1] == "[DONE]"
-    err = events[-2]["error"]
-    assert err["type"] == "server_error" and err["message"]
+    err = events[-2]["error"]  # vLLM's in-stream error format
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] >= 500, err
     assert len(completion_text(events).split()) == 3
 
 
@@ -168,6 +179,7 @@ async def test_concurrent_streams_all_survive_a_unit_dying(fleet):
             "max_tokens": 10,
             "ignore_eos": True,
             "stream": True,
+            "temperature": 0,
         }
         async with s.post(url(proxy, "/v1/completions"), json=body) as r:
             assert r.status == 200
@@ -176,7 +188,7 @@ async def test_concurrent_streams_all_survive_a_unit_dying(fleet):
     results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(16))), 20)
     for prompt, text in results:
         assert text == reference_completion(prompt, 10, ignore_eos=True)[0]
-    migrated = [p for p in b.behavior.prompts if not p.endswith("wants")]  # prompt + text so far
+    migrated = [p for p in b.behavior.prompts if not p.endswith("wants")]  # prompt + ids so far
     assert migrated and all(p.split(" wants")[0].startswith("customer") for p in migrated)
 
 
@@ -187,10 +199,11 @@ async def test_unit_dying_between_last_token_and_finish_ends_with_length(fleet):
     proxy = await fleet.proxy([a, b], **RR)
     s = fleet.session()
     body = {"model": "llm", "prompt": "q", "max_tokens": 5, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
     async with s.post(url(proxy, "/v1/completions"), json=body) as r:
         events = await read_sse(r)
     assert completion_text(events) == reference_completion("q", 5, ignore_eos=True)[0]
     assert events[-3]["choices"][0]["finish_reason"] == "length"
     assert events[-2]["usage"]["completion_tokens"] == 5
+    assert len({e["id"] for e in events[:-1]}) == 1
     assert b.behavior.started == 0  # nothing left to resume: no request to u1

@@ -11,8 +11,9 @@ from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from proxy.grpc_upstream import decode_response
-from proxy.leader_client import build_request
-from tests.proxy.fakes import _inputs, _response
+from proxy.leader_client import build_openai_request, build_request
+from tests.proxy.fake_openai import FakeOpenAIResponse
+from tests.proxy.fakes import _inputs, _openai_response, _response
 
 
 def reference(resp: service_pb2.ModelInferResponse) -> dict:
@@ -134,3 +135,34 @@ def test_build_request_is_what_vllm_backend_reads():
     assert values["stream"] is True and values["exclude_input_in_output"] is True
     raw = dict(zip([t.name for t in req.inputs], req.raw_input_contents, strict=True))
     assert deserialize_bytes_tensor(raw["text_input"])[0].decode() == "héllo 👟"
+
+
+def test_openai_request_and_response_encoding():
+    envelope = b'{"endpoint":"completions","token_ids":true,"resume":null,"body":{"p":"\xc3\xa9"}}'
+    req = build_openai_request("llm", "rid-2", envelope)
+    assert [(t.name, t.datatype, list(t.shape)) for t in req.inputs] == [
+        ("openai_request", "BYTES", [1])
+    ]
+    values = _inputs(service_pb2.ModelInferRequest.FromString(req.SerializeToString()))
+    assert values["openai_request"].encode() == envelope
+    sent = FakeOpenAIResponse(b"data: {}\n\n", 200, None, [5, 2**40], [1, 2, 3], 3, 1, "v7")
+    d = decode_response(_openai_response("llm", "rid-2", sent).infer_response)
+    assert (d.status, d.body, d.token_ids, d.prompt_token_ids) == (
+        200, b"data: {}\n\n", [5, 2**40], [1, 2, 3])  # fmt: skip
+    assert (d.prompt_tokens, d.completion_tokens, d.model_version, d.final) == (3, 1, "v7", False)
+    last = decode_response(
+        _openai_response("llm", "r", FakeOpenAIResponse(b"", token_ids=[], finish_reason="done"))
+        .infer_response
+    )  # fmt: skip
+    assert last.final and last.token_ids == [] and last.status is None and last.body == b""
+
+
+def test_openai_body_in_several_elements_and_typed_ids():
+    resp = infer_response([
+        ("openai_body", "BYTES", np.array([b"data: a\n\n", b"data: b\n\n"], dtype=np.object_)),
+        ("openai_status", "INT32", np.array([404], dtype=np.int32)),
+    ])  # fmt: skip
+    d = decode_response(resp)
+    assert d.body == b"data: a\n\ndata: b\n\n" and d.status == 404 and d.final
+    typed = infer_response([("token_ids", "INT32", np.array([7, 8], dtype=np.int32))], raw=False)
+    assert decode_response(typed).token_ids == [7, 8]

@@ -55,8 +55,8 @@ async def test_errors_map_to_openai_exceptions(client):
     c, _ = client
     with pytest.raises(openai.NotFoundError):
         await c.chat.completions.create(model="gpt-x", messages=[{"role": "user", "content": "hi"}])
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # vLLM's 400 (the leader's), relayed
         await c.chat.completions.create(
-            model="llm", messages=[{"role": "user", "content": "hi"}], n=3
+            model="llm", messages=[{"role": "user", "content": "hi"}], max_tokens=0
         )
-    assert e.value.body["param"] == "n"
+    assert e.value.body["param"] == "max_tokens" and e.value.body["code"] == 400

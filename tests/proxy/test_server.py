@@ -1,9 +1,11 @@
 import asyncio
+import json
 
 import aiohttp
 import pytest
 
 from tests.proxy.conftest import read_sse, url
+from tests.proxy.fake_openai import BadRequest
 from tests.proxy.fakes import reference_completion, wait_until
 
 # Every test runs over both upstream transports (the fake leader serves both).
@@ -77,22 +79,37 @@ async def test_models_status_metrics(fleet):
 
 
 async def test_unknown_model_and_bad_input_are_openai_errors(fleet):
+    """What the proxy refuses itself (it must, to route and relay: unknown model, a
+    body it cannot read, a stream flag it cannot tell); everything else is the
+    leader's vLLM's to validate, and its answer is relayed as it is."""
     u = await fleet.unit("u0")
     proxy = await fleet.proxy([u])
     s = fleet.session()
-    cases = [
+    for body, status, param in [
         ({"model": "nope", "prompt": "x"}, 404, "model"),
-        ({"model": "llm", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": "llm", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
-        ({"model": "llm", "prompt": "x", "n": 2}, 400, "n"),
-        ({"model": "llm", "prompt": "x", "bogus": 1}, 400, "bogus"),
-        ({"model": "llm", "prompt": "x", "temperature": True}, 400, "temperature"),
-    ]
-    for body, status, param in cases:
+        ({"model": 5, "prompt": "x"}, 400, "model"),
+        ({"model": "llm", "prompt": "x", "stream": "maybe"}, 400, "stream"),
+    ]:
         async with s.post(url(proxy, "/v1/completions"), json=body) as r:
             assert r.status == status, body
             err = (await r.json())["error"]
             assert err["param"] == param and err["message"] and "type" in err and "code" in err
+    assert u.behavior.envelopes == []  # none of them reached the unit
+    # vLLM's 400, status and bytes, as the leader sent them; not retried.
+    body = {"model": "llm", "prompt": "x", "max_tokens": 0}
+    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+        assert r.status == 400 and r.content_type == "application/json"
+        raw = await r.read()
+    assert raw == BadRequest("max_tokens must be an integer >= 1", "max_tokens").body()
+    assert json.loads(raw)["error"]["code"] == 400  # vLLM's shape
+    assert len(u.behavior.envelopes) == 1
+    # Unknown fields and what vLLM serves (n, logprobs, tools...) go through untouched.
+    body = {"model": "llm", "prompt": "x", "max_tokens": 2, "n": 2, "bogus": {"a": [1]},
+            "logprobs": 1, "stream": 0}  # fmt: skip
+    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
+        assert r.status == 200, await r.text()
+    assert u.behavior.envelopes[-1] == {"endpoint": "completions", "token_ids": False,
+                                        "resume": None, "body": body}  # fmt: skip
     for raw in (b"{not json", b"\xff\xfe{}", b"[1, 2]"):
         async with s.post(url(proxy, "/v1/completions"), data=raw) as r:
             assert r.status == 400
@@ -157,14 +174,17 @@ async def test_request_counts_and_ttft_are_labelled_by_unit(fleet):
     triton = {"text_input": "hi", "parameters": {"max_tokens": 2}}
     async with s.post(url(proxy, "/v2/models/llm/generate_stream"), json=triton) as r:
         await r.read()
+    async with s.post(url(proxy, "/v1/completions"), json={**body, "model": "x"}) as r:
+        assert r.status == 404  # refused by the proxy: no unit
     async with s.post(url(proxy, "/v1/completions"), json={**body, "max_tokens": 0}) as r:
-        assert r.status == 400
+        assert r.status == 400  # vLLM's answer, from u1 (round robin): no first token
     async with s.get(url(proxy, "/metrics")) as r:
         text = await r.text()
     ep = 'endpoint="/v1/completions"'
     assert f'proxy_requests_total{{code="200",{ep},tenant="",unit="u0"}} 2.0' in text
     assert f'proxy_requests_total{{code="200",{ep},tenant="",unit="u1"}} 2.0' in text
-    assert f'proxy_requests_total{{code="400",{ep},tenant="",unit=""}} 1.0' in text
+    assert f'proxy_requests_total{{code="404",{ep},tenant="",unit=""}} 1.0' in text
+    assert f'proxy_requests_total{{code="400",{ep},tenant="",unit="u1"}} 1.0' in text
     served = 'endpoint="/v2/models/{model}/generate_stream"'
     assert f'proxy_requests_total{{code="200",{served},tenant="",unit="u0"}} 1.0' in text
     assert 'proxy_time_to_first_token_seconds_count{unit="u0"} 3.0' in text

@@ -11,7 +11,8 @@ from proxy.grpc_upstream import TritonUpstream
 from proxy.http_upstream import TritonHttpUpstream, decode_event
 from proxy.leader_client import TritonClientPool
 from proxy.transport import UnitTransport
-from proxy.upstream import DeadlineExceeded, UpstreamError
+from proxy.upstream import DeadlineExceeded, UpstreamError, openai_envelope
+from tests.proxy.fake_openai import render_chat
 from tests.proxy.fakes import Behavior, FakeTriton, reference_completion, wait_until
 
 
@@ -233,3 +234,31 @@ def test_decode_event_reads_outputs_and_ignores_tritons_own_fields():
     assert d.model_version is None
     d = decode_event({"text_output": ["x"], "finish_reason": ["stop"]})
     assert (d.text, d.finish_reason) == ("x", "stop")
+
+
+async def test_an_openai_call_over_either_transport(triton, upstream):
+    envelope = openai_envelope(
+        "chat/completions",
+        b'{"model":"llm","messages":[{"role":"user","content":"hi"}],"max_tokens":3,'
+        b'"ignore_eos":true,"stream":true}',
+        token_ids=True,
+    )
+    deadline = asyncio.get_running_loop().time() + 5
+    gen = upstream.openai(spec(triton), envelope, deadline)
+    async with contextlib.aclosing(gen):
+        deltas = [d async for d in gen]
+    assert [d.status for d in deltas] == [200, None, None]
+    assert b"".join(d.body for d in deltas) == b"".join(triton.behavior.openai_bodies)
+    assert deltas[0].prompt_token_ids == list(
+        render_chat([{"role": "user", "content": "hi"}]).encode()
+    )
+    assert [len(d.token_ids) for d in deltas] == [1, 1, 1] and deltas[-1].final
+    assert triton.behavior.envelopes[0]["body"]["max_tokens"] == 3
+
+
+def test_decode_event_reads_the_openai_outputs():
+    d = decode_event({"openai_status": 200, "openai_body": "data: x\n\n", "token_ids": 7,
+                      "prompt_token_ids": [1, 2], "model_version": "1"})  # fmt: skip
+    assert (d.status, d.body, d.token_ids, d.prompt_token_ids) == (200, b"data: x\n\n", [7], [1, 2])
+    d = decode_event({"openai_body": ["a", "b"], "token_ids": [], "finish_reason": "stop"})
+    assert (d.body, d.token_ids, d.final, d.status) == (b"ab", [], True, None)

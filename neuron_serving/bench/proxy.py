@@ -16,6 +16,13 @@ TTFT and ITL as in ``sse.py`` (ITL = time between consecutive output chunks of
 one request, vLLM's definition). Added TTFT = proxy minus direct, per repeat,
 p50 and p99; targets: p50 <= 1 ms, p99 <= 5 ms.
 
+Throughput pass: ``THROUGHPUT_STREAMS`` (16) streams in flight, the serving
+benchmark's load driver (``workload.run_load``), arms ``direct`` (the leader's
+generate_stream), ``proxy`` (the same through the gRPC proxy) and ``proxy_openai``
+(OpenAI ``/v1/completions`` through the gRPC proxy: vLLM's OpenAI layer on the leader,
+bytes relayed), rotating order per repeat; ratio proxy / direct output tok/s
+(target >= 0.95) and, for information, proxy_openai / direct.
+
 The A/B difference also counts what the proxy's presence does to the engine on a
 shared 2-core machine and when the last request of a 64-request burst reaches vLLM.
 So each proxy batch also reads the proxy's own account of its hop, per request:
@@ -51,6 +58,10 @@ from neuron_serving.bench.stack import (
     wait_leaders,
 )
 
+# Throughput through the proxy at THROUGHPUT_STREAMS streams, against straight to
+# the leader (the same generate_stream API and client): at least this ratio.
+TARGET_THROUGHPUT_RATIO = 0.95
+THROUGHPUT_STREAMS = 16
 TARGET_ADDED_TTFT_P50_MS = 1.0
 TARGET_ADDED_TTFT_P99_MS = 5.0
 STREAMS = 64
@@ -152,6 +163,34 @@ async def _run(
     return {"runs": runs, "sequential": summary}
 
 
+async def _throughput(leader_http: str, proxy_base: str, repeats: int,
+                      max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """Output tok/s per arm per repeat at THROUGHPUT_STREAMS streams, and the ratios."""
+    from neuron_serving.bench.workload import Arm, proxy_arm, run_load, triton_generate_stream
+
+    arms = [Arm("direct", f"http://{leader_http}/v2/models/llm/generate_stream",
+                triton_generate_stream),
+            Arm("proxy", f"{proxy_base}/v2/models/llm/generate_stream", triton_generate_stream),
+            proxy_arm(proxy_base)]  # fmt: skip
+    ids, extra, n = itertools.count(1 << 30), {"temperature": 0.0}, 4 * THROUGHPUT_STREAMS
+    for arm in arms:  # warm-up
+        await run_load(arm, ids, n, THROUGHPUT_STREAMS, max_tokens, extra)
+    runs: list[dict[str, float]] = []
+    for r in range(repeats):
+        order = arms[r % len(arms) :] + arms[: r % len(arms)]
+        runs.append({a.name: (await run_load(a, ids, n, THROUGHPUT_STREAMS, max_tokens, extra))[
+            "output_tok_s"] for a in order})  # fmt: skip
+    ratio = spread([run["proxy"] / run["direct"] for run in runs])
+    return {
+        "streams": THROUGHPUT_STREAMS, "requests_per_arm": n,
+        "output_tok_s": {a.name: spread([run[a.name] for run in runs]) for a in arms},
+        "ratio_per_repeat": ratio, "ratio": ratio["median"],
+        "openai_ratio_per_repeat": spread([run["proxy_openai"] / run["direct"] for run in runs]),
+        "target": TARGET_THROUGHPUT_RATIO, "met": ratio["median"] >= TARGET_THROUGHPUT_RATIO,
+        "runs": runs,
+    }  # fmt: skip
+
+
 def _added(runs: list[dict], key: str, arm: str = "proxy") -> dict[str, float]:
     return spread([run[arm][key] - run["direct"][key] for run in runs])
 
@@ -194,6 +233,10 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                     proxies[name] = ProxyArm(proxy.base.removeprefix("http://"),
                                              proxy.process.popen.pid)  # fmt: skip
                 data = asyncio.run(_run(urls, proxies, repeats, max_tokens, sequential))
+                grpc_proxy = dict(started)["proxy"]
+                throughput = asyncio.run(
+                    _throughput(leader.http, grpc_proxy.base, repeats, 4 * max_tokens)
+                )
             finally:
                 for _, proxy in started:
                     proxy.process.stop()
@@ -237,6 +280,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "added_itl_p99_ms": _added(runs, "itl_p99_ms"),
         "proxy_cpu_us_per_token": spread([run["proxy"]["proxy_cpu_us_per_token"] for run in runs]),
         "http_upstream": _upstream_figures(runs, seq, "proxy_http"),
+        "throughput": throughput,
         "arms": arms,
         "sequential": {
             **seq,
@@ -252,6 +296,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "added_ttft_p99": add99["median"] <= TARGET_ADDED_TTFT_P99_MS,
             "proxy_hop_ttft_p50": hop50["median"] <= TARGET_ADDED_TTFT_P50_MS,
             "proxy_hop_ttft_p99": hop99["median"] <= TARGET_ADDED_TTFT_P99_MS,
+            "throughput_ratio": throughput["met"],
         },  # fmt: skip
         "errors": sum(run[a]["errors"] for run in runs for a in run),
         "runs": runs,
@@ -273,6 +318,11 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
           f"{h['sequential_added_ttft_p50_ms']:+.2f} ms; proxy CPU per token "
           f"{h['proxy_cpu_us_per_token']['median']:.0f} us (gRPC upstream "
           f"{result['proxy_cpu_us_per_token']['median']:.0f} us)", file=sys.stderr)  # fmt: skip
+    tp = throughput
+    print(f"proxy throughput at {THROUGHPUT_STREAMS} streams: proxy / direct {tp['ratio']:.2f} "
+          f"(per repeat {tp['ratio_per_repeat']['min']:.2f}..{tp['ratio_per_repeat']['max']:.2f}; "
+          f"target >= {TARGET_THROUGHPUT_RATIO}); OpenAI through the proxy / direct "
+          f"{tp['openai_ratio_per_repeat']['median']:.2f}", file=sys.stderr)  # fmt: skip
     if emit_json:
         import json
 

@@ -23,7 +23,7 @@ from neuron_serving.bench.common import RESULTS_DIR
 
 REPORT = RESULTS_DIR.parent / "REPORT.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
-            "serving_mn", "failures")  # fmt: skip
+            "serving_mn", "failures", "cpu")  # fmt: skip
 
 
 def family(name: str) -> str:
@@ -185,7 +185,37 @@ def _proxy_targets(r: dict[str, Any]) -> list[Target]:
                 out.append(Target("proxy", f"information: HTTP upstream, {what} {q} at "
                                   f"{streams} streams", spread_text(http[key], 2, " ms"), None,
                                   status="information, no target"))  # fmt: skip
+    tp = r.get("throughput")
+    if tp:
+        per, limit = tp.get("ratio_per_repeat"), tp.get("target", 0.95)
+        out.append(Target("proxy", f"throughput through the proxy / direct at {tp['streams']} "
+                          f"streams >= {limit}", _with_pairs(tp["ratio"], per, "per repeat"),
+                          tp["ratio"] >= limit, straddles=straddles(per, limit)))  # fmt: skip
+        oa = tp.get("openai_ratio_per_repeat")
+        if oa:
+            out.append(Target("proxy", "information: OpenAI /v1/completions through the proxy "
+                              "/ direct generate_stream", _with_pairs(oa["median"], oa, "per repeat"),
+                              None, status="information, no target"))  # fmt: skip
     return out
+
+
+def _cpu_targets(r: dict[str, Any]) -> list[Target]:
+    """bench cpu: the proxy's CPU per output token against vLLM's API server's, and per
+    request."""
+    c = r.get("proxy_vs_vllm_api_server")
+    if not c:
+        return [Target("cpu", t, "no result", None) for t in NOT_MEASURED["cpu"]]
+    tg = c.get("targets", {})
+    ratio, per_req = c.get("per_token_ratio"), c.get("proxy_us_per_request")
+    return [
+        Target("cpu", f"proxy CPU per output token / vLLM API server's <= {tg.get('per_token_ratio')}",
+               f"{num(ratio)} ({num(c.get('proxy_us_per_token'), 0)} vs "
+               f"{num(c.get('api_server_us_per_token'), 0)} us)",
+               None if ratio is None else ratio <= tg.get("per_token_ratio", 0.5)),
+        Target("cpu", f"proxy CPU per request <= {num(tg.get('proxy_us_per_request'), 0)} us",
+               f"{num(per_req, 0)} us (vLLM API server {num(c.get('api_server_us_per_request'), 0)} us)",
+               None if per_req is None else per_req <= tg.get("proxy_us_per_request", 500.0)),
+    ]  # fmt: skip
 
 
 def _routing_targets(r: dict[str, Any]) -> list[Target]:
@@ -261,6 +291,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "failover": _failover_targets,
     "load": _load_targets,
     "serving_mn": _serving_mn_targets,
+    "cpu": _cpu_targets,
 }
 NOT_MEASURED = {
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
@@ -270,6 +301,10 @@ NOT_MEASURED = {
     "failover": ["follower kill -> unhealthy < 3 s, 0 client errors, peak RSS < 12 GB"],
     "load": ["sharded vs full checkpoint load (bench load)"],
     "serving_mn": ["information: TP=2 unit behind Triton / vllm serve --nnodes 2"],
+    "cpu": [
+        "proxy CPU per output token / vLLM API server's <= 0.5",
+        "proxy CPU per request <= 500 us",
+    ],
 }
 
 
@@ -620,6 +655,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "load": _generic_section,
     "serving_mn": _serving_section,
     "failures": _failures_section,
+    "cpu": _generic_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -631,6 +667,7 @@ TITLES = {
     "load": "Checkpoint load: sharded vs full",
     "serving_mn": "Serving across two nodes: TP=2 unit vs vllm serve --nnodes 2 (16 streams)",
     "failures": "A rank's failure: TP=2 unit vs vLLM multi-node",
+    "cpu": "CPU per output token and per request, by process",
 }
 
 

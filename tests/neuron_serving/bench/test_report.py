@@ -184,3 +184,21 @@ def test_multinode_comparisons_are_reported_for_information(tmp_path):
     assert "| vllm_mn | SIGSTOP rank1 | 200@0.0s | none | 4 hung | rank0: 1; rank1: 1 |" in md
     assert "| unit | SIGKILL rank0 | error: no readiness |" in md
     assert "unit on Gloo / multi-node" in md and "`vllm serve --nnodes 2`" in md
+
+
+def test_proxy_throughput_and_cpu_targets(tmp_path):
+    _write(tmp_path, "proxy-quick", {
+        "added_ttft_p50_ms": spread([0.5, 0.7]), "added_ttft_p99_ms": spread([3.0, 4.0]),
+        "throughput": {"streams": 16, "ratio": 0.93, "ratio_per_repeat": spread([0.9, 0.96]),
+                       "openai_ratio_per_repeat": spread([0.8, 0.84]), "target": 0.95},
+    })  # fmt: skip
+    _write(tmp_path, "cpu-quick", {"proxy_vs_vllm_api_server": {
+        "proxy_us_per_token": 40.0, "api_server_us_per_token": 100.0, "per_token_ratio": 0.4,
+        "proxy_us_per_request": 700.0, "api_server_us_per_request": 900.0,
+        "targets": {"per_token_ratio": 0.5, "proxy_us_per_request": 500.0}}})  # fmt: skip
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    by = {t.target: t for t in ts}
+    tput = by["throughput through the proxy / direct at 16 streams >= 0.95"]
+    assert tput.met is False and tput.straddles and tput.measured.startswith("0.93 (per repeat")
+    assert by["proxy CPU per output token / vLLM API server's <= 0.5"].met is True
+    assert by["proxy CPU per request <= 500 us"].met is False

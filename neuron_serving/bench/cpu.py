@@ -10,8 +10,8 @@ every process of the server's tree, grouped by process name: ``tritonserver``,
 CPU (this process: ``os.times``), before and after the run, divided by the output
 tokens the run produced. Arms alternate, order flipped every repeat.
 
-Arm ``proxy_openai``: OpenAI ``/v1/completions`` through ``neuron-serving proxy`` to
-the same leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes): the
+Arms ``proxy_openai`` (gRPC upstream, the default) and ``proxy_openai_http`` (HTTP
+upstream): OpenAI ``/v1/completions`` through ``neuron-serving proxy`` to the same leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes): the
 proxy's CPU per token (label ``neuron-serving proxy``) set against ``vllm serve``'s
 API server (``vllm api server``) on the same load. A second, short pass measures CPU
 per *request* (``PER_REQUEST_REQUESTS`` requests of one output token each) for the
@@ -96,7 +96,7 @@ def _cli_label(cmd: list[str]) -> str:
 # The per-request pass: many requests of one output token, so what is measured is the
 # per-request work (parse, route, render, the first and last chunk), not per-token.
 PER_REQUEST_REQUESTS = 128
-PER_REQUEST_ARMS = ("proxy_openai", "vllm")
+PER_REQUEST_ARMS = ("proxy_openai", "proxy_openai_http", "vllm")
 
 
 def _client_cpu() -> float:
@@ -206,7 +206,11 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dic
     """The issue's figures: the proxy's CPU per output token against vLLM's API
     server's on the same load, and the proxy's CPU per request."""
     med = lambda s: (s or {}).get("median", float("nan"))  # noqa: E731
-    proxy_tok = med(agg.get("proxy_openai", {}).get("server_us_per_token", {}).get(PROXY_LABEL))
+
+    def proxy_tok_of(arm: str) -> float:
+        return med(agg.get(arm, {}).get("server_us_per_token", {}).get(PROXY_LABEL))
+
+    proxy_tok = proxy_tok_of("proxy_openai")
     api_tok = med(agg.get("vllm", {}).get("server_us_per_token", {}).get(API_SERVER_LABEL))
     proxy_req = med(per_request.get("proxy_openai", {}).get(PROXY_LABEL))
     ratio = proxy_tok / api_tok if api_tok else float("nan")
@@ -214,6 +218,14 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dic
         "proxy_us_per_token": proxy_tok, "api_server_us_per_token": api_tok,
         "per_token_ratio": ratio, "proxy_us_per_request": proxy_req,
         "api_server_us_per_request": med(per_request.get("vllm", {}).get(API_SERVER_LABEL)),
+        # The same proxy with upstream_protocol: http, for information.
+        "http_upstream": {
+            "proxy_us_per_token": proxy_tok_of("proxy_openai_http"),
+            "per_token_ratio": proxy_tok_of("proxy_openai_http") / api_tok if api_tok else None,
+            "proxy_us_per_request": med(
+                per_request.get("proxy_openai_http", {}).get(PROXY_LABEL)
+            ),
+        },
         "targets": {"per_token_ratio": TARGET_PROXY_PER_TOKEN_RATIO,
                     "proxy_us_per_request": TARGET_PROXY_US_PER_REQUEST},
         "met": {"per_token_ratio": ratio <= TARGET_PROXY_PER_TOKEN_RATIO,
@@ -235,21 +247,25 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
         leader = start_bench_leader(model_dir, work)
         vllm = start_bench_vllm(model_dir, work)
-        proxy = None
+        proxies: list[Any] = []
         try:
             wait_ready([leader, vllm])
-            proxy = start_proxy(proxy_config([leader], model_dir, ENGINE["max_model_len"]), work)
-            arm_list = [*arms(leader, vllm.base), proxy_arm(proxy.base)]
             ldr, srv = leader.process.popen.pid, vllm.process.popen.pid
-            servers = {"triton": (ldr,), "triton_http": (ldr,), "vllm": (srv,),
-                       "proxy_openai": (ldr, proxy.process.popen.pid)}  # fmt: skip
+            servers = {"triton": (ldr,), "triton_http": (ldr,), "vllm": (srv,)}
+            arm_list = arms(leader, vllm.base)
+            for protocol, name in (("grpc", "proxy_openai"), ("http", "proxy_openai_http")):
+                cfg = proxy_config([leader], model_dir, ENGINE["max_model_len"],
+                                   upstream_protocol=protocol)  # fmt: skip
+                proxies.append(start_proxy(cfg, work, name=name))
+                arm_list.append(proxy_arm(proxies[-1].base, name))
+                servers[name] = (ldr, proxies[-1].process.popen.pid)
             pdir = Path(profile_dir) if profile_dir else None
             if pdir is not None:
                 pdir.mkdir(parents=True, exist_ok=True)
             runs = asyncio.run(_measure(arm_list, servers, repeats, requests, max_tokens, pdir))
             per_request = asyncio.run(_per_request(arm_list, servers, repeats))
         finally:
-            if proxy is not None:
+            for proxy in proxies:
                 proxy.process.stop()
             leader.process.stop()
             vllm.process.stop()

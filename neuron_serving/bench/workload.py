@@ -254,12 +254,12 @@ def arms(leader: Any, vllm_base: str, with_grpc: bool = True) -> list[Arm]:
     return out
 
 
-def proxy_arm(proxy_base: str) -> Arm:
+def proxy_arm(proxy_base: str, name: str = "proxy_openai") -> Arm:
     """OpenAI completions through ``neuron-serving proxy`` (the leader's OpenAI layer
     answers; the proxy relays), driven by vLLM's own request function."""
     from vllm.benchmarks.lib.endpoint_request_func import async_request_openai_completions
 
-    return Arm("proxy_openai", f"{proxy_base}/v1/completions", async_request_openai_completions)
+    return Arm(name, f"{proxy_base}/v1/completions", async_request_openai_completions)
 
 
 def start_bench_leader(model_dir: Path, work: Path) -> Any:

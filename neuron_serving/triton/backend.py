@@ -373,7 +373,7 @@ class LLMBackend:
 
         c = self.config
         name = c.served_model_name or default_served_name(Path(c.model))
-        return OpenAIServing(engine, name, c.model, c.tool_call_parser)
+        return OpenAIServing(engine, name, c.model, c.tool_call_parser, c.model_version)
 
     # ---- responses -------------------------------------------------------------------
 

@@ -208,8 +208,14 @@ class OpenAIResult:
 
 class OpenAIServing:
     def __init__(
-        self, engine: Any, served_model_name: str, model_path: str, tool_call_parser: str = ""
-    ) -> None:
+        self, engine: Any, served_model_name: str, model_path: str, tool_call_parser: str = "",
+        fingerprint: str = "",
+    ) -> None:  # fmt: skip
+        """``fingerprint``: the checkpoint version this unit serves; it becomes the
+        responses' ``system_fingerprint`` as `vllm serve --fingerprint-mode custom
+        --fingerprint-value V` would make it (vLLM stamps it on a stream's last chunk
+        and on whole responses). "" keeps vLLM's default ("full": version and config
+        hash), as `vllm serve` does."""
         self.engine = TeeEngineClient(engine)
         self.models = OpenAIServingModels(
             engine_client=self.engine,
@@ -242,6 +248,9 @@ class OpenAIServing:
         self.completion = OpenAIServingCompletion(
             self.engine, self.models, online_renderer=self.renderer, request_logger=None
         )
+        if fingerprint:
+            for serving in (self.chat, self.completion):
+                serving.system_fingerprint = fingerprint
         self.tokenization = ServingTokenization(
             self.models, self.renderer, request_logger=None, **template
         )

@@ -168,10 +168,15 @@ class Load:
                     stream=True)  # fmt: skip
                 versions = set()
                 finish = None
+                fingerprinted = 0
                 for chunk in stream:
-                    versions.add(chunk.system_fingerprint)
+                    # vLLM stamps system_fingerprint on a stream's last chunk only.
+                    if chunk.system_fingerprint is not None:
+                        versions.add(chunk.system_fingerprint)
+                        fingerprinted += 1
                     if chunk.choices:
                         finish = chunk.choices[0].finish_reason or finish
+                assert fingerprinted >= 1, "no chunk named the version"
                 versions.add(stream.response.headers.get("x-model-version"))
                 assert finish in ("length", "stop"), finish
             self.results.append((versions, None))

@@ -51,7 +51,7 @@ def served(demo_model):
         thread.start()
 
         async def build() -> OpenAIServing:
-            return OpenAIServing(thread.engine, SERVED, str(demo_model), "pythonic")
+            return OpenAIServing(thread.engine, SERVED, str(demo_model), "pythonic", "v7")
 
         yield thread, thread.call(build(), TIMEOUT_S)
     finally:
@@ -126,6 +126,7 @@ def test_completion_with_logprobs_and_echo(served) -> None:
     response = json.loads(body)
     choice = response["choices"][0]
     assert response["object"] == "text_completion" and response["model"] == SERVED
+    assert response["system_fingerprint"] == "v7"  # the checkpoint version, vLLM's custom mode
     assert choice["text"].startswith("Hello world")
     logprobs = choice["logprobs"]
     # echo: the prompt's tokens (first without a logprob) and then the 4 generated

@@ -9,7 +9,7 @@ constant time (neuron_serving/bearer.py).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from aiohttp import web
 
@@ -18,9 +18,7 @@ from proxy.config import UnitSpec
 from proxy.errors import APIError, invalid
 from proxy.front_end import read_json
 from proxy.http_guard import BODY_GUARD, BodyGuard
-
-if TYPE_CHECKING:
-    from proxy.server import ProxyServer
+from proxy.registry import Registry, UnitState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -32,7 +30,20 @@ def _unauthorized(message: str) -> web.Response:
     return err.response()
 
 
-def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard) -> web.Application:
+def unit_summary(unit: UnitState) -> dict[str, Any]:
+    return {
+        "unit_id": unit.unit_id,
+        "model": unit.spec.model,
+        "model_version": unit.model_version,
+        "draining": unit.draining,
+        "healthy": unit.nodes_healthy(),
+        "in_flight": unit.in_flight,
+    }
+
+
+def make_admin_app(
+    registry: Registry, token: str | None, body_guard: BodyGuard, max_body_bytes: int
+) -> web.Application:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if token is None:
@@ -44,8 +55,6 @@ def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard)
         except APIError as e:
             return e.response()
 
-    registry = proxy.registry
-
     def unit_or_404(request: web.Request):
         unit_id = request.match_info["unit_id"]
         unit = registry.get(unit_id)
@@ -56,9 +65,7 @@ def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard)
         return unit
 
     async def list_units(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"units": [proxy.unit_summary(u) for u in registry.units.values()]}
-        )
+        return web.json_response({"units": [unit_summary(u) for u in registry.units.values()]})
 
     async def add_unit(request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -78,7 +85,7 @@ def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard)
         unit = registry.add(spec)
         if draining:
             registry.set_draining(spec.unit_id, True)
-        return web.json_response(proxy.unit_summary(unit), status=201)
+        return web.json_response(unit_summary(unit), status=201)
 
     async def remove_unit(request: web.Request) -> web.Response:
         unit = unit_or_404(request)
@@ -87,13 +94,13 @@ def make_admin_app(proxy: ProxyServer, token: str | None, body_guard: BodyGuard)
 
     async def drain(request: web.Request) -> web.Response:
         unit = registry.set_draining(unit_or_404(request).unit_id, True)
-        return web.json_response(proxy.unit_summary(unit))
+        return web.json_response(unit_summary(unit))
 
     async def undrain(request: web.Request) -> web.Response:
         unit = registry.set_draining(unit_or_404(request).unit_id, False)
-        return web.json_response(proxy.unit_summary(unit))
+        return web.json_response(unit_summary(unit))
 
-    app = web.Application(middlewares=[auth], client_max_size=proxy.config.max_body_bytes)
+    app = web.Application(middlewares=[auth], client_max_size=max_body_bytes)
     app[BODY_GUARD] = body_guard
     app.add_routes(
         [

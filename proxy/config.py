@@ -192,10 +192,9 @@ class ModelSpec:
     """A served model: what the client names, and where its tokenizer files live."""
 
     name: str
-    model_dir: str | None = None  # holds tokenizer_config.json (chat_template)
-    max_model_len: int | None = None  # bounds max_tokens and (approximately) prompt length
-    default_max_tokens: int = 16  # OpenAI's default for /v1/completions
-    default_chat_max_tokens: int = 1024  # chat has no OpenAI default; bounded by the context
+    model_dir: str | None = None  # holds tokenizer.json (Triton's route: prompt-length check)
+    max_model_len: int | None = None  # bounds Triton's route's prompt + max_tokens
+    default_max_tokens: int = 16  # Triton's route without max_tokens (vllm_backend's 16)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "models[].name must not be empty")

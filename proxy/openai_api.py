@@ -4,43 +4,34 @@
 The leader runs vLLM's own OpenAI serving layer and answers with the bytes ``vllm
 serve`` would send; this front end relays them. It reads the body (bounded), checks
 that it is a JSON object naming a served model, reads the few fields it needs
-(``protocol.parse_openai``), admits the request and hands it to the dispatcher; it
-never re-renders a response. A non-streamed answer is one JSON body with vLLM's
-status. A stream's response headers are sent only once its first response exists
-with status 200, so that every failure before it (no unit, all retries failed,
-overload, vLLM's own 4xx) is a plain HTTP error with the right status; after it
-each leader response's body (one or more whole SSE events) is written as it
-comes, bounded by ``limits.write_timeout_s``. A failure that migration cannot
-repair becomes one SSE error event in vLLM's format followed by ``[DONE]``: the
-client always sees the stream end, never a hang.
+(``protocol.parse_openai``) and hands an ``OpenAIJob`` to the generation path both
+front ends share (``pipeline.py``: admission, the dispatcher's ``relay``, metrics,
+the SSE response); it never re-renders a response (``OpenAIRender``). A
+non-streamed answer is one JSON body with vLLM's status. A stream's response
+headers are sent only once its first response exists with status 200, so that
+every failure before it (no unit, all retries failed, overload, vLLM's own 4xx) is
+a plain HTTP error with the right status; after it each leader response's body
+(one or more whole SSE events) is written as it comes. A failure that migration
+cannot repair becomes one SSE error event in vLLM's format followed by ``[DONE]``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import logging
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from proxy.admission import Overloaded
-from proxy.dispatch import NoRoutableUnit, OpenAIJob, pinned_version, version_headers
+from proxy.dispatch import NoRoutableUnit, OpenAIJob
 from proxy.errors import APIError
-from proxy.front_end import as_api_error, read_json, text_header
-from proxy.http_guard import write_bounded
-from proxy.metrics import REQUEST_UNIT
+from proxy.front_end import read_json
+from proxy.pipeline import Pipeline
 from proxy.protocol import Endpoint, parse_openai
 from proxy.upstream import DeadlineExceeded, GenerationDelta, UpstreamError
 
-if TYPE_CHECKING:
-    from proxy.server import ProxyServer
-
-log = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no"}  # fmt: skip
@@ -66,9 +57,39 @@ def stream_error_event(e: Exception) -> bytes:
     return b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\n"
 
 
+class OpenAIRender:
+    """vLLM's bytes, relayed: a stream once the first response is a 200."""
+
+    sse_headers = _SSE_HEADERS
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+
+    def streams(self, first: GenerationDelta) -> bool:
+        return self.stream and first.status == 200
+
+    def chunk(self, d: GenerationDelta) -> bytes:
+        return d.body  # whole SSE events
+
+    def last_chunk(self, d: GenerationDelta) -> bytes:
+        return d.body  # its events end with [DONE]
+
+    def error_event(self, e: Exception) -> bytes:
+        return stream_error_event(e) + _DONE
+
+    def response(self, deltas: list[GenerationDelta], headers: dict[str, str]) -> web.Response:
+        return web.Response(
+            body=b"".join(d.body for d in deltas),
+            status=deltas[0].status or 200,
+            content_type="application/json",
+            headers=headers,
+        )
+
+
 class OpenAIFrontEnd:
-    def __init__(self, proxy: ProxyServer) -> None:
-        self.proxy = proxy
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.deps = pipeline.deps
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -84,8 +105,8 @@ class OpenAIFrontEnd:
         """vLLM's model cards (``ModelCard``), ``max_model_len`` from the proxy's config."""
         now = int(time.time())
         data = []
-        for name in self.proxy.model_names():
-            spec = self.proxy.config.model_spec(name)
+        for name in self.deps.model_names():
+            spec = self.deps.config.model_spec(name)
             permission = {
                 "id": f"modelperm-{name}", "object": "model_permission", "created": now,
                 "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
@@ -114,7 +135,7 @@ class OpenAIFrontEnd:
 
     async def version(self, request: web.Request) -> web.StreamResponse:
         """vLLM's version, from any unit (of the first served model that has one)."""
-        models = sorted(self.proxy.registry.models()) or self.proxy.model_names()
+        models = sorted(self.deps.registry.models()) or self.deps.model_names()
         if not models:
             raise APIError(503, "no model is served", "server_error", None, "no_routable_unit")
         return await self._serve(request, "version", {"model": models[0]})
@@ -122,85 +143,16 @@ class OpenAIFrontEnd:
     async def _serve(
         self, request: web.Request, endpoint: Endpoint, body: Any
     ) -> web.StreamResponse:
-        proxy = self.proxy
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        req = parse_openai(body, endpoint, proxy.model_names())
+        start = asyncio.get_running_loop().time()
+        req = parse_openai(body, endpoint, self.deps.model_names())
         if endpoint == "version":
             body = {}  # the model was only for routing
         job = OpenAIJob(
-            model=req.model,
-            deadline=start + proxy.config.timeouts.request_s,
-            session_id=text_header(request, proxy.config.routing.session_header),
-            version=pinned_version(proxy.registry, req.model, request.headers),
+            **self.pipeline.job_fields(request, req.model, start),
             request=req,
             # The client's JSON as msgspec re-encodes it (same values, same key order):
             # a few microseconds, and the leader gets exactly what the client sent.
             raw_body=msgspec.json.encode(body),
             body=body,
         )
-        try:
-            async with proxy.admission.slot():
-                gen = proxy.dispatcher.relay(job)
-                async with contextlib.aclosing(gen):
-                    first = await anext(gen)  # failures up to here are plain HTTP errors
-                    if first.status == 200:
-                        proxy.metrics.first_token(request, job.units[-1], loop.time() - start)
-                    else:  # vLLM's error answer: served by the unit, but no first token
-                        request[REQUEST_UNIT] = job.units[-1]
-                    if req.stream and first.status == 200:
-                        return await self._stream(request, job, first, gen, start)
-                    parts, d = [first.body], first
-                    while not d.final:
-                        d = await anext(gen)
-                        parts.append(d.body)
-                    proxy.metrics.e2e.observe(loop.time() - start)
-                    return web.Response(
-                        body=b"".join(parts),
-                        status=first.status or 200,
-                        content_type="application/json",
-                        headers=version_headers(job),
-                    )
-        except (Overloaded, NoRoutableUnit, UpstreamError) as e:
-            raise as_api_error(e) from None
-
-    async def _stream(
-        self,
-        request: web.Request,
-        job: OpenAIJob,
-        first: GenerationDelta,
-        gen: AsyncIterator[GenerationDelta],
-        start: float,
-    ) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
-        metrics = self.proxy.metrics
-        resp = web.StreamResponse(headers={**_SSE_HEADERS, **version_headers(job)})
-        await resp.prepare(request)
-        limit = self.proxy.config.limits.write_timeout_s
-        d, now, hop_pending = first, loop.time(), True
-        try:
-            while not d.final:
-                if d.body:
-                    await write_bounded(request, resp, d.body, limit)
-                if hop_pending:
-                    metrics.first_written(job.upstream_ttft_s, loop.time() - start)
-                    hop_pending = False
-                d = await anext(gen)
-                t = loop.time()
-                metrics.itl.observe(t - now)
-                now = t
-        except (NoRoutableUnit, UpstreamError) as e:
-            log.warning("stream of %s failed after its first response: %s", job.units, e)
-            tail = stream_error_event(e) + _DONE
-        except ConnectionError:  # the client left or stopped reading: nothing to tell it
-            raise
-        except Exception as e:  # a proxy bug must still end the stream cleanly, not hang it
-            log.exception("stream of %s failed", job.units)
-            tail = stream_error_event(e) + _DONE
-        else:
-            tail = d.body  # the final response: its events end with [DONE]
-            if hop_pending:
-                metrics.first_written(job.upstream_ttft_s, loop.time() - start)
-        metrics.e2e.observe(loop.time() - start)
-        await write_bounded(request, resp, tail, limit, eof=True)
-        return resp
+        return await self.pipeline.serve(request, job, start, OpenAIRender(req.stream))

@@ -45,10 +45,10 @@ from proxy.leader_client import TritonClientPool
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.openai_api import OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
+from proxy.pipeline import FrontEndDeps, Pipeline
 from proxy.registry import NodeHealth, Registry, RegistryEvent, UnitState
 from proxy.routing import make_policy
 from proxy.status import build_status
-from proxy.tokenizer import ModelTokenizer
 from proxy.transport import UnitTransport
 from proxy.triton_api import TritonFrontEnd
 
@@ -126,35 +126,16 @@ class ProxyServer:
         )
         self.health = HealthChecker(self.registry, config.health, self.clients, self._on_probe)
         self.registry.subscribe(self._on_registry_change)
-        self._tokenizers: dict[str, ModelTokenizer] = {}
+        # What the front ends use, handed to them: none of them imports this module.
+        self.pipeline = Pipeline(
+            FrontEndDeps(config, self.registry, self.admission, self.dispatcher, self.metrics)
+        )
         self._runners: list[web.AppRunner] = []
         self._background: set[asyncio.Task[None]] = set()
         self.port = config.port
         self.admin_port = config.admin_port
         for spec in config.units:
             self.registry.add(spec)
-
-    # -- helpers shared by the front ends ---------------------------------------------
-
-    def model_names(self) -> list[str]:
-        return sorted(set(self.registry.models()) | {m.name for m in self.config.models})
-
-    def tokenizer(self, model: str) -> ModelTokenizer:
-        tok = self._tokenizers.get(model)
-        if tok is None:
-            spec = self.config.model_spec(model)
-            tok = self._tokenizers[model] = ModelTokenizer(spec.model_dir if spec else None)
-        return tok
-
-    def unit_summary(self, unit: UnitState) -> dict[str, Any]:
-        return {
-            "unit_id": unit.unit_id,
-            "model": unit.spec.model,
-            "model_version": unit.model_version,
-            "draining": unit.draining,
-            "healthy": unit.nodes_healthy(),
-            "in_flight": unit.in_flight,
-        }
 
     def _on_registry_change(self, event: RegistryEvent, unit: UnitState) -> None:
         if event == "removed":
@@ -251,8 +232,8 @@ class ProxyServer:
             client_max_size=self.config.max_body_bytes,
         )
         app[BODY_GUARD] = self.body_guard
-        app.add_routes(OpenAIFrontEnd(self).routes())
-        app.add_routes(TritonFrontEnd(self).routes())
+        app.add_routes(OpenAIFrontEnd(self.pipeline).routes())
+        app.add_routes(TritonFrontEnd(self.pipeline).routes())
         app.add_routes(dashboard_routes())
         app.add_routes(
             [
@@ -290,15 +271,11 @@ class ProxyServer:
         token = self._admin_token = self.config.admin_token()
         if token is None:
             log.warning("no admin token configured: the admin API refuses every request")
-        for model in self.config.models:
-            self.tokenizer(
-                model.name
-            )  # a broken tokenizer_config.json fails start-up, not requests
         self.health.start()
         for app, host, port, attr in (
             (self.make_app(), self.config.host, self.config.port, "port"),
             (
-                make_admin_app(self, token, self.body_guard),
+                make_admin_app(self.registry, token, self.body_guard, self.config.max_body_bytes),
                 self.config.admin_host,
                 self.config.admin_port,
                 "admin_port",

@@ -4,8 +4,8 @@ what json.dumps of the whole chunk gives. (OpenAI chunks are vLLM's, relayed.)""
 import random
 
 from proxy.sse import TextTemplate
-from proxy.triton_api import TritonFrontEnd
 from proxy.triton_api import _sse as triton_sse
+from proxy.triton_api import triton_output
 
 TEXTS = ["", " tok", 'quote " back\\slash', "tab\tnl\n\r", "größe 👟", "\x00\x1f\x7f",
          "\u2028\u2029", "}{][", "data: x\n\n"]  # fmt: skip
@@ -18,11 +18,10 @@ def random_texts(n=200, seed=0):
 
 
 def test_triton_text_chunk_matches_full_render():
-    fe = TritonFrontEnd(proxy=None)
     for version in (None, "v2"):
-        chunk = TextTemplate(lambda t, v=version: triton_sse(fe._output("llm", v, t, None)))
+        chunk = TextTemplate(lambda t, v=version: triton_sse(triton_output("llm", v, t, None)))
         for text in TEXTS + random_texts(seed=1):
-            assert chunk(text) == triton_sse(fe._output("llm", version, text, None))
+            assert chunk(text) == triton_sse(triton_output("llm", version, text, None))
 
 
 def test_template_falls_back_when_the_marker_is_not_found_once():

@@ -1,68 +1,27 @@
-import json
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-
-from proxy.errors import APIError
 from proxy.tokenizer import ModelTokenizer
 from tests.proxy.conftest import url
 
-# The shape of a real Hugging Face template: raise_exception, loop.index0, bos/eos tokens.
-LLAMA_LIKE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{% endif %}"
-    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] | trim + ' [/INST]' }}"
-    "{% else %}{{ ' ' + message['content'] | trim + eos_token }}{% endif %}{% endfor %}"
-)
 
-
-def model_dir(tmp_path, template=LLAMA_LIKE, vocab=None):
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+def model_dir(tmp_path, vocab):
+    """A model directory whose tokenizer.json adds BOS (``<s>``) like a Llama one."""
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if "<s>" in vocab:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
         )
-    )
-    if vocab:
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.save(str(tmp_path / "tokenizer.json"))
+    tok.save(str(tmp_path / "tokenizer.json"))
     return str(tmp_path)
 
 
-def test_renders_the_models_template(tmp_path):
-    tok = ModelTokenizer(model_dir(tmp_path))
-    msgs = [
-        {"role": "user", "content": "hi "},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "shoes?"},
-    ]
-    assert tok.render_chat(msgs) == "<s>[INST] hi [/INST] hello</s>[INST] shoes? [/INST]"
-    assert tok.has_own_template
-
-
-def test_template_exception_is_a_400(tmp_path):
-    tok = ModelTokenizer(model_dir(tmp_path))
-    with pytest.raises(APIError) as e:
-        tok.render_chat([{"role": "assistant", "content": "x"}])
-    assert e.value.status == 400 and "alternate" in e.value.message
-
-
-def test_sandbox_blocks_attribute_escapes(tmp_path):
-    evil = "{{ messages.__class__.__mro__ }}"
-    tok = ModelTokenizer(model_dir(tmp_path, template=evil))
-    with pytest.raises(APIError):
-        tok.render_chat([{"role": "user", "content": "x"}])
-
-
-def test_fallback_without_template_and_token_count(tmp_path):
-    tok = ModelTokenizer(None)
-    assert not tok.has_own_template
-    assert tok.render_chat([{"role": "user", "content": "x"}]) == "<|user|>\nx\n<|assistant|>\n"
-    assert tok.count_tokens("anything") is None
-    counted = ModelTokenizer(model_dir(tmp_path, vocab={"[UNK]": 0, "red": 1, "shoe": 2}))
-    assert counted.count_tokens("red shoe red") == 3
+def test_token_count_includes_the_special_tokens_the_leader_adds(tmp_path):
+    assert ModelTokenizer(None).count_tokens("anything") is None
+    assert ModelTokenizer(str(tmp_path)).count_tokens("anything") is None  # no tokenizer.json
+    counted = ModelTokenizer(model_dir(tmp_path, {"[UNK]": 0, "<s>": 1, "red": 2, "shoe": 3}))
+    # The leader encodes text_input with special tokens: BOS + 3 words.
+    assert counted.count_tokens("red shoe red") == 4
 
 
 async def test_context_length_is_the_leaders_check(fleet, tmp_path):

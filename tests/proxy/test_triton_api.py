@@ -4,6 +4,7 @@ import json
 
 from tests.proxy.conftest import url
 from tests.proxy.fakes import reference_completion
+from tests.proxy.test_tokenizer import model_dir
 
 
 async def test_generate_and_generate_stream(fleet):
@@ -46,3 +47,33 @@ async def test_generate_errors_are_triton_shaped(fleet):
             assert r.status == status, body
             err = await r.json()
             assert isinstance(err["error"], str) and err["error"]
+
+
+async def test_prompt_length_is_checked_as_the_leader_counts(fleet, tmp_path):
+    """The prompt's tokens with the BOS the leader's encode adds, plus max_tokens, must
+    fit max_model_len: else a 400 in Triton's format naming the numbers, and the unit
+    never sees the request. Long prompts are counted on a thread, with the same answer."""
+    u = await fleet.unit("u0")
+    d = model_dir(tmp_path, {"[UNK]": 0, "<s>": 1, "a": 2})
+    proxy = await fleet.proxy([u], models=[{"name": "llm", "model_dir": d, "max_model_len": 32}])
+    s = fleet.session()
+    gen = url(proxy, "/v2/models/llm/generate")
+    # 30 words + BOS = 31 tokens: one more token fits exactly, two do not.
+    fits = {"text_input": "a " * 30, "parameters": {"max_tokens": 1}}
+    async with s.post(gen, json=fits) as r:
+        assert r.status == 200, await r.text()
+    for path, prompt, max_tokens, n in (
+        ("generate", "a " * 30, 2, 31),
+        ("generate_stream", "a " * 30, 2, 31),
+        ("generate", "a " * 16, None, 17),  # the default max_tokens (16) counts too
+        ("generate", "a " * 2500, 1, 2501),  # over 4096 characters: counted on a thread
+    ):
+        params = {} if max_tokens is None else {"max_tokens": max_tokens}
+        body = {"text_input": prompt, "parameters": params}
+        async with s.post(url(proxy, f"/v2/models/llm/{path}"), json=body) as r:
+            assert r.status == 400, (path, n)
+            err = await r.json()
+        assert set(err) == {"error"}
+        assert f"maximum context length is 32 tokens; the prompt has {n} tokens" in err["error"]
+        assert f"max_tokens is {max_tokens or 16}" in err["error"]
+    assert u.behavior.prompts == [fits["text_input"]]

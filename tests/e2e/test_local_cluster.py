@@ -3,7 +3,9 @@
 One module-scoped cluster (start-up is the expensive part on 2 cores); the tests
 run in file order and each leaves the cluster serving for the next:
 stream -> SIGKILL a follower under load -> SIGKILL a leader under load -> shutdown
-under load (last: it stops the cluster). Every wait is bounded. The only timing
+under load (last: it stops the cluster). Under each kill, 8 greedy streams must all
+complete with exactly the text of an undisturbed run of the same 8 (token-exact
+migration to the other unit). Every wait is bounded. The only timing
 assertion is the issue's functional bound (a dead unit unhealthy in the proxy
 within 3 s of the kill), asserted with tolerance and printed.
 """
@@ -167,10 +169,28 @@ def _start_streams(c: Cluster, n: int, max_tokens: int = MAX_TOKENS):
     return results, threads
 
 
-def _check_streams(results: list[StreamResult], threads: list[threading.Thread]) -> None:
+def _undisturbed(c: Cluster) -> list[str]:
+    """The text each of the ``STREAMS`` tagged streams gives when nothing fails (greedy,
+    ignore_eos: the reference a migrated stream must reproduce byte for byte)."""
+    results, threads = _start_streams(c, STREAMS)
+    _check_streams(results, threads)
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return [r.text for r in results]
+
+
+def _check_streams(results: list[StreamResult], threads: list[threading.Thread],
+                   reference: list[str] | None = None) -> None:  # fmt: skip
+    """Every stream ended (none hung); with ``reference``, every one completed with
+    exactly the reference text (a unit's failure mid-stream was repaired by a
+    token-exact migration: nothing lost, nothing repeated)."""
     for t in threads:
         t.join(240)
     assert not any(t.is_alive() for t in threads), "a stream hung"
+    if reference is not None:
+        for i, r in enumerate(results):
+            assert r.error is None, f"stream {i} failed: {r.error}"
+            assert r.finish_reason == "length", r
+            assert r.text == reference[i], f"stream {i}: {r.text!r} != {reference[i]!r}"
     done = [r for r in results if r.error is None]
     errors = [r.error for r in results if r.error is not None]
     print(f"{len(done)} streams completed, {len(errors)} ended with an error: {errors}")
@@ -196,6 +216,7 @@ def _kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> None:
     restarts = c.unit_state(unit)["restarts"]
     other_before = c.proxy_unit(other)["requests_total"]
     pid = c.pid_of(unit, victim)
+    reference = _undisturbed(c)
     results, threads = _start_streams(c, STREAMS)
     wait_for(lambda: (c.proxy_unit(unit) or {}).get("in_flight", 0) > 0, 60,
              interval=0.05, what=f"streams on {unit}")  # fmt: skip
@@ -209,7 +230,7 @@ def _kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> None:
     # New requests keep succeeding (on the other unit) while this one is down.
     for _ in range(3):
         _chat(c)
-    _check_streams(results, threads)
+    _check_streams(results, threads, reference)
     assert c.proxy_unit(other)["requests_total"] > other_before
 
     # The whole unit is recreated (new processes, restart counted) and routable again.

@@ -300,7 +300,7 @@ class LLMBackend:
                 # vLLM's full generators answer a cancellation with an error body.
                 if stream.cancelled:
                     raise asyncio.CancelledError
-                self._check_unit(tap)
+                self._check_unit(tap, result.status)
                 response = self._openai_response(
                     env, tap, result.body, status=result.status, last=True
                 )
@@ -361,11 +361,16 @@ class LLMBackend:
 
         return isinstance(fault, EngineDeadError) or self.engine.errored or not self.health.healthy
 
-    def _check_unit(self, tap: Any) -> None:
+    def _check_unit(self, tap: Any, status: int | None = None) -> None:
         """The engine failed under this request: a unit fault ends it as UNAVAILABLE
-        (whatever vLLM made of it), anything else is relayed as vLLM answers it."""
+        (whatever vLLM made of it), anything else is relayed as vLLM answers it. A 5xx
+        answer with the engine dead is one too even when the failure never passed
+        through the tap (vLLM refused the request up front: "EngineCore encountered an
+        issue"), so the proxy retries it on another unit instead of relaying a 500."""
         if tap.fault is not None and self._unit_down(tap.fault):
             raise _UnitFault from tap.fault
+        if status is not None and status >= 500 and self._unit_down(None):
+            raise _UnitFault
 
     def _openai_serving(self, engine: Any) -> Any:
         from neuron_serving.checkpoint.served_name import default_served_name

@@ -64,6 +64,19 @@ ARMS = ("triton_http", "vllm", "triton")
 RATIO_ARM, INFO_ARM = "triton_http", "triton"
 
 
+def load_workload(requests: int, max_tokens: int, repeats: int, model: str | None) -> dict:
+    """The load every serving-style comparison sends (serving, serving_mn), as recorded."""
+    return {"requests": requests, "max_tokens": max_tokens, "concurrency": CONCURRENCY,
+            "ignore_eos": True, "temperature": 0.0, "repeats": repeats,
+            "model": "demo" if model is None else model}  # fmt: skip
+
+
+def print_repeat(r: int, repeats: int, run: dict[str, Any]) -> None:
+    print(f"repeat {r + 1}/{repeats}: " + ", ".join(
+        f"{a} {run[a]['output_tok_s']:.0f} tok/s TTFT p50 {run[a]['ttft_p50_ms']:.1f} ms"
+        for a in run), file=sys.stderr, flush=True)  # fmt: skip
+
+
 async def _measure(arm_list: list[Arm], repeats: int, requests: int, max_tokens: int) -> dict:
     extra = {"temperature": 0.0}
     ids = itertools.count()
@@ -79,9 +92,7 @@ async def _measure(arm_list: list[Arm], repeats: int, requests: int, max_tokens:
         for arm in order:
             run[arm.name] = await run_load(arm, ids, requests, CONCURRENCY, max_tokens, extra)
         runs.append(run)
-        print(f"repeat {r + 1}/{repeats}: " + ", ".join(
-            f"{a} {run[a]['output_tok_s']:.0f} tok/s TTFT p50 {run[a]['ttft_p50_ms']:.1f} ms"
-            for a in run), file=sys.stderr, flush=True)  # fmt: skip
+        print_repeat(r, repeats, run)
     return {"runs": runs}
 
 
@@ -162,14 +173,8 @@ def main(
     agg = aggregate(runs)
     result = {
         "workload": {
-            "requests": requests,
-            "max_tokens": max_tokens,
-            "concurrency": CONCURRENCY,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "repeats": repeats,
+            **load_workload(requests, max_tokens, repeats, model),
             "warmup_requests_per_arm": requests,
-            "model": "demo" if model is None else model,
             "tp": 1,
             "engine": ENGINE,
             "cpu_bind": CPU_BIND,

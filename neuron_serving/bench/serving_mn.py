@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.common import write_result
-from neuron_serving.bench.serving import aggregate
+from neuron_serving.bench.serving import aggregate, load_workload, print_repeat
 from neuron_serving.bench.twonode import CPU_BIND, SYSTEMS, Deployment, TwoNodeEngine, start
 from neuron_serving.bench.workload import CONCURRENCY, Arm
 from neuron_serving.bench.workload import ENGINE as SERVING_ENGINE
@@ -89,20 +89,12 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                 finally:
                     dep.stop()
             runs.append(run)
-            print(f"repeat {r + 1}/{repeats}: " + ", ".join(
-                f"{a} {run[a]['output_tok_s']:.0f} tok/s TTFT p50 {run[a]['ttft_p50_ms']:.1f} ms"
-                for a in run), file=sys.stderr, flush=True)  # fmt: skip
+            print_repeat(r, repeats, run)
     agg = aggregate(runs)
     result = {
         "workload": {
-            "requests": requests,
-            "max_tokens": max_tokens,
-            "concurrency": CONCURRENCY,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "repeats": repeats,
+            **load_workload(requests, max_tokens, repeats, model),
             "warmup_requests_per_start": requests,
-            "model": "demo" if model is None else model,
             "tp": 2,
             "nodes": 2,
             "engine": ENGINE.vllm_kwargs(),

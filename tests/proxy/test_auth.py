@@ -135,3 +135,23 @@ def test_no_key_on_a_non_loopback_host_refuses_to_start(fleet, monkeypatch):
         else:
             with pytest.raises(ValueError, match="without an API key"):
                 server.check_exposure()
+
+
+async def test_the_relayed_vllm_routes_need_a_key_and_reach_no_unit_without_one(fleet, tmp_path):
+    """/tokenize, /detokenize and /version are forwarded to a unit: without a valid key
+    they answer 401 in OpenAI's format and nothing reaches the leader."""
+    a = await fleet.unit("u0")
+    path = write_keys(tmp_path, f'tenants:\n  a:\n    keys: ["{KEY_A}"]\n')
+    proxy = await fleet.proxy([a], api_keys_file=path)
+    s = fleet.session()
+    routes = (("POST", "/tokenize", {"model": "llm", "prompt": "hi"}),
+              ("POST", "/detokenize", {"model": "llm", "tokens": [104]}),
+              ("GET", "/version", None))  # fmt: skip
+    for method, path_, body in routes:
+        for headers in ({}, {"Authorization": "Bearer nope-nope-nope-nope"}):
+            async with s.request(method, url(proxy, path_), json=body, headers=headers) as r:
+                assert r.status == 401, path_
+                assert (await r.json())["error"]["code"] == "invalid_api_key"
+    assert a.behavior.envelopes == []
+    async with s.get(url(proxy, "/version"), headers={"Authorization": f"Bearer {KEY_A}"}) as r:
+        assert r.status == 200

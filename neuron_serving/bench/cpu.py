@@ -96,7 +96,15 @@ def _cli_label(cmd: list[str]) -> str:
 # The per-request pass: many requests of one output token, so what is measured is the
 # per-request work (parse, route, render, the first and last chunk), not per-token.
 PER_REQUEST_REQUESTS = 128
-PER_REQUEST_ARMS = ("proxy_openai", "proxy_openai_http", "vllm")
+# (upstream_protocol, arm, event loop): the proxy as deployed (gRPC upstream, uvloop),
+# on the HTTP upstream, and on the HTTP upstream with asyncio's own loop (the uvloop
+# decision, measured side by side).
+PROXY_ARMS = (
+    ("grpc", "proxy_openai", "uvloop"),
+    ("http", "proxy_openai_http", "uvloop"),
+    ("http", "proxy_openai_http_asyncio", "asyncio"),
+)
+PER_REQUEST_ARMS = ("proxy_openai", "proxy_openai_http", "proxy_openai_http_asyncio", "vllm")
 
 
 def _client_cpu() -> float:
@@ -218,14 +226,14 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dic
         "proxy_us_per_token": proxy_tok, "api_server_us_per_token": api_tok,
         "per_token_ratio": ratio, "proxy_us_per_request": proxy_req,
         "api_server_us_per_request": med(per_request.get("vllm", {}).get(API_SERVER_LABEL)),
-        # The same proxy with upstream_protocol: http, for information.
-        "http_upstream": {
-            "proxy_us_per_token": proxy_tok_of("proxy_openai_http"),
-            "per_token_ratio": proxy_tok_of("proxy_openai_http") / api_tok if api_tok else None,
-            "proxy_us_per_request": med(
-                per_request.get("proxy_openai_http", {}).get(PROXY_LABEL)
-            ),
-        },
+        # The same proxy on the HTTP upstream, and on it with asyncio's loop: for
+        # information (the transport and event-loop choices, side by side).
+        **{key: {
+            "proxy_us_per_token": proxy_tok_of(arm),
+            "per_token_ratio": proxy_tok_of(arm) / api_tok if api_tok else None,
+            "proxy_us_per_request": med(per_request.get(arm, {}).get(PROXY_LABEL)),
+        } for key, arm in (("http_upstream", "proxy_openai_http"),
+                           ("http_upstream_asyncio", "proxy_openai_http_asyncio"))},
         "targets": {"per_token_ratio": TARGET_PROXY_PER_TOKEN_RATIO,
                     "proxy_us_per_request": TARGET_PROXY_US_PER_REQUEST},
         "met": {"per_token_ratio": ratio <= TARGET_PROXY_PER_TOKEN_RATIO,
@@ -253,10 +261,11 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             ldr, srv = leader.process.popen.pid, vllm.process.popen.pid
             servers = {"triton": (ldr,), "triton_http": (ldr,), "vllm": (srv,)}
             arm_list = arms(leader, vllm.base)
-            for protocol, name in (("grpc", "proxy_openai"), ("http", "proxy_openai_http")):
+            for protocol, name, loop in PROXY_ARMS:
                 cfg = proxy_config([leader], model_dir, ENGINE["max_model_len"],
                                    upstream_protocol=protocol)  # fmt: skip
-                proxies.append(start_proxy(cfg, work, name=name))
+                env = {"NEURON_SERVING_PROXY_EVENT_LOOP": loop}
+                proxies.append(start_proxy(cfg, work, name=name, env=env))
                 arm_list.append(proxy_arm(proxies[-1].base, name))
                 servers[name] = (ldr, proxies[-1].process.popen.pid)
             pdir = Path(profile_dir) if profile_dir else None

@@ -211,12 +211,14 @@ class Proxy:
         return json.loads(body)
 
 
-def start_proxy(config: dict[str, Any], workdir: Path, name: str = "proxy") -> Proxy:
-    """The proxy process, returned once every unit in ``config`` is routable."""
+def start_proxy(config: dict[str, Any], workdir: Path, name: str = "proxy",
+                env: dict[str, str] | None = None) -> Proxy:  # fmt: skip
+    """The proxy process, returned once every unit in ``config`` is routable; ``env``:
+    extra environment variables for it."""
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(config))
     proc = _spawn_cli(name, ["proxy", "--config", str(path), "--log-level", "WARNING"], workdir,
-                  {**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                  {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})  # fmt: skip
     proxy = Proxy(proc, f"http://127.0.0.1:{config['port']}")
     deadline = time.monotonic() + 60
     while True:

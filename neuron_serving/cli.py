@@ -26,11 +26,32 @@ COMMANDS: dict[str, str] = {
     "deploy": "deploy",
     "ecs": "ecs",
     "bench": "bench",
+    "models": "models",
 }
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: ours, then vLLM's and torch's from package metadata. Reading the
+    metadata costs milliseconds; importing vLLM to ask it would cost seconds."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **_: object):
+        super().__init__(option_strings, dest, nargs=0, help="print versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version_line())
+        parser.exit()
+
+
+def version_line() -> str:
+    from neuron_serving.versions import runtime_versions
+
+    v = runtime_versions()
+    return f"neuron-serving {v['neuron_serving']} (vllm {v['vllm']}, torch {v['torch']})"
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neuron-serving", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, module_name in COMMANDS.items():
@@ -44,7 +65,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    only = argv[0] if argv and argv[0] in COMMANDS else None
+    # `--version` needs no command module: every command is then a placeholder.
+    only = argv[0] if argv and (argv[0] in COMMANDS or argv[0] == "--version") else None
     parser = build_parser(only)
     args = parser.parse_args(argv)
     rc = args.func(args)

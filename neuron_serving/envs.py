@@ -149,6 +149,22 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "Largest control broadcast payload a rank sends or accepts (bytes); checked from the "
         "header before any allocation. Must be the same on every rank of a unit.",
     ),
+    "NEURON_SERVING_PROXY_EVENT_LOOP": (
+        _str("NEURON_SERVING_PROXY_EVENT_LOOP", "uvloop"),
+        "Event loop of `neuron-serving proxy`: uvloop (default; less CPU per token) or asyncio "
+        "(the standard library's, for debugging or if uvloop misbehaves).",
+    ),
+    "NEURON_SERVING_MODELS_DIR": (
+        _str("NEURON_SERVING_MODELS_DIR", None),
+        "Where `neuron-serving models pull` caches converted catalog models (one directory "
+        "per name); default <cache dir>/models, the cache dir as NEURON_SERVING_CACHE_DIR.",
+    ),
+    "NEURON_SERVING_COMPILE_LOCK_WAIT_S": (
+        _float("NEURON_SERVING_COMPILE_LOCK_WAIT_S", 600.0),
+        "How long a unit's leader waits for the host's compile lock (units on one host "
+        "compile one after another, the later ones from the earlier one's kernel cache; "
+        "unit/compile_lock.py) before compiling anyway; 0 = no lock.",
+    ),
     # --- add new variables above this line; helpers editing in parallel: small edits only ---
 }
 

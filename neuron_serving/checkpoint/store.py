@@ -28,6 +28,12 @@ on disk. Invariants:
   deploy is never loaded by a later restart.
 - **Bounded**: a manifest object is refused past ``MAX_MANIFEST_BYTES`` from its
   Content-Length, before its body is read.
+- **Progress**: a ``TransferProgress`` (progress.py: a bar on a terminal) learns the
+  version's bytes up front (``start``), then ``advance``s by each part sent or
+  received and by each file or part found already in place, so a transfer run to
+  the end adds up to its total exactly. Parts are the unit (``part_size``, 64 MiB by
+  default), not boto3's managed transfers, which would hide the per-part MD5 and
+  resume logic above.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from neuron_serving.checkpoint.manifest import (
     sha256_file,
 )
 from neuron_serving.checkpoint.pin import check_pin_format
+from neuron_serving.checkpoint.progress import TransferProgress
 from neuron_serving.checkpoint.verify import verify
 
 S3_MIN_PART = 5 << 20  # S3's minimum for every part but the last
@@ -138,10 +145,12 @@ class S3Store:
         client: Any,
         transfer: TransferConfig | None = None,
         on_part: PartCallback | None = None,
+        progress: TransferProgress | None = None,
     ) -> None:
         self.client = client
         self.transfer = transfer or TransferConfig()
         self.on_part = on_part
+        self.progress = progress
 
     @classmethod
     def from_env(
@@ -149,6 +158,7 @@ class S3Store:
         endpoint_url: str | None = None,
         transfer: TransferConfig | None = None,
         on_part: PartCallback | None = None,
+        progress: TransferProgress | None = None,
     ) -> S3Store:
         import boto3
         from botocore.config import Config
@@ -164,7 +174,7 @@ class S3Store:
             s3={"addressing_style": "path"} if endpoint_url else {},
         )
         client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
-        return cls(client, transfer, on_part)
+        return cls(client, transfer, on_part, progress)
 
     # -- publish ------------------------------------------------------------
     def publish(self, directory: Path, loc: S3Location) -> TransferResult:
@@ -186,6 +196,7 @@ class S3Store:
                 f"{loc}/{MANIFEST_NAME} already exists with other content: a published "
                 "version is immutable; publish under a new prefix"
             )
+        self._start(sum(entry.size for entry in manifest.files.values()))
         for name, entry in sorted(manifest.files.items()):
             self._upload_file(directory / name, loc.bucket, loc.key(name), entry, result)
         # Last: the version becomes visible only now.
@@ -205,6 +216,7 @@ class S3Store:
             and head.get("Metadata", {}).get("sha256") == entry.sha256
         ):
             result.files_skipped.append(key)
+            self._advance(entry.size)
             return
         meta = {"sha256": entry.sha256}
         if entry.size <= self.transfer.part_size:
@@ -215,6 +227,7 @@ class S3Store:
             )
             result.parts_transferred += 1
             result.bytes_transferred += len(data)
+            self._advance(len(data))
             self._notify(key, 1)
         else:
             self._upload_multipart(path, bucket, key, entry, meta, result)
@@ -249,6 +262,7 @@ class S3Store:
                 have = existing.get(n)
                 if have is not None and have == (md5_hex, len(data)):
                     result.parts_skipped += 1
+                    self._advance(len(data))
                 else:
                     resp = self.client.upload_part(
                         Bucket=bucket,
@@ -262,6 +276,7 @@ class S3Store:
                         raise StoreError(f"s3://{bucket}/{key}: part {n} ETag mismatch")
                     result.parts_transferred += 1
                     result.bytes_transferred += len(data)
+                    self._advance(len(data))
                     self._notify(key, n)
                 etags.append({"ETag": f'"{md5_hex}"', "PartNumber": n})
         resp = self.client.complete_multipart_upload(
@@ -275,6 +290,7 @@ class S3Store:
             # A resumed upload begun for other content (the file changed between
             # runs): its metadata is stale. Start over with a fresh upload.
             self.client.delete_object(Bucket=bucket, Key=key)
+            self._advance(-entry.size)  # counted again by the fresh upload
             self._upload_multipart(path, bucket, key, entry, meta, result)
 
     def _resume_upload(
@@ -372,6 +388,7 @@ class S3Store:
                 result.already_complete = True
                 return result
         partial = directory / PARTIAL_DIR
+        self._start(sum(entry.size for name, entry in manifest.files.items() if name in wanted))
         for name, entry in sorted(manifest.files.items()):
             if name not in wanted:
                 continue
@@ -379,6 +396,7 @@ class S3Store:
             if target.is_file() and target.stat().st_size == entry.size:
                 if sha256_file(target) == entry.sha256:
                     result.files_skipped.append(name)
+                    self._advance(entry.size)
                     continue
             self._download(loc, name, entry, partial / name, target, result)
         # Last, as on the server: the directory is a version only once complete.
@@ -415,6 +433,7 @@ class S3Store:
         if have > entry.size:
             part_path.unlink()
             have = 0
+        self._advance(have)  # resumed: already here
         ps = self.transfer.part_size
         with open(part_path, "ab") as f:
             while have < entry.size:
@@ -438,6 +457,7 @@ class S3Store:
                 have += len(data)
                 result.parts_transferred += 1
                 result.bytes_transferred += len(data)
+                self._advance(len(data))
                 self._notify(key, have // ps + (1 if have % ps else 0))
         digest = sha256_file(part_path)
         if digest != entry.sha256:
@@ -451,6 +471,14 @@ class S3Store:
         result.files_transferred.append(name)
 
     # -- helpers ------------------------------------------------------------
+    def _start(self, total_bytes: int) -> None:
+        if self.progress is not None:
+            self.progress.start(total_bytes)
+
+    def _advance(self, nbytes: int) -> None:
+        if self.progress is not None:
+            self.progress.advance(nbytes)
+
     def _notify(self, key: str, part: int) -> None:
         if self.on_part is not None:
             self.on_part(key, part)

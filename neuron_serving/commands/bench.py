@@ -7,11 +7,14 @@ import importlib
 import sys
 import time
 
+from neuron_serving.models.resolve import model_arg
+
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
 # Diagnostic benchmarks: run by name, not part of `bench all` (failures: six two-node
 # deployments, each watched for a window after a rank failure; serving_mn: a fresh
-# two-node deployment of each system per repeat).
-DIAGNOSTIC = ("cpu", "failures", "serving_mn")
+# two-node deployment of each system per repeat; startup: a cold `vllm serve` and a cold
+# default cluster, with a unit recreation, per repeat).
+DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 
@@ -23,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", action="store_true", help="last stdout line: one JSON object of figures"
     )
-    p.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    p.add_argument("--model", default=None, type=model_arg, help="model dir or catalog name")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument(
         "--full", action="store_true", help="bench all: default sizes instead of --quick ones"

@@ -9,9 +9,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from neuron_serving.commands import TP_FLAGS
 from neuron_serving.exitcodes import ExitCode
+from neuron_serving.models.resolve import model_arg
+
+if TYPE_CHECKING:
+    from neuron_serving.checkpoint.progress import TransferProgress
 
 PROG = "neuron-serving checkpoint"
 
@@ -22,8 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmds.required = True
 
     s = cmds.add_parser("shard", help="HF directory -> per-rank shards + manifest (runs vLLM)")
-    s.add_argument("--model", required=True, help="Hugging Face model directory")
-    s.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    s.add_argument("--model", required=True, type=model_arg, help="model dir or catalog name")
+    s.add_argument(*TP_FLAGS, dest="tp", type=int, required=True, help="tensor-parallel degree")
     s.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
     s.add_argument("--version", default=None, help="version name (default src-<source hash>)")
     s.add_argument("--name", default=None, help="model name (default: source directory name)")
@@ -84,6 +91,9 @@ def _transfer_args(p: argparse.ArgumentParser) -> None:
         help="multipart part size in bytes (S3 needs >= 5 MiB except the last part)",
     )
     p.add_argument("--endpoint-url", default=None, help="S3 endpoint (default from env)")
+    p.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none unless on a terminal)"
+    )
 
 
 def run_shard(args: argparse.Namespace) -> int:
@@ -147,19 +157,21 @@ def run_verify(args: argparse.Namespace) -> int:
     return ExitCode.OK if report.ok else ExitCode.FAILED
 
 
-def _store(args: argparse.Namespace):
+def _store(args: argparse.Namespace, progress: TransferProgress | None = None):
     from neuron_serving.checkpoint.store import S3Store, TransferConfig
 
     transfer = TransferConfig() if args.part_size is None else TransferConfig(args.part_size)
-    return S3Store.from_env(endpoint_url=args.endpoint_url, transfer=transfer)
+    return S3Store.from_env(endpoint_url=args.endpoint_url, transfer=transfer, progress=progress)
 
 
 def run_publish(args: argparse.Namespace) -> int:
+    from neuron_serving.checkpoint.progress import progress_bar
     from neuron_serving.checkpoint.store import StoreError, parse_s3_url
 
     try:
         loc = parse_s3_url(args.url)
-        result = _store(args).publish(Path(args.dir), loc)
+        with progress_bar("publish", args.quiet) or nullcontext() as bar:
+            result = _store(args, bar).publish(Path(args.dir), loc)
     except (StoreError, ValueError) as e:
         print(f"{PROG} publish: {e}", file=sys.stderr)
         return ExitCode.FAILED
@@ -168,11 +180,14 @@ def run_publish(args: argparse.Namespace) -> int:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
+    from neuron_serving.checkpoint.progress import progress_bar
     from neuron_serving.checkpoint.store import StoreError, parse_s3_url
 
     try:
         loc = parse_s3_url(args.url)
-        result = _store(args).fetch(loc, Path(args.dir), rank=args.rank, pin=_pin(args))
+        with progress_bar("fetch", args.quiet) or nullcontext() as bar:
+            store = _store(args, bar)
+            result = store.fetch(loc, Path(args.dir), rank=args.rank, pin=_pin(args))
     except (StoreError, ValueError) as e:
         print(f"{PROG} fetch: {e}", file=sys.stderr)
         return ExitCode.FAILED

@@ -24,8 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="unit size, reported in /healthz before the leader is reached "
-        "(the binding uses the size the leader announces)",
+        help="unit size: reported in /healthz before the leader is reached, and lets "
+        "torch and vLLM load while joining (must match the leader's)",
     )
     p.add_argument("--device", default=None, help="device backend: cpu (default) or neuron")
     p.set_defaults(func=run)
@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from neuron_serving.unit.auth import AuthError
     from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
     from neuron_serving.unit.node_status import NodeState, NodeStatus
+    from neuron_serving.unit.worker_import import WorkerImport, engine_env
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     logging.basicConfig(
@@ -63,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
         return ExitCode.USAGE
     device = args.device or envs.NEURON_SERVING_DEVICE
     backend = get_backend(device)
+
+    def rank_env(world_size: int) -> dict[str, str]:
+        placement = RankPlacement(cfg.rank, world_size, cfg.leader_host, cfg.leader_port)
+        return {**backend.process_env(placement), **engine_env(device)}
+
     status = NodeStatus("?", args.rank, args.world_size or 0)
     health = None
     try:
@@ -79,15 +85,23 @@ def run(args: argparse.Namespace) -> int:
         health.start()
     try:
         backend.check_available()
+        # Thread binding must be in the environment before torch is imported (OpenMP
+        # reads it once). With --world-size it is known now, and torch and vLLM load
+        # while the follower joins (unit/worker_import.py); else after the join.
+        preload = None
+        if args.world_size:
+            os.environ.update(rank_env(args.world_size))
+            preload = WorkerImport().start()
         welcome = follower.join()
-        # Thread binding must be in the environment before torch is imported
-        # (OpenMP reads it once); the unit size is known now.
-        os.environ.update(
-            backend.process_env(
-                RankPlacement(cfg.rank, welcome.world_size, cfg.leader_host, cfg.leader_port)
+        if preload is None:
+            os.environ.update(rank_env(welcome.world_size))
+        elif welcome.world_size != args.world_size:
+            raise ValueError(
+                f"--world-size {args.world_size}, but the unit has {welcome.world_size}"
             )
-        )
         follower.start_background()
+        if preload is not None:
+            preload.wait(cfg.join_timeout_s)
         from neuron_serving.unit.worker_loop import serve
 
         rc = serve(follower, backend)

@@ -13,11 +13,16 @@ import json
 import os
 import sys
 
+from neuron_serving.commands import KV_CACHE_FLAGS, TP_FLAGS
+from neuron_serving.models.resolve import model_arg
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate with a unit's leader in-process; followers join")
-    p.add_argument("--model", required=True, help="Hugging Face Llama-family model directory")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (ranks in the unit)")
+    p.add_argument("--model", required=True, type=model_arg, help="model dir or catalog name")
+    p.add_argument(
+        *TP_FLAGS, dest="tp", type=int, default=1, help="tensor-parallel size (ranks in the unit)"
+    )
     p.add_argument("--control-port", type=int, required=True, help="leader control port")
     p.add_argument("--control-host", default="127.0.0.1", help="leader bind/advertise address")
     p.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
@@ -28,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--logprobs", type=int, default=None, help="also return top-k logprobs per token"
     )
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument(*KV_CACHE_FLAGS, dest="kv_cache_bytes", type=int, default=256 << 20)
     p.add_argument(
         "--dtype",
         default="auto",

@@ -12,17 +12,24 @@ file `up` wrote next to the supervisor state (the same run directory). The proxy
 answers a missing or wrong key on /status with 200 and ``"redacted": true``, not
 401, so that flag is what tells `status` its key was not accepted; it then says so
 (a warning line, ``"warning"`` in ``--json``) instead of showing blanks silently.
+
+The table fits the terminal (``--width``, else ``$COLUMNS``, else the terminal's
+size; no limit into a pipe): columns are dropped in ``COLUMNS``' order of
+``drop_rank`` as `kubectl get` does (status_view.py), so each unit and node stays one
+line. ``--json`` is for scripts: the whole merged view with every key always present
+(``proxy``, ``reachable``, ``error``, ``redacted``, ``warning``, ``routing``, ``units``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
+import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from neuron_serving.commands.status_view import render_text
 from neuron_serving.exitcodes import ExitCode
 
 
@@ -40,15 +47,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="client API key for the proxy (default: $NEURON_SERVING_API_KEY, else the "
         "api-key file of the local cluster's run dir)",
     )
-    p.add_argument("--json", action="store_true", help="print the merged view as JSON")
+    p.add_argument(
+        "--json", action="store_true", help="print the merged view as JSON (for scripts)"
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="fit the table to this many columns (default: the terminal's, or $COLUMNS; "
+        "0 = no limit)",
+    )
     p.set_defaults(func=run)
-
-
-def _age(ts: float | None) -> str:
-    if not ts:
-        return ""
-    s = max(0.0, time.time() - ts)
-    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
 
 
 def merge(proxy: dict[str, Any] | None, state: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -131,9 +140,44 @@ def redaction_warning(proxy: dict[str, Any] | None, key: str | None) -> str | No
     return f"no valid API key ({why}): addresses, probe errors and request counts hidden"
 
 
+def json_view(
+    base: str,
+    proxy: dict[str, Any] | None,
+    problem: str,
+    warning: str | None,
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """``--json``: every key always present (null when it does not apply)."""
+    routing = None
+    if proxy is not None:
+        adm = proxy.get("admission", {})
+        routing = {
+            "policy": proxy.get("routing_policy"),
+            "active": adm.get("active", 0),
+            "queued": adm.get("queued", 0),
+            "panic_models": proxy.get("panic_models") or [],
+        }
+    return {
+        "proxy": base,
+        "reachable": proxy is not None,
+        "error": None if proxy is not None else problem,
+        "redacted": None if proxy is None else bool(proxy.get("redacted")),
+        "warning": warning,
+        "routing": routing,
+        "units": rows,
+    }
+
+
+def width(args: argparse.Namespace) -> int:
+    """``--width``, else the terminal's (``COLUMNS`` first, as shutil reads it); 0 = no
+    limit, which is what output to a pipe or file gets, as from `kubectl get`."""
+    if args.width is not None:
+        return max(0, args.width)
+    return shutil.get_terminal_size((0, 0)).columns
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from neuron_serving.local.cluster import _pid_alive, read_state
     from neuron_serving.local.probe import get_json, http_status
@@ -150,54 +194,9 @@ def run(args: argparse.Namespace) -> int:
         state = None  # a dead supervisor's file describes nothing that runs
     rows = merge(proxy, state)
     if args.json:
-        out: dict[str, Any] = {"proxy": base, "reachable": proxy is not None, "units": rows}
-        if proxy is None:
-            out["error"] = problem
-        else:
-            out["redacted"] = bool(proxy.get("redacted"))
-        if warning:
-            out["warning"] = warning
-        print(json.dumps(out))
+        print(json.dumps(json_view(base, proxy, problem, warning, rows)))
         return ExitCode.OK if proxy is not None else ExitCode.FAILED
-    console = Console()
-    if warning:
-        console.print(f"[yellow]warning: {warning}[/yellow]")
-    if proxy is None:
-        console.print(f"[red]proxy {base} {problem}[/red]" + (
-            "; showing the supervisor's view only" if state else ""))  # fmt: skip
-        if state is None:
-            return ExitCode.FAILED
-    table = Table(title=f"neuron-serving status: {base}", show_lines=False)
-    for col in ("unit / node", "health", "state", "restarts", "load", "version"):
-        table.add_column(col, overflow="fold")
-    # Probe errors are long gRPC messages: one line, cut, so the table stays readable.
-    table.add_column("last failure / probe error", overflow="ellipsis", no_wrap=True, max_width=60)
-    colors = {"routable": "green", "healthy": "green", "unhealthy": "red", "draining": "yellow",
-              "ejected": "magenta", "pending": "yellow"}  # fmt: skip
-
-    def paint(v: Any) -> str:
-        return f"[{colors[v]}]{v}[/]" if v in colors else ("" if v is None else str(v))
-
-    for r in rows:
-        load = "" if r["in_flight"] is None else f"{r['in_flight']} in flight"
-        if r["requests_total"] is not None:  # absent from a redacted view
-            load += f" ({r['requests_total']} req, {r['errors_total']} err)"
-        failure = ""
-        if r["last_failure"]:
-            failure = f"{r['last_failure']} ({_age(r['last_failure_at'])})"
-        table.add_row(f"[bold]{r['unit_id']}[/]", paint(r["health"]), paint(r["phase"]),
-                      "" if r["restarts"] is None else str(r["restarts"]), load,
-                      r["model_version"] or "", failure)  # fmt: skip
-        for n in r["nodes"]:
-            pid = f" pid {n['pid']}" if n["pid"] and n["running"] else ""
-            table.add_row(f"  {n['name']}{pid}", paint(n["health"]), paint(n["node_state"]),
-                          "", "", "", " ".join(n["last_error"]))  # fmt: skip
-    console.print(table)
-    if proxy is not None:
-        adm = proxy.get("admission", {})
-        console.print(
-            f"routing {proxy.get('routing_policy')}; {adm.get('active', 0)} active, "
-            f"{adm.get('queued', 0)} queued" + (
-                f"; panic: {proxy['panic_models']}" if proxy.get("panic_models") else "")
-        )  # fmt: skip
+    console = Console(highlight=False, soft_wrap=True)
+    for line in render_text(base, proxy, state is not None, problem, warning, rows, width(args)):
+        console.print(line)
     return ExitCode.OK if proxy is not None else ExitCode.FAILED

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+
+from neuron_serving.commands import KV_CACHE_FLAGS, TP_FLAGS
+from neuron_serving.models.resolve import model_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,11 +21,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     p.add_argument("--units", type=int, default=2, help="inference units (default 2)")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per unit (default 2)")
     p.add_argument(
-        "--model", default=None, help="local Hugging Face Llama-family dir (default: demo model)"
+        *TP_FLAGS, dest="tp", type=int, default=2, help="tensor-parallel ranks per unit (default 2)"
+    )
+    p.add_argument(
+        "--model", default=None, type=model_arg, help="model dir or catalog name (default: demo)"
     )
     p.add_argument("--port", type=int, default=8080, help="proxy client port (default 8080)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="proxy bind address, client and admin ports (default loopback; units stay on it)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        help="model name of the OpenAI API (default: the manifest's model name, else the "
+        "model directory's name)",
+    )
     p.add_argument("--admin-port", type=int, default=0, help="proxy admin port (default port+1)")
     p.add_argument(
         "--base-port", type=int, default=29600, help="first port of the units' port blocks"
@@ -30,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--run-dir", default=None, help="logs, config, secrets, state (default: cache/up-PORT)"
     )
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument(*KV_CACHE_FLAGS, dest="kv_cache_bytes", type=int, default=256 << 20)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds per unit start")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds on Ctrl-C")
@@ -51,6 +68,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip torch.compile warm-up in every rank: units start (and restart) in "
         "seconds instead of minutes on CPU, at some cost in step time",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="model dtype of every unit's leader, as vLLM's --dtype (default auto: bfloat16 "
+        "on x86; float32 is faster where the CPU has no native bfloat16)",
+    )
+    p.add_argument(
+        "--engine-args",
+        default=None,
+        metavar="JSON",
+        help="other vLLM engine arguments for every unit's leader (see `leader --engine-args`)",
     )
     p.set_defaults(func=run)
 
@@ -77,6 +106,19 @@ print()
 PY"""
 
 
+def _leader_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """Flags every unit's leader gets beyond the spec's; --engine-args checked here,
+    before any process starts (ValueError)."""
+    from neuron_serving.triton.engine_args import parse_engine_args
+
+    extra: tuple[str, ...] = ("--enforce-eager",) if args.enforce_eager else ()
+    if args.dtype:
+        extra += ("--dtype", args.dtype)
+    if args.engine_args is not None:
+        extra += ("--engine-args", json.dumps(parse_engine_args(args.engine_args)))
+    return extra
+
+
 def run(args: argparse.Namespace) -> int:
     from neuron_serving.exitcodes import ExitCode
     from neuron_serving.local.cache import default_run_dir, demo_model_dir
@@ -92,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             pass  # stdout redirected to a full disk: the cluster matters more than its log
 
     try:
+        leader_args = _leader_args(args)
         model = Path(args.model) if args.model else demo_model_dir(say)
         spec = ClusterSpec(
             model_dir=model,
@@ -108,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             log_max_bytes=int(args.log_max_mb * (1 << 20)),
             log_backups=args.log_backups,
-            extra_leader_args=("--enforce-eager",) if args.enforce_eager else (),
+            host=args.host,
+            served_model_name=args.served_model_name,
+            extra_leader_args=leader_args,
         )
     except ValueError as e:
         print(f"neuron-serving up: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """The Triton ``llm`` model: vLLM AsyncLLM behind Triton's decoupled Python backend.
 
-``triton_models/llm/1/model.py`` is a thin shim that creates ``LLMBackend`` and
+``model_repository/llm/1/model.py`` is a thin shim that creates ``LLMBackend`` and
 forwards ``initialize``/``execute``/``finalize``. Threads in the stub process:
 
 - Triton's thread calls ``execute()``: it reads and validates the inputs, answers
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from neuron_serving import envs
 from neuron_serving.triton.backend_config import BackendConfig
 from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.metrics import BackendMetrics, serve_registry
@@ -46,6 +48,7 @@ from neuron_serving.triton.request import (
 )
 from neuron_serving.triton.responses import ResponseThread, Stream
 from neuron_serving.triton.unit_monitor import HealthSettings, UnitHealthMonitor
+from neuron_serving.unit.worker_import import engine_env
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,9 @@ class LLMBackend:
         if not self.config.model:
             raise ValueError(f"{path}: 'model' is empty; the launcher renders it (--model DIR)")
         log.info("llm model settings: %s", self.config.to_dict())
+        # Before vLLM is imported here and EngineCore inherits it: rank 0 compiles as
+        # the followers do (unit/worker_import.py engine_env).
+        os.environ.update(engine_env(envs.NEURON_SERVING_DEVICE))
         serve_registry(self.config.vllm_metrics_host, self.config.vllm_metrics_port)
         self.start(
             self.config,

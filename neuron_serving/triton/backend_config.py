@@ -1,22 +1,24 @@
 """Typed settings of the Triton ``llm`` model, read from ``model.json``.
 
-``triton_models/llm/1/model.json`` holds the defaults; the leader launcher renders
+``model_repository/llm/1/model.json`` holds the defaults; the leader launcher renders
 a copy into its run directory with the command line's overrides (model path, tp,
 control port, ...). vllm_backend treats model.json as raw ``AsyncEngineArgs``; we
 do not, because every unit must build its engine through
 ``neuron_serving.unit.engine.engine_kwargs`` (one engine recipe for ``generate``,
-Triton and the benchmarks), so model.json names only what that recipe takes.
+Triton and the benchmarks), so model.json names only what that recipe takes, plus
+``engine_args``: any other engine argument, vllm_backend style (engine_args.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from neuron_serving.checkpoint.manifest import VERSION_RE, is_version
+from neuron_serving.triton.engine_args import check_engine_args
 
 # vLLM's own executor for single-process development; "unit" is the project's
 # UnitExecutor. Switching is one model.json field (or `leader --executor`).
@@ -73,6 +75,9 @@ class BackendConfig:
     # "auto" is refused, as by vllm serve without them). "pythonic" needs no special
     # tokens, so it works with any tokenizer, the demo model's included.
     tool_call_parser: str = "pythonic"
+    # Any other vLLM engine argument (`leader --engine-args JSON`), applied last to
+    # what engine_kwargs() builds; keys the unit sets itself are refused (engine_args.py).
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -99,6 +104,8 @@ class BackendConfig:
             )
         if not 0 <= self.vllm_metrics_port < 65536:
             raise ValueError(f"vllm_metrics_port must be in 0..65535, got {self.vllm_metrics_port}")
+        if self.engine_args:
+            check_engine_args(self.engine_args)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BackendConfig:
@@ -135,7 +142,7 @@ class BackendConfig:
         overrides: dict[str, Any] = {"stream_interval": self.stream_interval}
         if self.executor != "unit":
             overrides["distributed_executor_backend"] = self.executor
-        return engine_kwargs(
+        kwargs = engine_kwargs(
             self.model,
             self.tensor_parallel_size,
             unit,
@@ -148,3 +155,7 @@ class BackendConfig:
             dtype=self.dtype,
             **overrides,
         )
+        # Last, over the recipe's defaults (enable_prefix_caching, seed...); never an
+        # OWNED key (checked in __post_init__), so the unit's own settings stand.
+        kwargs.update(self.engine_args)
+        return kwargs

@@ -6,13 +6,16 @@ built for *our* interpreter (``python_backend_stubs/3.11``; the wheel's default
 stub is for another Python). The nvidia-pytriton wheel ships those pieces in
 separate folders, so we assemble a backend directory from symlinks.
 
-The model repository is copied rather than used in place so that the rendered
-``model.json`` (the command line's overrides) never touches the source tree and
-two leaders on one machine do not share it.
+The model repository ships inside this package (``model_repository/``, package
+data in the wheel) and is found through ``importlib.resources``, so an editable
+install, ``pip install .`` and a wheel all find it. It is copied rather than used in
+place so that the rendered ``model.json`` (the command line's overrides) never
+touches the installed package and two leaders on one machine do not share it.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import shutil
 import site
@@ -22,9 +25,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_REPOSITORY = REPO_ROOT / "triton_models"
 MODEL_NAME = "llm"
+# The files tritonserver needs of the model: a test builds the wheel and checks each.
+MODEL_FILES = (
+    f"{MODEL_NAME}/config.pbtxt",
+    f"{MODEL_NAME}/1/model.py",
+    f"{MODEL_NAME}/1/model.json",
+)
+
+
+def model_repository() -> Path:
+    """The packaged Triton model repository (``neuron_serving/triton/model_repository``).
+
+    A directory on disk (pip installs packages unzipped): ``render_model_repository``
+    copies it for tritonserver, which reads a model repository by path."""
+    root = importlib.resources.files("neuron_serving.triton") / "model_repository"
+    path = Path(str(root))
+    missing = [f for f in MODEL_FILES if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"incomplete Triton model repository {path}: {', '.join(missing)} missing "
+            "(reinstall neuron-serving; the wheel ships it as package data)"
+        )
+    return path
+
+
+def import_root() -> Path:
+    """The directory that holds the ``neuron_serving`` package (the checkout for an
+    editable install, site-packages otherwise): first on the backend stub's path."""
+    return Path(__file__).resolve().parents[2]
 
 
 @dataclass(slots=True)
@@ -41,7 +70,7 @@ class TritonInstall:
         spec = importlib.util.find_spec("pytriton")
         if spec is None or not spec.submodule_search_locations:
             raise FileNotFoundError(
-                "tritonserver not found: install it with `pip install --no-deps nvidia-pytriton==0.7.0`"
+                "tritonserver not found: install it with `pip install numpy==1.26.4 nvidia-pytriton==0.7.0`"
             )
         pkg = Path(next(iter(spec.submodule_search_locations)))
         install = cls(root=pkg / "tritonserver", libs=pkg.parent / "nvidia_pytriton.libs")
@@ -82,13 +111,13 @@ def assemble_backend_dir(install: TritonInstall, run_dir: Path) -> Path:
 
 
 def render_model_repository(run_dir: Path, overrides: dict[str, Any]) -> Path:
-    """Copy triton_models/ into run_dir and merge ``overrides`` into llm's model.json."""
+    """Copy the model repository into run_dir and merge ``overrides`` into llm's model.json."""
     from neuron_serving.triton.backend_config import BackendConfig
 
     repo = run_dir / "models"
     if repo.exists():
         shutil.rmtree(repo)
-    shutil.copytree(MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(model_repository(), repo, ignore=shutil.ignore_patterns("__pycache__"))
     model_json = repo / MODEL_NAME / "1" / "model.json"
     settings = json.loads(model_json.read_text())
     settings.update(overrides)
@@ -110,12 +139,12 @@ def stub_env(install: TritonInstall, base: dict[str, str]) -> dict[str, str]:
     """Environment for tritonserver and, through it, the backend stub.
 
     The stub embeds libpython3.11 (LD_LIBRARY_PATH) and starts with an empty
-    sys.path beyond the stdlib (PYTHONPATH: this repository, then the venv).
+    sys.path beyond the stdlib (PYTHONPATH: ``import_root()``, then the venv).
     """
     env = dict(base)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     ld = [str(install.libs), libdir, env.get("LD_LIBRARY_PATH", "")]
     env["LD_LIBRARY_PATH"] = ":".join(p for p in ld if p)
-    paths = [str(REPO_ROOT), *site.getsitepackages(), env.get("PYTHONPATH", "")]
+    paths = [str(import_root()), *site.getsitepackages(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = ":".join(p for p in paths if p)
     return env

@@ -103,6 +103,17 @@ class UnitConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def compile_identity(self) -> dict[str, Any]:
+        """What of this config may change a compiled graph: the device, nothing else.
+
+        vLLM keys its torch.compile cache (``$VLLM_CACHE_ROOT/torch_compile_cache/
+        torch_aot_compile/<hash>/rank_<r>_0``) on ``VllmConfig.compute_hash()``, which
+        covers ``additional_config``. The control plane (ports, unit id, token file,
+        timeouts) changes no graph; left in the key, it made every unit, every
+        ``up --port`` compile the same model again. The executor
+        puts this in its place once it has read the whole config (``take_unit_config``)."""
+        return {"device": self.device}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> UnitConfig:
         names = {f.name for f in dataclasses.fields(cls)}
@@ -110,3 +121,18 @@ class UnitConfig:
         if unknown:
             raise ValueError(f"unknown unit config keys: {sorted(unknown)}")
         return cls(**data)
+
+
+def take_unit_config(additional_config: Any) -> UnitConfig | None:
+    """The unit's config from vLLM's ``additional_config`` (None if absent), leaving
+    only its ``compile_identity`` there. The executor calls it before anything
+    compiles and before the config travels to the followers with ``init_worker``, so
+    every rank of every unit keys vLLM's compile cache alike: units, restarts and
+    other ports reuse one set of artifacts. Nothing reads the control plane from the
+    VllmConfig afterwards; the executor holds it."""
+    extra = additional_config.get(ADDITIONAL_CONFIG_KEY) if additional_config else None
+    if not extra:
+        return None
+    unit = UnitConfig.from_dict(dict(extra))
+    additional_config[ADDITIONAL_CONFIG_KEY] = unit.compile_identity()
+    return unit

@@ -51,7 +51,8 @@ from neuron_serving.unit.broadcast import (
     open_control_broadcast,
 )
 from neuron_serving.unit.calls import decode_result, encode_call, method_name
-from neuron_serving.unit.config import ADDITIONAL_CONFIG_KEY, UnitConfig
+from neuron_serving.unit.compile_lock import compile_lock, lock_path
+from neuron_serving.unit.config import UnitConfig, take_unit_config
 from neuron_serving.unit.control_server import ControlServer
 from neuron_serving.unit.health_server import HealthServer
 from neuron_serving.unit.load_io import LoadStats, measured_load_model
@@ -83,8 +84,7 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
     supports_pp = False
 
     def _init_executor(self) -> None:
-        extra = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-        self.unit = UnitConfig.from_dict(dict(extra)) if extra else UnitConfig.from_env()
+        self.unit = take_unit_config(self.vllm_config.additional_config) or UnitConfig.from_env()
         self.world_size = self.parallel_config.world_size
         self.backend = get_backend(self.unit.device)
         self.backend.check_available()
@@ -280,6 +280,14 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
 
     def take_draft_token_ids(self):
         return self._leader_only("take_draft_token_ids", (), False)
+
+    def determine_available_memory(self) -> list[int]:
+        # The profile run, where every rank compiles the model on CPU: one unit at a
+        # time per host, later ones from the first one's kernels (compile_lock.py).
+        from neuron_serving import envs
+
+        with compile_lock(lock_path(), envs.NEURON_SERVING_COMPILE_LOCK_WAIT_S, self.unit.unit_id):
+            return super().determine_available_memory()
 
     def compile_or_warm_up_model(self) -> None:
         super().compile_or_warm_up_model()

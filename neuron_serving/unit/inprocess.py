@@ -56,6 +56,7 @@ from neuron_serving.exitcodes import ExitCode
 from neuron_serving.proctree import ProcessTree, spawn
 from neuron_serving.unit import auth
 from neuron_serving.unit.config import UnitConfig
+from neuron_serving.unit.worker_import import engine_env
 
 if TYPE_CHECKING:
     from vllm import LLM
@@ -193,6 +194,7 @@ class InProcessUnit:
         if "torch" in sys.modules and rank0_env:
             logger.warning("torch is already imported: rank 0's %s may not apply", rank0_env)
         os.environ.update(rank0_env)
+        os.environ.update(engine_env(unit.device))  # as the followers compile (worker_import.py)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         try:

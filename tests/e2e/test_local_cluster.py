@@ -13,246 +13,42 @@ within 3 s of the kill), asserted with tolerance and printed.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
-import psutil
 import pytest
 
-from neuron_serving.local.probe import get_json
-from neuron_serving.triton.launcher import free_port
-from tests.procs import Proc, free_port_block, leftover, wait_for
+from tests.e2e.local_cluster import (
+    STREAMS,
+    Cluster,
+    StreamResult,
+    alive,
+    chat,
+    check_streams,
+    kill_under_load,
+    start_cluster,
+    start_streams,
+    stream,
+)
+from tests.procs import leftover, wait_for
 
 # Start-up of 2x TP=2 on a loaded 2-core box can take minutes; per-test waits are bounded below.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
-START_TIMEOUT_S = 900.0
-RECREATE_TIMEOUT_S = 600.0
-UNHEALTHY_BOUND_S = 3.0
-UNHEALTHY_TOLERANCE_S = 1.0  # probe jitter and a loaded 2-core box
-STREAMS = 8
-MAX_TOKENS = 24
-PROMPT = "Is this coffee maker in stock, and does it come in red?"
-
-
-@dataclass
-class Cluster:
-    proc: Proc
-    url: str
-    run_dir: Path
-    model: str
-    api_key: str = ""  # the key `up` generated (run_dir/api-key), read once it is ready
-    seen_pids: set[int] = field(default_factory=set)
-
-    def state(self) -> dict:
-        return json.loads((self.run_dir / "supervisor.json").read_text())
-
-    def unit_state(self, unit_id: str) -> dict:
-        return next(u for u in self.state()["units"] if u["unit_id"] == unit_id)
-
-    def proxy_unit(self, unit_id: str) -> dict | None:
-        status = get_json(f"{self.url}/status", 2.0, token=self.api_key)
-        if status is None:
-            return None
-        return next(u for u in status["units"] if u["unit_id"] == unit_id)
-
-    def routable(self, unit_id: str) -> bool:
-        u = self.proxy_unit(unit_id)
-        return u is not None and u["state"] == "routable"
-
-    def pid_of(self, unit_id: str, name: str) -> int:
-        return next(p["pid"] for p in self.unit_state(unit_id)["processes"] if p["name"] == name)
-
-    def unit_tree(self, unit_id: str) -> list[int]:
-        """Every live process of a unit: each main process and its whole session."""
-        pids = []
-        for p in self.unit_state(unit_id)["processes"]:
-            for q in psutil.process_iter(["pid"]):
-                try:
-                    if os.getsid(q.pid) == p["pid"]:
-                        pids.append(q.pid)
-                except OSError:
-                    continue
-        self.seen_pids.update(pids)
-        return pids
-
-    def client(self, api_key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key,
-                             timeout=120.0, max_retries=0)  # fmt: skip
-
-    def log_tail(self) -> str:
-        return "\n".join(self.proc.stdout().splitlines()[-40:])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _port_block_below_ephemeral(n: int) -> int:
-    return free_port_block(n)
-
 
 @pytest.fixture(scope="module")
 def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
-    tmp = tmp_path_factory.mktemp("local-cluster")
-    port = free_port()
-    base = _port_block_below_ephemeral(2 * 20)
-    run_dir = tmp / "run"
-    args = ["up", "--model", str(demo_model), "--port", str(port), "--admin-port",
-            str(free_port()), "--base-port", str(base), "--run-dir", str(run_dir),
-            "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"]  # fmt: skip
-    proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1"))
-    c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, demo_model.name)
-    print("up:", " ".join(args), "logs in", run_dir)
-    started = time.monotonic()
-    try:
-        deadline = started + START_TIMEOUT_S
-        while "ready in" not in proc.stdout():
-            if proc.popen.poll() is not None:
-                pytest.fail(f"up exited {proc.popen.returncode}:\n{c.log_tail()}\n{proc.stderr()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"cluster not ready in {START_TIMEOUT_S:.0f} s:\n{c.log_tail()}")
-            time.sleep(1.0)
-        c.api_key = (run_dir / "api-key").read_text().strip()
-        wait_for(lambda: c.routable("unit-0") and c.routable("unit-1"), 30, what="routable")
-        print(f"cluster ready after {time.monotonic() - started:.1f} s")
-        print(c.log_tail())
-        for u in ("unit-0", "unit-1"):
-            c.unit_tree(u)
-        yield c
-    finally:
-        proc.terminate(120)
-        left = [pid for pid in c.seen_pids if _alive(pid)]
-        assert left == [], f"processes left behind: {left}"
-
-
-@dataclass
-class StreamResult:
-    text: str = ""
-    finish_reason: str | None = None
-    error: BaseException | None = None
-
-
-def _stream(c: Cluster, out: StreamResult, max_tokens: int = MAX_TOKENS, tag: str = "") -> None:
-    try:
-        stream = c.client().chat.completions.create(
-            model=c.model, stream=True, max_tokens=max_tokens, temperature=0,
-            messages=[{"role": "user", "content": tag + PROMPT}], extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        for chunk in stream:
-            if chunk.choices:
-                out.text += chunk.choices[0].delta.content or ""
-                out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
-    except BaseException as e:  # noqa: BLE001 (recorded and asserted on)
-        out.error = e
-
-
-def _start_streams(c: Cluster, n: int, max_tokens: int = MAX_TOKENS):
-    """``n`` concurrent streams, each prompt starting with its own number: with one
-    shared prompt the proxy's prefix-aware routing sends them all to whichever unit
-    served that prompt before (until the load gap passes its threshold), so whether
-    the unit a test kills had any stream depended on timing. Unique prompts go to
-    the least-loaded unit, which spreads them over both."""
-    results = [StreamResult() for _ in range(n)]
-    threads = [threading.Thread(target=_stream, args=(c, r, max_tokens, f"{i}: "), daemon=True)
-               for i, r in enumerate(results)]  # fmt: skip
-    for t in threads:
-        t.start()
-    return results, threads
-
-
-def _undisturbed(c: Cluster) -> list[str]:
-    """The text each of the ``STREAMS`` tagged streams gives when nothing fails (greedy,
-    ignore_eos: the reference a migrated stream must reproduce byte for byte)."""
-    results, threads = _start_streams(c, STREAMS)
-    _check_streams(results, threads)
-    assert all(r.error is None for r in results), [r.error for r in results]
-    return [r.text for r in results]
-
-
-def _check_streams(results: list[StreamResult], threads: list[threading.Thread],
-                   reference: list[str] | None = None) -> None:  # fmt: skip
-    """Every stream ended (none hung); with ``reference``, every one completed with
-    exactly the reference text (a unit's failure mid-stream was repaired by a
-    token-exact migration: nothing lost, nothing repeated)."""
-    for t in threads:
-        t.join(240)
-    assert not any(t.is_alive() for t in threads), "a stream hung"
-    if reference is not None:
-        for i, r in enumerate(results):
-            assert r.error is None, f"stream {i} failed: {r.error}"
-            assert r.finish_reason == "length", r
-            assert r.text == reference[i], f"stream {i}: {r.text!r} != {reference[i]!r}"
-    done = [r for r in results if r.error is None]
-    errors = [r.error for r in results if r.error is not None]
-    print(f"{len(done)} streams completed, {len(errors)} ended with an error: {errors}")
-    for r in done:
-        assert r.finish_reason in ("length", "stop"), r
-    for e in errors:
-        # A clean error: the proxy's SSE error event or an HTTP error, both in OpenAI's
-        # format (the client raises APIError subclasses); never a timeout or a cut stream.
-        assert isinstance(e, openai.APIError) and not isinstance(e, openai.APITimeoutError), e
-
-
-def _chat(c: Cluster, max_tokens: int = 4) -> str:
-    r = c.client().chat.completions.create(
-        model=c.model, max_tokens=max_tokens, temperature=0,
-        messages=[{"role": "user", "content": "Do you ship to Canada?"}],
+    yield from start_cluster(
+        demo_model, tmp_path_factory.mktemp("local-cluster"),
+        ["--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"],
     )  # fmt: skip
-    assert r.choices[0].finish_reason in ("length", "stop")
-    return r.choices[0].message.content or ""
-
-
-def _kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> None:
-    old_tree = c.unit_tree(unit)
-    restarts = c.unit_state(unit)["restarts"]
-    other_before = c.proxy_unit(other)["requests_total"]
-    pid = c.pid_of(unit, victim)
-    reference = _undisturbed(c)
-    results, threads = _start_streams(c, STREAMS)
-    wait_for(lambda: (c.proxy_unit(unit) or {}).get("in_flight", 0) > 0, 60,
-             interval=0.05, what=f"streams on {unit}")  # fmt: skip
-    os.kill(pid, signal.SIGKILL)
-    killed = time.monotonic()
-    wait_for(lambda: not c.routable(unit), 30, interval=0.05, what=f"{unit} unhealthy")
-    unhealthy_s = time.monotonic() - killed
-    print(f"{victim} of {unit} SIGKILLed: proxy marked {unit} unhealthy after {unhealthy_s:.2f} s")
-    assert unhealthy_s <= UNHEALTHY_BOUND_S + UNHEALTHY_TOLERANCE_S
-
-    # New requests keep succeeding (on the other unit) while this one is down.
-    for _ in range(3):
-        _chat(c)
-    _check_streams(results, threads, reference)
-    assert c.proxy_unit(other)["requests_total"] > other_before
-
-    # The whole unit is recreated (new processes, restart counted) and routable again.
-    t = time.monotonic()
-    wait_for(lambda: c.unit_state(unit)["restarts"] == restarts + 1, 60, what="restart counted")
-    failure = c.unit_state(unit)["last_failure"]
-    print(f"{unit} last failure: {failure['reason']}")
-    wait_for(lambda: c.unit_state(unit)["phase"] == "ready" and c.routable(unit),
-             RECREATE_TIMEOUT_S, interval=1.0, what=f"{unit} recreated and routable")  # fmt: skip
-    print(f"{unit} routable again {time.monotonic() - killed:.1f} s after the kill "
-          f"(recreation took {time.monotonic() - t:.1f} s after the restart was counted)")  # fmt: skip
-    new_tree = c.unit_tree(unit)
-    assert c.pid_of(unit, victim) != pid
-    # No orphan: every process of the old incarnation is gone from the process table.
-    survivors = [p for p in old_tree if _alive(p) and p not in new_tree]
-    assert survivors == [], survivors
-    _chat(c)
 
 
 def test_openai_client_streams_a_chat_completion(cluster: Cluster) -> None:
     out = StreamResult()
-    _stream(cluster, out)
+    stream(cluster, out)
     assert out.error is None, out.error
     assert out.finish_reason == "length" and out.text
     models = [m.id for m in cluster.client().models.list()]
@@ -281,15 +77,15 @@ def test_client_api_requires_the_generated_key(cluster: Cluster) -> None:
     assert e.value.code == 401 and e.value.headers["WWW-Authenticate"].startswith("Bearer")
     assert "error" in json.loads(e.value.read())
     # With it, the same request works.
-    _chat(cluster)
+    chat(cluster)
 
 
 def test_follower_sigkill_under_load(cluster: Cluster) -> None:
-    _kill_under_load(cluster, "unit-0", "unit-1", "follower-1")
+    kill_under_load(cluster, "unit-0", "unit-1", "follower-1")
 
 
 def test_leader_sigkill_under_load(cluster: Cluster) -> None:
-    _kill_under_load(cluster, "unit-1", "unit-0", "leader")
+    kill_under_load(cluster, "unit-1", "unit-0", "leader")
 
 
 def test_status_command_shows_restarts(cluster: Cluster) -> None:
@@ -317,7 +113,7 @@ def test_shutdown_under_load_leaves_nothing(cluster: Cluster) -> None:
     for u in ("unit-0", "unit-1"):
         cluster.unit_tree(u)
     cluster.seen_pids.update(p["pid"] for p in cluster.state()["proxy"]["processes"] if p["pid"])
-    results, threads = _start_streams(cluster, STREAMS)
+    results, threads = start_streams(cluster, STREAMS)
     wait_for(lambda: sum((cluster.proxy_unit(u) or {}).get("in_flight", 0)
                          for u in ("unit-0", "unit-1")) > 0, 60, interval=0.05,
              what="streams in flight")  # fmt: skip
@@ -327,7 +123,7 @@ def test_shutdown_under_load_leaves_nothing(cluster: Cluster) -> None:
     print(f"up exited {rc} {time.monotonic() - t:.1f} s after SIGTERM")
     print("\n".join(cluster.proc.stdout().splitlines()[-8:]))
     assert rc == 0, cluster.proc.stderr()
-    _check_streams(results, threads)
+    check_streams(results, threads)
     # Draining let in-flight streams finish: none was cut by the shutdown. A stream
     # that reached the proxy after draining began was refused up front with a clean
     # 503 ("stop admitting"), never cut mid-way.
@@ -335,5 +131,5 @@ def test_shutdown_under_load_leaves_nothing(cluster: Cluster) -> None:
     assert all("503" in str(e) and "no routable unit" in str(e) for e in errors), errors
     assert len(errors) < len(results), errors
     assert leftover([cluster.proc]) == []
-    left = [pid for pid in cluster.seen_pids if _alive(pid)]
+    left = [pid for pid in cluster.seen_pids if alive(pid)]
     assert left == [], left

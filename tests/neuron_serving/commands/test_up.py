@@ -54,6 +54,24 @@ class FakeCluster:
         return self.survivors
 
 
+def _model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
+
+
+def _fake_cluster(monkeypatch: pytest.MonkeyPatch, start_fails=False, survivors=()) -> None:
+    FakeCluster.made.clear()
+    monkeypatch.setattr(
+        cluster_module,
+        "ClusterSupervisor",
+        lambda spec, on_event: FakeCluster(
+            spec, on_event, start_fails=start_fails, survivors=list(survivors)
+        ),
+    )
+
+
 @pytest.fixture
 def signal_handlers() -> Iterator[None]:
     """``up`` installs SIGINT/SIGTERM handlers in this process: put pytest's back."""
@@ -82,18 +100,8 @@ def test_exit_codes(
     survivors: list[int],
     expected: ExitCode,
 ) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    FakeCluster.made.clear()
-    monkeypatch.setattr(
-        cluster_module,
-        "ClusterSupervisor",
-        lambda spec, on_event: FakeCluster(
-            spec, on_event, start_fails=start_fails, survivors=survivors
-        ),
-    )
-    argv = ["up", "--units", "1", "--tp", "1", "--model", str(model)]
+    _fake_cluster(monkeypatch, start_fails, survivors)
+    argv = ["up", "--units", "1", "--tp", "1", "--model", str(_model(tmp_path))]
     rc = main([*argv, "--run-dir", str(tmp_path / "run")])
     assert rc == expected
     (cluster,) = FakeCluster.made
@@ -101,3 +109,32 @@ def test_exit_codes(
     err = capsys.readouterr().err
     assert ("start-up failed" in err) == start_fails
     assert ("processes left running: [4242]" in err) == bool(survivors)
+
+
+def test_vllm_flag_names_and_engine_args_reach_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, signal_handlers: None
+) -> None:
+    _fake_cluster(monkeypatch)
+    argv = ["up", "--units", "1", "-tp", "1", "--model", str(_model(tmp_path))]
+    argv += ["--run-dir", str(tmp_path / "run")]
+    argv += ["--kv-cache-memory-bytes", "1048576", "--served-model-name", "shop", "--host", "::1"]
+    argv += ["--dtype", "float32", "--engine-args", '{"enable_prefix_caching": false}']
+    assert main(argv) == ExitCode.OK
+    (cluster,) = FakeCluster.made
+    spec = cluster.spec
+    assert (spec.tp, spec.kv_cache_bytes, spec.served_model_name, spec.host) == (
+        1, 1 << 20, "shop", "::1"
+    )  # fmt: skip
+    assert spec.extra_leader_args == (
+        "--dtype", "float32", "--engine-args", '{"enable_prefix_caching": false}'
+    )  # fmt: skip
+
+
+def test_bad_engine_args_stop_up_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_cluster(monkeypatch)
+    argv = ["up", "--run-dir", str(tmp_path), "--engine-args", '{"tensor_parallel_size": 3}']
+    assert main(argv) == ExitCode.USAGE
+    assert FakeCluster.made == []
+    assert "use --tp" in capsys.readouterr().err

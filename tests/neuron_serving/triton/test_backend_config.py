@@ -9,9 +9,10 @@ import pytest
 
 from neuron_serving.triton.backend_config import BackendConfig
 from neuron_serving.triton.repository import (
-    MODEL_REPOSITORY,
     TritonInstall,
     assemble_backend_dir,
+    import_root,
+    model_repository,
     render_model_repository,
     stub_env,
 )
@@ -19,7 +20,7 @@ from neuron_serving.unit.engine import UNIT_EXECUTOR
 
 
 def test_shipped_model_json_is_valid() -> None:
-    cfg = BackendConfig.load(MODEL_REPOSITORY / "llm" / "1" / "model.json")
+    cfg = BackendConfig.load(model_repository() / "llm" / "1" / "model.json")
     assert cfg.executor == "unit" and cfg.enable_prefix_caching
 
 
@@ -54,7 +55,7 @@ def test_render_model_repository_applies_overrides(tmp_path: Path) -> None:
     assert settings["model"] == "/models/x" and settings["tensor_parallel_size"] == 2
     assert (repo / "llm" / "config.pbtxt").is_file() and (repo / "llm" / "1" / "model.py").is_file()
     # The source tree is untouched.
-    src = json.loads((MODEL_REPOSITORY / "llm" / "1" / "model.json").read_text())
+    src = json.loads((model_repository() / "llm" / "1" / "model.json").read_text())
     assert src["model"] == ""
     with pytest.raises(ValueError, match="unknown model.json keys"):
         render_model_repository(tmp_path, {"modle": "/x"})
@@ -72,7 +73,7 @@ def test_backend_dir_and_env(tmp_path: Path) -> None:
     assert "python_backend_stubs/3.11" in str((python / "triton_python_backend_stub").resolve())
     env = stub_env(install, {"PATH": "/bin"})
     assert str(install.libs) in env["LD_LIBRARY_PATH"]
-    assert env["PYTHONPATH"].split(":")[0] == str(MODEL_REPOSITORY.parent)
+    assert env["PYTHONPATH"].split(":")[0] == str(import_root())
     assert "site-packages" in env["PYTHONPATH"]
 
 
@@ -114,3 +115,12 @@ def test_leader_announces_the_manifest_version(tmp_path: Path) -> None:
     plain.mkdir()
     assert LeaderSettings(model=str(plain), model_version="exp-1").model_version == "exp-1"
     assert LeaderSettings(model=str(plain)).model_version == ""
+
+
+def test_leader_refuses_an_unknown_tool_call_parser_before_starting(tmp_path: Path) -> None:
+    from neuron_serving.triton.launcher import LeaderSettings
+
+    with pytest.raises(ValueError, match="not one of vLLM's tool parsers: .*hermes"):
+        LeaderSettings(model=str(tmp_path), model_overrides={"tool_call_parser": "nope"})
+    for name in ("hermes", "pythonic", ""):
+        LeaderSettings(model=str(tmp_path), model_overrides={"tool_call_parser": name})

@@ -1,8 +1,9 @@
 """Triton Python-backend entry point of the ``llm`` model.
 
 Deliberately thin: everything lives in ``neuron_serving.triton.backend`` (tested
-without Triton). The leader launcher sets PYTHONPATH to this repository and the
-venv's site-packages for the backend stub.
+without Triton). The leader copies this model repository into its run directory and
+sets PYTHONPATH for the backend stub to the directory holding ``neuron_serving`` and
+the venv's site-packages (``neuron_serving/triton/repository.py``, ``stub_env``).
 """
 
 import locale

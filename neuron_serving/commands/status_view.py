@@ -1,0 +1,184 @@
+"""The human view of `neuron-serving status`: columns fitted to the terminal, as
+`kubectl get` prints them.
+
+A plain table (upper-case headers, two spaces between columns, no borders): borders
+and wrapped cells are what made `status` unreadable at 80 columns. Each unit and
+node is one line. Fitting, in order:
+
+1. columns with no value in any row are left out (a redacted view has no counts);
+2. the one *elastic* column (free text such as an error) takes what is left, cut
+   with an ellipsis, down to its ``min_width``;
+3. while the table is still too wide, the column with the highest ``drop_rank``
+   is dropped (the rightmost first among equals); rank 0 is never dropped;
+4. a line that still does not fit (only never-dropped columns left) is cut.
+
+A width of 0 means no limit (output that is not a terminal, like `kubectl get`).
+Free-text lines (warnings, the routing summary) are wrapped to the width.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.text import Text
+
+GAP = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    header: str
+    drop_rank: int = 0  # 0: always shown; higher ranks are dropped first
+    elastic: bool = False  # at most one: takes the width left over, cut with "…"
+    min_width: int = 12
+
+
+def fit(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int) -> dict[int, int]:
+    """Index -> width of each column kept, in display order."""
+    from rich.cells import cell_len
+
+    natural = [
+        max([cell_len(c.header), *(cell_len(r[i]) for r in rows)]) for i, c in enumerate(columns)
+    ]
+    kept = [i for i, c in enumerate(columns) if c.drop_rank == 0 or any(r[i] for r in rows)]
+    while True:
+        fixed = [i for i in kept if not columns[i].elastic]
+        used = sum(natural[i] for i in fixed) + GAP * (len(kept) - 1)
+        elastic = [i for i in kept if columns[i].elastic]
+        need = used + sum(min(natural[i], columns[i].min_width) for i in elastic)
+        droppable = [i for i in kept if columns[i].drop_rank > 0]
+        if not width or need <= width or not droppable:
+            break
+        kept.remove(max(droppable, key=lambda i: (columns[i].drop_rank, i)))
+    widths = {i: natural[i] for i in kept}
+    for i in elastic:
+        widths[i] = (
+            min(natural[i], max(width - used, columns[i].min_width)) if width else natural[i]
+        )
+    return widths
+
+
+def render(
+    columns: Sequence[Column],
+    rows: Sequence[Sequence[str]],
+    width: int,
+    style: Callable[[str], str | None] = lambda _: None,
+) -> list[Text]:
+    """Header and one line per row; ``style`` colours a cell by its value."""
+    from rich.text import Text
+
+    widths = fit(columns, rows, width)
+    header = [c.header for c in columns]
+    lines = []
+    for n, row in enumerate([header, *rows]):
+        line = Text(style="bold" if n == 0 else "")
+        for k, (i, w) in enumerate(widths.items()):
+            cell = Text(row[i], style=(style(row[i]) or "") if n else "")
+            cell.truncate(w, overflow="ellipsis", pad=k < len(widths) - 1)
+            line.append_text(cell)
+            if k < len(widths) - 1:
+                line.append(" " * GAP)
+        line.rstrip()
+        if width:
+            line.truncate(width, overflow="ellipsis")
+        lines.append(line)
+    return lines
+
+
+# Columns in display order; drop_rank: the order in which a narrow terminal loses them
+# (highest first; 0 = always shown). Unit identity and health matter most, then what
+# the supervisor is doing, load, and why the unit or node last failed.
+COLUMNS = (
+    Column("UNIT/NODE"),
+    Column("HEALTH"),
+    Column("STATE", drop_rank=1),
+    Column("IN-FLIGHT", drop_rank=2),
+    Column("RESTARTS", drop_rank=4),
+    Column("REQUESTS", drop_rank=6),
+    Column("ERRORS", drop_rank=6),
+    Column("VERSION", drop_rank=5),
+    Column("PID", drop_rank=7),
+    Column("LAST ERROR", drop_rank=3, elastic=True, min_width=16),
+)
+_COLORS = {"routable": "green", "healthy": "green", "unhealthy": "red", "draining": "yellow",
+           "ejected": "magenta", "pending": "yellow"}  # fmt: skip
+
+
+def _age(ts: float | None) -> str:
+    if not ts:
+        return ""
+    s = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= 2 * size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _probe_error(lines: list[str]) -> str:
+    """A gRPC error's ``details`` (what went wrong) rather than its envelope."""
+    text = " ".join(lines)
+    match = re.search(r'details = "([^"]*)"', text)
+    return match.group(1) if match else text
+
+
+def _cell(v: Any) -> str:
+    return "" if v is None else str(v)
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One line per unit, then one per node (indented), in ``COLUMNS`` order."""
+    out = []
+    for r in rows:
+        failure = ""
+        if r["last_failure"]:
+            failure = f"{r['last_failure']} ({_age(r['last_failure_at'])})"
+        out.append([r["unit_id"], _cell(r["health"]), _cell(r["phase"]), _cell(r["in_flight"]),
+                    _cell(r["restarts"]), _cell(r["requests_total"]), _cell(r["errors_total"]),
+                    r["model_version"] or "", "", failure])  # fmt: skip
+        for n in r["nodes"]:
+            pid = _cell(n["pid"]) if n["pid"] and n["running"] else ""
+            out.append([f"  {n['name']}", _cell(n["health"]), _cell(n["node_state"]),
+                        "", "", "", "", "", pid, _probe_error(n["last_error"])])  # fmt: skip
+    return out
+
+
+def render_text(
+    base: str,
+    proxy: dict[str, Any] | None,
+    have_state: bool,
+    problem: str,
+    warning: str | None,
+    rows: list[dict[str, Any]],
+    width: int,
+) -> list[Text]:
+    """The whole human view, every line at most ``width`` cells (0 = no limit)."""
+    from rich.text import Text
+
+    def wrap(text: str, style: str = "") -> list[Text]:
+        parts = textwrap.wrap(text, width, subsequent_indent="  ") if width else [text]
+        return [Text(part, style=style) for part in parts]
+
+    lines: list[Text] = []
+    if warning:
+        lines += wrap(f"warning: {warning}", "yellow")
+    if proxy is None:
+        suffix = "; showing the supervisor's view only" if have_state else ""
+        lines += wrap(f"proxy {base} {problem}{suffix}", "red")
+        if not have_state:
+            return lines
+    lines += wrap(f"neuron-serving status: {base}", "bold")
+    lines += render(COLUMNS, table_rows(rows), width, _COLORS.get)
+    if proxy is not None:
+        adm = proxy.get("admission", {})
+        panic = f"; panic: {proxy['panic_models']}" if proxy.get("panic_models") else ""
+        lines += wrap(
+            f"routing {proxy.get('routing_policy')}; {adm.get('active', 0)} active, "
+            f"{adm.get('queued', 0)} queued{panic}"
+        )
+    return lines

@@ -1,0 +1,102 @@
+"""`neuron-serving status` at 80 and 200 columns from fixture data (the proxy's /status
+and the supervisor's state file as they look mid-failure)."""
+
+from __future__ import annotations
+
+import time
+
+from neuron_serving.commands.status import merge
+from neuron_serving.commands.status_view import (
+    COLUMNS,
+    Column,
+    fit,
+    render,
+    render_text,
+)
+
+PROBE_ERROR = (
+    "<AioRpcError of RPC that terminated with: status = StatusCode.UNAVAILABLE details = "
+    '"failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:29611: '
+    'Failed to connect to remote host: Connection refused"'
+)
+PROXY = {
+    "routing_policy": "prefix_cache",
+    "admission": {"active": 3, "queued": 1},
+    "units": [
+        {"unit_id": "unit-0", "state": "routable", "in_flight": 3, "requests_total": 1234,
+         "errors_total": 2, "model_version": "src-3f9a1c2b",
+         "nodes": [{"node_id": "unit-0/leader", "state": "healthy"},
+                   {"node_id": "unit-0/follower-1", "state": "healthy"}]},
+        {"unit_id": "unit-1", "state": "unhealthy", "in_flight": 0, "requests_total": 977,
+         "errors_total": 14, "model_version": "src-3f9a1c2b",
+         "nodes": [{"node_id": "unit-1/leader", "state": "unhealthy", "last_error": PROBE_ERROR},
+                   {"node_id": "unit-1/follower-1", "state": "unhealthy",
+                    "last_error": PROBE_ERROR}]},
+    ],
+}  # fmt: skip
+STATE = {
+    "units": [
+        {"unit_id": "unit-0", "phase": "ready", "restarts": 0, "processes": [
+            {"name": "leader", "pid": 412345, "running": True, "node_state": "ready"},
+            {"name": "follower-1", "pid": 412346, "running": True, "node_state": "ready"}]},
+        {"unit_id": "unit-1", "phase": "backoff", "restarts": 3,
+         "last_failure": {"reason": "follower-1 exited with code -9", "at": time.time() - 300},
+         "processes": [
+            {"name": "leader", "pid": 412400, "running": True, "node_state": "failed"},
+            {"name": "follower-1", "pid": 412401, "running": False}]},
+    ]
+}  # fmt: skip
+BASE = "http://127.0.0.1:8080"
+WARNING = "no valid API key (the proxy did not accept the one sent): addresses hidden, and more"
+
+
+def _lines(cols: int) -> list[str]:
+    rows = merge(PROXY, STATE)
+    return [t.plain for t in render_text(BASE, PROXY, True, "", WARNING, rows, cols)]
+
+
+def test_80_columns_fit_and_keep_what_matters_most() -> None:
+    lines = _lines(80)
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    header = lines[[i for i, x in enumerate(lines) if x.startswith("UNIT/NODE")][0]]
+    for kept in ("HEALTH", "STATE", "IN-FLIGHT", "LAST ERROR"):
+        assert kept in header, header
+    for dropped in ("PID", "REQUESTS", "ERRORS"):
+        assert dropped not in header, header
+    text = "\n".join(lines)
+    # One line per unit and node, no folded cells: every row starts with its name.
+    table = lines[lines.index(header) + 1 : -1]
+    assert [x.split()[0] for x in table] == [
+        "unit-0", "leader", "follower-1", "unit-1", "leader", "follower-1"
+    ]  # fmt: skip
+    assert "follower-1 exited" in text and "…" in text  # cut, not wrapped
+    assert "  leader      unhealthy  failed" in text and "failed to connect" in text
+    assert text.count("warning: no valid API key") == 1
+
+
+def test_200_columns_show_every_column() -> None:
+    lines = _lines(200)
+    assert all(len(line) <= 200 for line in lines)
+    header = next(x for x in lines if x.startswith("UNIT/NODE"))
+    assert header.split("  ")[0] == "UNIT/NODE"
+    for col in COLUMNS:
+        assert col.header in header, header
+    unit1 = next(x for x in lines if x.startswith("unit-1"))
+    assert "977" in unit1 and "14" in unit1 and "src-3f9a1c2b" in unit1
+    assert any("412400" in x for x in lines) and not any("412401" in x for x in lines)
+    assert "follower-1 exited with code -9 (5m ago)" in unit1
+
+
+def test_narrower_still_and_no_limit() -> None:
+    assert all(len(line) <= 40 for line in _lines(40))
+    unlimited = _lines(0)
+    assert any(x.endswith("Connection refused") for x in unlimited)  # nothing cut
+
+
+def test_columns_without_values_are_left_out() -> None:
+    cols = (Column("A"), Column("B", drop_rank=1), Column("C", drop_rank=2))
+    assert list(fit(cols, [["x", "", "z"]], 80)) == [0, 2]
+    assert [t.plain for t in render(cols, [["x", "", "z"]], 80)] == ["A  C", "x  z"]
+    # Dropped highest rank first; never rank 0, even if the line must then be cut.
+    assert list(fit(cols, [["x" * 10, "y" * 10, "z" * 10]], 24)) == [0, 1]
+    assert [len(t.plain) for t in render(cols, [["x" * 30, "y", "z"]], 20)] == [1, 20]

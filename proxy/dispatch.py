@@ -294,6 +294,16 @@ class Dispatcher:
                                         job.upstream_ttft_s = timing.upstream_ttft_s
                                 if prompt_ids is None:
                                     prompt_ids = d.prompt_token_ids
+                            if d.finish_reason == "abort":
+                                # vLLM ends a request with "abort" when its engine stops
+                                # under it (a leader killed or shutting down: Triton cancels
+                                # what is in flight). The client did not ask for that: a
+                                # unit fault, migrated or retried, never relayed.
+                                raise UpstreamError(
+                                    "the unit aborted the request (its engine stopped)",
+                                    unit_fault=True,
+                                    retriable=True,
+                                )
                             if d.token_ids:
                                 output_ids.extend(d.token_ids)
                             if resumed is not None:

@@ -28,7 +28,7 @@ from neuron_serving.bench.readme_table import MeasuredRow, rewrite_readme
 REPORT = RESULTS_DIR.parent / "REPORT.md"
 README = RESULTS_DIR.parent.parent / "README.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
-            "serving_mn", "failures", "cpu")  # fmt: skip
+            "serving_mn", "failures", "cpu", "startup")  # fmt: skip
 
 
 def family(name: str) -> str:
@@ -331,6 +331,26 @@ def _failures_targets(r: dict[str, Any]) -> list[Target]:
     return out
 
 
+def _startup_targets(r: dict[str, Any]) -> list[Target]:
+    """bench startup: the default cluster's ready time against `vllm serve`'s, and a
+    recreated unit's time to routable after its leader's SIGKILL."""
+    tg = r.get("targets", {})
+    ratio, recreated = r.get("ratio_cluster_to_vllm"), r.get("recreated_unit_routable_s")
+    limit, bound = tg.get("ratio_cluster_to_vllm", 1.5), tg.get("recreated_unit_routable_s", 30.0)
+    cluster, vllm = r.get("cluster_ready_s") or {}, r.get("vllm_serve_ready_s") or {}
+    return [
+        Target("startup", f"default cluster ready / vllm serve ready <= {num(limit)}",
+               f"{spread_text(ratio)} ({num(cluster.get('median'), 1)} vs "
+               f"{num(vllm.get('median'), 1)} s)",
+               None if not ratio else ratio["median"] <= limit,
+               straddles=straddles(ratio, limit)),
+        Target("startup", f"unit recreated after a leader SIGKILL routable <= {num(bound, 0)} s",
+               spread_text(recreated, 1, " s"),
+               None if not recreated else recreated["median"] <= bound,
+               straddles=straddles(recreated, bound)),
+    ]  # fmt: skip
+
+
 TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "executor": _executor_targets,
     "serving": _serving_targets,
@@ -341,8 +361,10 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "serving_mn": _serving_mn_targets,
     "cpu": _cpu_targets,
     "failures": _failures_targets,
+    "startup": _startup_targets,
 }
 NOT_MEASURED = {
+    "startup": ["default cluster ready within 1.5x of vllm serve; recreated unit <= 30 s"],
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
     "serving": ["Triton leader / vllm serve output tok/s >= 0.9", "TTFT p50 within 1.2x"],
     "proxy": ["added TTFT p50 <= 1 ms, p99 <= 5 ms at 64 streams"],
@@ -706,6 +728,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "serving_mn": _serving_section,
     "failures": _failures_section,
     "cpu": _generic_section,
+    "startup": _generic_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -718,6 +741,7 @@ TITLES = {
     "serving_mn": "Serving across two nodes: TP=2 unit vs vllm serve --nnodes 2 (16 streams)",
     "failures": "A rank's failure: TP=2 unit vs vLLM multi-node",
     "cpu": "CPU per output token and per request, by process",
+    "startup": "Start-up: the default cluster vs vllm serve, and a recreated unit",
 }
 
 

@@ -178,7 +178,7 @@ def check_streams(results: list[StreamResult], threads: list[threading.Thread],
     token-exact migration: nothing lost, nothing repeated)."""
     for t in threads:
         t.join(240)
-    assert not any(t.isalive() for t in threads), "a stream hung"
+    assert not any(t.is_alive() for t in threads), "a stream hung"
     if reference is not None:
         for i, r in enumerate(results):
             assert r.error is None, f"stream {i} failed: {r.error}"

@@ -13,6 +13,7 @@ from proxy.http_upstream import TritonHttpUpstream, decode_event
 from proxy.leader_client import TritonClientPool
 from proxy.transport import UnitTransport
 from proxy.upstream import DeadlineExceeded, UpstreamError, openai_envelope
+from tests.aiohttp_site import serve_app
 from tests.proxy.fake_openai import render_chat
 from tests.proxy.fakes import Behavior, FakeTriton, reference_completion, wait_until
 
@@ -294,11 +295,7 @@ async def test_http_upstream_reads_an_event_of_megabytes():
 
     app = web.Application()
     app.router.add_post("/v2/models/llm/generate_stream", generate_stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app)
     up = TritonHttpUpstream(TimeoutConfig())
     try:
         unit = UnitSpec(unit_id="u0", leader_grpc="127.0.0.1:1", leader_http=f"127.0.0.1:{port}")

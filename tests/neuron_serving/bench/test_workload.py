@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 
 from neuron_serving.bench.workload import triton_generate_stream, triton_grpc_stream
+from tests.aiohttp_site import serve_app
 
 pytest.importorskip("vllm.benchmarks.lib.endpoint_request_func")
 
@@ -32,11 +33,7 @@ async def _server(aiohttp_events: list[bytes], status: int = 200):
 
     app = web.Application()
     app.router.add_post("/v2/models/llm/generate_stream", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve_app(app)
     return runner, f"http://127.0.0.1:{port}/v2/models/llm/generate_stream", seen
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import select
 import socket
 import struct
 import threading
@@ -83,6 +84,17 @@ _LINGER_RST = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close with RST, no T
 
 class UnitJoinError(RuntimeError):
     """Not every follower joined within the join timeout."""
+
+
+def _unread(sock: socket.socket) -> bool:
+    """Bytes from the follower wait in our socket: it is alive and our reader thread is
+    behind (starved of CPU), so its silence is ours, not the follower's. (End of stream
+    also reads as readable; the reader reports that as a lost link.)"""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):  # closed: the reader reports the loss
+        return False
+    return bool(readable)
 
 
 @dataclass
@@ -461,8 +473,14 @@ class ControlServer:
 
     def _monitor_loop(self) -> None:
         tick = self.unit.heartbeat_interval_s / 2
+        woke = time.monotonic()
         while not self._closing and not self._failed:
             now = time.monotonic()
+            # Judge a follower only on time this process was running: after a stall of
+            # our own (a 2-core host starving the leader), the reader threads are as far
+            # behind as this one, and a beat that did arrive may not be read yet.
+            stalled = now - woke > tick + self.unit.heartbeat_interval_s
+            woke = now
             strict = self.leader_state() == "ready"
             for link in list(self.links.values()):
                 age = now - link.last_seen
@@ -471,7 +489,7 @@ class ControlServer:
                     if strict and link.state == "ready"
                     else self.unit.startup_heartbeat_timeout_s
                 )
-                if age > limit:
+                if age > limit and not stalled and not _unread(link.channel.sock):
                     self._fail(
                         link.rank,
                         f"{link.describe()} sent no heartbeat for {age:.1f} s "

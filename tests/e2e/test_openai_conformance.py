@@ -185,14 +185,18 @@ def shape(v: Any) -> Any:
 
 
 def chunk_shape(events: list[dict]) -> list[Any]:
-    """A stream's sequence shape: runs of equally shaped chunks collapse into one (how
-    many tokens one chunk carries depends on timing on both servers)."""
-    out: list[Any] = []
+    """A stream's sequence shape, per choice index (with ``n`` > 1 how the choices'
+    chunks interleave depends on timing); within each, runs of equally shaped chunks
+    collapse into one (how many tokens one chunk carries depends on timing on both
+    servers). Chunks without choices (usage) form their own sequence."""
+    per: dict[Any, list[Any]] = {}
     for e in events:
         s = shape({k: v for k, v in e.items() if k not in ("id", "created")})
+        choices = e.get("choices") or [{}]
+        out = per.setdefault(choices[0].get("index"), [])
         if not out or out[-1] != s:
             out.append(s)
-    return out
+    return sorted(per.items(), key=lambda kv: str(kv[0]))
 
 
 def content(events: list[dict], field: str = "content") -> str:

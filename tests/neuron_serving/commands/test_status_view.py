@@ -40,7 +40,7 @@ STATE = {
             {"name": "leader", "pid": 412345, "running": True, "node_state": "ready"},
             {"name": "follower-1", "pid": 412346, "running": True, "node_state": "ready"}]},
         {"unit_id": "unit-1", "phase": "backoff", "restarts": 3,
-         "last_failure": {"reason": "follower-1 exited with code -9", "at": time.time() - 300},
+         "last_failure": {"reason": "follower-1 exited with code -9", "at": None},
          "processes": [
             {"name": "leader", "pid": 412400, "running": True, "node_state": "failed"},
             {"name": "follower-1", "pid": 412401, "running": False}]},
@@ -51,6 +51,8 @@ WARNING = "no valid API key (the proxy did not accept the one sent): addresses h
 
 
 def _lines(cols: int) -> list[str]:
+    # "5m ago" at render time, not at import (the suite may run for many minutes between).
+    STATE["units"][1]["last_failure"]["at"] = time.time() - 300
     rows = merge(PROXY, STATE)
     return [t.plain for t in render_text(BASE, PROXY, True, "", WARNING, rows, cols)]
 

@@ -80,6 +80,15 @@ def version_headers(job: Job) -> dict[str, str]:
     return {VERSION_HEADER: job.version} if job.version else {}
 
 
+# vLLM ends a request with finish_reason "abort" when its engine stops under it (a
+# leader killed or shutting down: Triton cancels what is in flight). The client did
+# not ask for that: a unit fault, migrated or retried like any other, never relayed.
+def _aborted() -> UpstreamError:
+    return UpstreamError(
+        "the unit aborted the request (its engine stopped)", unit_fault=True, retriable=True
+    )
+
+
 class NoRoutableUnit(Exception):
     """No unit can take this model's traffic (none registered, or all draining/down)."""
 
@@ -220,6 +229,10 @@ class Dispatcher:
                                 # A migrated attempt's prompt includes earlier output.
                                 prompt_tokens = max(0, d.prompt_tokens - tokens_done)
                             generated += d.text
+                            if d.finish_reason == "abort":  # the unit's engine stopped (relay)
+                                if d.text:
+                                    yield GenerationDelta(d.text)
+                                raise _aborted()
                             if d.finish_reason is None:
                                 if d.text:
                                     yield d
@@ -295,15 +308,7 @@ class Dispatcher:
                                 if prompt_ids is None:
                                     prompt_ids = d.prompt_token_ids
                             if d.finish_reason == "abort":
-                                # vLLM ends a request with "abort" when its engine stops
-                                # under it (a leader killed or shutting down: Triton cancels
-                                # what is in flight). The client did not ask for that: a
-                                # unit fault, migrated or retried, never relayed.
-                                raise UpstreamError(
-                                    "the unit aborted the request (its engine stopped)",
-                                    unit_fault=True,
-                                    retriable=True,
-                                )
+                                raise _aborted()
                             if d.token_ids:
                                 output_ids.extend(d.token_ids)
                             if resumed is not None:

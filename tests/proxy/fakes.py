@@ -63,6 +63,8 @@ class Behavior:
     stream_error: str = ""  # in-stream error for every request (e.g. a bad-request message)
     kill_after_tokens: int | None = None  # the whole server dies after this many tokens
     stall_after_tokens: int | None = None  # the stream goes silent (not closed) after N
+    # The engine stops under the request after N tokens: vLLM's finish_reason "abort".
+    abort_after_tokens: int | None = None
     finish_separately: bool = False  # the finish reason comes in its own, empty, last response
     word_repeat: int = 1  # each token's text is the word this many times (bulky output)
     # Checkpoint version: in the model config's parameters and in each request's first
@@ -282,6 +284,9 @@ class FakeTriton:
             out = ""
             for i in range(max_tokens):
                 await self._token_gate(i)
+                if b.abort_after_tokens is not None and i >= b.abort_after_tokens:
+                    yield "", "abort", len(prompt), i, None
+                    return
                 word = next_word(prompt + out) * b.word_repeat
                 version = b.model_version if i == 0 else None
                 if word == "end" and not ignore_eos:
@@ -352,6 +357,9 @@ class FakeTriton:
             out, finish, n = "", "length", 0
             for i in range(req.max_tokens):
                 await self._token_gate(i)
+                if b.abort_after_tokens is not None and i >= b.abort_after_tokens:
+                    finish = "abort"
+                    break
                 word = next_word(text + out)
                 if word == "end" and not req.ignore_eos:
                     finish = "stop"

@@ -4,6 +4,7 @@ retries before the first response, token-exact resumption with the chunk fix-ups
 the clean end of streams that cannot be resumed, and the other vLLM routes."""
 
 import asyncio
+import json
 
 import pytest
 
@@ -74,10 +75,13 @@ async def _chat_events(fleet, units, body) -> list:
         return await asyncio.wait_for(read_sse(r), 15)
 
 
-async def test_resumed_chat_stream_equals_the_undisturbed_one(fleet):
-    """u0 dies after 4 tokens; u1 continues from the token ids. The client's stream is
-    the one an undisturbed unit gives: one id, the original created, one role chunk,
-    usage of the whole request (continuous and final)."""
+@pytest.mark.parametrize("failure", ["kill", "abort"])
+async def test_resumed_chat_stream_equals_the_undisturbed_one(fleet, failure):
+    """u0 dies after 4 tokens (``kill``), or its engine stops under the request and
+    vLLM ends it with finish_reason "abort" (``abort``: a leader shutting down); u1
+    continues from the token ids. The client's stream is the one an undisturbed unit
+    gives: one id, the original created, one role chunk, usage of the whole request
+    (continuous and final), and no "abort" anywhere."""
     body = {"model": "llm", "messages": CHAT, "max_tokens": 9, "ignore_eos": True,
             "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
@@ -87,8 +91,12 @@ async def test_resumed_chat_stream_equals_the_undisturbed_one(fleet):
 
     a, b = await fleet.unit("u0"), await fleet.unit("u1")
     a.behavior.created, b.behavior.created = 111, 222
-    a.behavior.kill_after_tokens = 4
+    if failure == "kill":
+        a.behavior.kill_after_tokens = 4
+    else:
+        a.behavior.abort_after_tokens = 4
     events = await _chat_events(fleet, [a, b], body)
+    assert b'"abort"' not in json.dumps(events).encode()
 
     assert len({e["id"] for e in events[:-1]}) == 1
     strip = [{**e, "id": None} if isinstance(e, dict) else e for e in events]

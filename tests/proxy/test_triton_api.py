@@ -2,14 +2,22 @@
 
 import json
 
+import pytest
+
 from tests.proxy.conftest import url
 from tests.proxy.fakes import reference_completion
 from tests.proxy.test_tokenizer import model_dir
 
 
-async def test_generate_and_generate_stream(fleet):
+@pytest.mark.parametrize("failure", ["kill", "abort"])
+async def test_generate_and_generate_stream(fleet, failure):
     a, b = await fleet.unit("u0"), await fleet.unit("u1")
-    a.behavior.kill_after_tokens = 2  # the stream below is migrated to u1
+    # The stream below is migrated to u1: u0 dies after 2 tokens, or its engine stops
+    # under the request (vLLM's finish_reason "abort", never shown to the client).
+    if failure == "kill":
+        a.behavior.kill_after_tokens = 2
+    else:
+        a.behavior.abort_after_tokens = 2
     proxy = await fleet.proxy([a, b], routing={"policy": "round_robin"})
     s = fleet.session()
     body = {"text_input": "blue", "parameters": {"max_tokens": 6, "ignore_eos": True}}

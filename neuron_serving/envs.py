@@ -165,6 +165,16 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "compile one after another, the later ones from the earlier one's kernel cache; "
         "unit/compile_lock.py) before compiling anyway; 0 = no lock.",
     ),
+    "NEURON_SERVING_CHANNEL_TOKEN": (
+        _str("NEURON_SERVING_CHANNEL_TOKEN", None),
+        "Shared secret of the leaders' OpenAI channel (openai_channel.py): a proxy that proves "
+        "it gets one multiplexed connection per leader; overrides the token file.",
+    ),
+    "NEURON_SERVING_CHANNEL_TOKEN_FILE": (
+        _str("NEURON_SERVING_CHANNEL_TOKEN_FILE", None),
+        "Path of the OpenAI channel's secret file (default ~/.config/neuron-serving/channel-token, "
+        "created on first use: processes of one user on one host share it).",
+    ),
     # --- add new variables above this line; helpers editing in parallel: small edits only ---
 }
 

@@ -264,6 +264,11 @@ class ProxyConfig:
     # How generations reach a leader: "grpc" (ModelStreamInfer) or "http"
     # (generate_stream, for units with leader_http); probes use gRPC either way.
     upstream_protocol: str = "grpc"
+    # OpenAI calls over each leader's OpenAI channel when it announces one (one
+    # multiplexed connection per leader; proxy/channel_upstream.py); false = always
+    # upstream_protocol. Needs the channel token (NEURON_SERVING_CHANNEL_TOKEN or its
+    # file, the same as the leaders'); without it the proxy uses upstream_protocol.
+    openai_channel: bool = True
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)

@@ -19,7 +19,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -72,11 +72,15 @@ class HealthChecker:
         cfg: HealthCheckConfig,
         clients: TritonClientPool,
         observer: ProbeObserver | None = None,
+        on_leader_config: Callable[[UnitState, Mapping[str, str]], None] | None = None,
     ) -> None:
+        """``on_leader_config(unit, parameters)``: the string parameters of the unit's
+        model config each time the probe reads it (see ``_leader_probe``)."""
         self._registry = registry
         self._cfg = cfg
         self._clients = clients
         self._observer = observer
+        self._on_leader_config = on_leader_config
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rng = random.Random()
@@ -159,6 +163,8 @@ class HealthChecker:
                 params = response.config.parameters
                 if "model_version" in params and params["model_version"].string_value:
                     self._registry.set_version(unit, params["model_version"].string_value)
+                if self._on_leader_config is not None:
+                    self._on_leader_config(unit, {k: v.string_value for k, v in params.items()})
             return True, ""
 
         return probe

@@ -9,9 +9,12 @@ registry at scrape time rather than on every probe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.config import UnitSpec
 from proxy.registry import Registry
 
 # Seconds; LLM latencies span 10 ms (a token) to minutes (a long generation).
@@ -127,6 +130,19 @@ class ProxyMetrics:
         self.in_flight = Gauge(
             "proxy_unit_in_flight", "Requests in flight by unit", ["unit"], registry=r
         )
+        self.unit_upstream = Gauge(
+            "proxy_unit_upstream",
+            "1 for the transport that carries the unit's OpenAI calls now: channel (the "
+            "leader's OpenAI channel), grpc or http (Triton's front ends)",
+            ["unit", "transport"],
+            registry=r,
+        )
+        self.channel_fallbacks = Counter(
+            "proxy_openai_channel_fallbacks",
+            "OpenAI calls sent over Triton because their unit's channel could not be "
+            "connected or did not prove the channel token",
+            registry=r,
+        )
         self.queued = Gauge("proxy_admission_queued", "Requests waiting for admission", registry=r)
         self.active = Gauge("proxy_admission_active", "Requests admitted and running", registry=r)
 
@@ -142,7 +158,14 @@ class ProxyMetrics:
         if upstream_ttft_s is not None:
             self.hop.observe(max(0.0, ttft_s - upstream_ttft_s))
 
-    def refresh(self, registry: Registry, now: float, queued: int, active: int) -> None:
+    def refresh(
+        self,
+        registry: Registry,
+        now: float,
+        queued: int,
+        active: int,
+        upstream_of: Callable[[UnitSpec], str] | None = None,
+    ) -> None:
         # Units come and go: rebuild the per-unit series so removed units disappear.
         for g in (
             self.unit_routable,
@@ -150,6 +173,7 @@ class ProxyMetrics:
             self.unit_ejected,
             self.node_healthy,
             self.in_flight,
+            self.unit_upstream,
         ):
             g.clear()
         for u in registry.units.values():
@@ -159,6 +183,8 @@ class ProxyMetrics:
             self.unit_draining.labels(u.unit_id).set(u.draining)
             self.unit_ejected.labels(u.unit_id).set(u.is_ejected(now))
             self.in_flight.labels(u.unit_id).set(u.in_flight)
+            if upstream_of is not None:
+                self.unit_upstream.labels(u.unit_id, upstream_of(u.spec)).set(1)
             for n in u.nodes:
                 self.node_healthy.labels(u.unit_id, n.node_id).set(n.healthy)
         self.queued.set(queued)

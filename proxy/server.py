@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -23,9 +24,13 @@ from aiohttp import web
 from neuron_serving import envs
 from neuron_serving.bearer import bearer_matches
 from neuron_serving.netaddr import is_loopback
+from neuron_serving.openai_channel import CONFIG_PARAMETER as CHANNEL_PARAMETER
+from neuron_serving.openai_channel import resolve_token as resolve_channel_token
+from neuron_serving.secret_file import SecretError
 from proxy.admin import make_admin_app
 from proxy.admission import AdmissionController
 from proxy.auth import ApiKeys, load_api_keys
+from proxy.channel_upstream import ChannelUpstream
 from proxy.config import ProxyConfig
 from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
@@ -124,7 +129,16 @@ class ProxyServer:
             config.limits.max_buffered_body_bytes,
             config.limits.body_timeout_s,
         )
-        self.health = HealthChecker(self.registry, config.health, self.clients, self._on_probe)
+        channel = self._openai_channel(config)
+        if channel is not None:
+            self.transport.use_channel(channel)
+        self.health = HealthChecker(
+            self.registry,
+            config.health,
+            self.clients,
+            self._on_probe,
+            on_leader_config=None if channel is None else self._on_leader_config,
+        )
         self.registry.subscribe(self._on_registry_change)
         # What the front ends use, handed to them: none of them imports this module.
         self.pipeline = Pipeline(
@@ -137,9 +151,29 @@ class ProxyServer:
         for spec in config.units:
             self.registry.add(spec)
 
+    def _openai_channel(self, config: ProxyConfig) -> ChannelUpstream | None:
+        if not config.openai_channel:
+            return None
+        try:
+            token = resolve_channel_token()
+        except SecretError as e:
+            log.warning("OpenAI channel off, OpenAI calls go over Triton: %s", e)
+            return None
+        return ChannelUpstream(
+            token, config.timeouts, self.transport.triton, self.metrics.channel_fallbacks.inc
+        )
+
+    def _on_leader_config(self, unit: UnitState, parameters: Mapping[str, str]) -> None:
+        """A leader's model config, read by a probe: where its OpenAI channel is."""
+        raw = parameters.get(CHANNEL_PARAMETER, "")
+        port = int(raw) if raw.isdigit() and 0 < int(raw) < 65536 else None
+        self.transport.channel.announce(unit.spec, port)
+
     def _on_registry_change(self, event: RegistryEvent, unit: UnitState) -> None:
         if event == "removed":
             self.dispatcher.policy.on_unit_removed(unit.unit_id)
+            if self.transport.channel is not None:
+                self.transport.channel.forget(unit.unit_id)
             task = asyncio.get_running_loop().create_task(self._close_client_when_idle(unit))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -186,12 +220,17 @@ class ProxyServer:
             active=self.admission.active,
             panic_models=panic,
             redact=not self.is_trusted(request),
+            upstream_of=self.transport.name_for,
         )
         return web.json_response(body)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.refresh(
-            self.registry, time.monotonic(), self.admission.queued, self.admission.active
+            self.registry,
+            time.monotonic(),
+            self.admission.queued,
+            self.admission.active,
+            self.transport.name_for,
         )
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 

@@ -10,8 +10,10 @@ the event log's details.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
+from proxy.config import UnitSpec
 from proxy.registry import NodeHealth, Registry, UnitState
 
 
@@ -33,7 +35,9 @@ def _node(n: NodeHealth) -> dict[str, Any]:
     }
 
 
-def _unit(u: UnitState, now: float) -> dict[str, Any]:
+def _unit(
+    u: UnitState, now: float, upstream_of: Callable[[UnitSpec], str] | None
+) -> dict[str, Any]:
     ejected = u.is_ejected(now)
     if u.draining:
         state = "draining"
@@ -50,6 +54,8 @@ def _unit(u: UnitState, now: float) -> dict[str, Any]:
         "model_version": u.model_version,
         "leader_grpc": u.spec.leader_grpc,
         "leader_http": u.spec.leader_http,
+        # What carries its OpenAI calls: channel (the leader's OpenAI channel), grpc, http.
+        "upstream": upstream_of(u.spec) if upstream_of is not None else "",
         "draining": u.draining,
         "healthy": u.nodes_healthy(),
         "in_flight": u.in_flight,
@@ -81,9 +87,12 @@ def build_status(
     active: int,
     panic_models: list[str],
     redact: bool = False,
+    upstream_of: Callable[[UnitSpec], str] | None = None,
 ) -> dict[str, Any]:
     now = time.monotonic()
-    units = [_unit(u, now) for u in sorted(registry.units.values(), key=lambda u: u.unit_id)]
+    units = [
+        _unit(u, now, upstream_of) for u in sorted(registry.units.values(), key=lambda u: u.unit_id)
+    ]
     events = [
         {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}
         for e in list(registry.events)[-50:]

@@ -10,8 +10,11 @@ every process of the server's tree, grouped by process name: ``tritonserver``,
 CPU (this process: ``os.times``), before and after the run, divided by the output
 tokens the run produced. Arms alternate, order flipped every repeat.
 
-Arms ``proxy_openai`` (gRPC upstream, the default) and ``proxy_openai_http`` (HTTP
-upstream): OpenAI ``/v1/completions`` through ``neuron-serving proxy`` to the same leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes): the
+Proxy arms: OpenAI ``/v1/completions`` through ``neuron-serving proxy`` to the same
+leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes).
+``proxy_openai`` is the proxy as deployed (the leader's OpenAI channel, uvloop);
+``proxy_openai_asyncio`` the same on asyncio's loop; ``proxy_openai_grpc`` and
+``proxy_openai_http`` with the channel off, over Triton's gRPC and HTTP front ends. The
 proxy's CPU per token (label ``neuron-serving proxy``) set against ``vllm serve``'s
 API server (``vllm api server``) on the same load. A second, short pass measures CPU
 per *request* (``PER_REQUEST_REQUESTS`` requests of one output token each) for the
@@ -96,15 +99,17 @@ def _cli_label(cmd: list[str]) -> str:
 # The per-request pass: many requests of one output token, so what is measured is the
 # per-request work (parse, route, render, the first and last chunk), not per-token.
 PER_REQUEST_REQUESTS = 128
-# (upstream_protocol, arm, event loop): the proxy as deployed (gRPC upstream, uvloop),
-# on the HTTP upstream, and on the HTTP upstream with asyncio's own loop (the uvloop
-# decision, measured side by side).
+# (upstream_protocol, openai_channel, arm, event loop): the proxy as deployed (the
+# OpenAI channel, uvloop), the same on asyncio's own loop (the uvloop decision), and
+# with the channel off over Triton's gRPC and HTTP front ends (the channel decision),
+# side by side.
 PROXY_ARMS = (
-    ("grpc", "proxy_openai", "uvloop"),
-    ("http", "proxy_openai_http", "uvloop"),
-    ("http", "proxy_openai_http_asyncio", "asyncio"),
+    ("grpc", True, "proxy_openai", "uvloop"),
+    ("grpc", True, "proxy_openai_asyncio", "asyncio"),
+    ("grpc", False, "proxy_openai_grpc", "uvloop"),
+    ("http", False, "proxy_openai_http", "uvloop"),
 )
-PER_REQUEST_ARMS = ("proxy_openai", "proxy_openai_http", "proxy_openai_http_asyncio", "vllm")
+PER_REQUEST_ARMS = (*(arm for _, _, arm, _ in PROXY_ARMS), "vllm")
 
 
 def _client_cpu() -> float:
@@ -226,14 +231,15 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dic
         "proxy_us_per_token": proxy_tok, "api_server_us_per_token": api_tok,
         "per_token_ratio": ratio, "proxy_us_per_request": proxy_req,
         "api_server_us_per_request": med(per_request.get("vllm", {}).get(API_SERVER_LABEL)),
-        # The same proxy on the HTTP upstream, and on it with asyncio's loop: for
-        # information (the transport and event-loop choices, side by side).
+        # The same proxy on asyncio's loop, and without the channel: for information
+        # (the event-loop and transport choices, side by side).
         **{key: {
             "proxy_us_per_token": proxy_tok_of(arm),
             "per_token_ratio": proxy_tok_of(arm) / api_tok if api_tok else None,
             "proxy_us_per_request": med(per_request.get(arm, {}).get(PROXY_LABEL)),
-        } for key, arm in (("http_upstream", "proxy_openai_http"),
-                           ("http_upstream_asyncio", "proxy_openai_http_asyncio"))},
+        } for key, arm in (("channel_asyncio", "proxy_openai_asyncio"),
+                           ("grpc_upstream", "proxy_openai_grpc"),
+                           ("http_upstream", "proxy_openai_http"))},
         "targets": {"per_token_ratio": TARGET_PROXY_PER_TOKEN_RATIO,
                     "proxy_us_per_request": TARGET_PROXY_US_PER_REQUEST},
         "met": {"per_token_ratio": ratio <= TARGET_PROXY_PER_TOKEN_RATIO,
@@ -261,11 +267,14 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             ldr, srv = leader.process.popen.pid, vllm.process.popen.pid
             servers = {"triton": (ldr,), "triton_http": (ldr,), "vllm": (srv,)}
             arm_list = arms(leader, vllm.base)
-            for protocol, name, loop in PROXY_ARMS:
+            for protocol, channel, name, loop in PROXY_ARMS:
                 cfg = proxy_config([leader], model_dir, ENGINE["max_model_len"],
-                                   upstream_protocol=protocol)  # fmt: skip
+                                   upstream_protocol=protocol, openai_channel=channel)  # fmt: skip
                 env = {"NEURON_SERVING_PROXY_EVENT_LOOP": loop}
                 proxies.append(start_proxy(cfg, work, name=name, env=env))
+                upstream = {u["upstream"] for u in proxies[-1].status()["units"]}
+                if upstream != {"channel" if channel else protocol}:  # measure what we say
+                    raise RuntimeError(f"{name}: the proxy's units use {upstream}")
                 arm_list.append(proxy_arm(proxies[-1].base, name))
                 servers[name] = (ldr, proxies[-1].process.popen.pid)
             pdir = Path(profile_dir) if profile_dir else None

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from neuron_serving import envs
+from neuron_serving.openai_channel import Event
 from neuron_serving.triton.backend_config import BackendConfig
 from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.metrics import BackendMetrics, serve_registry
@@ -134,6 +135,7 @@ class LLMBackend:
         latency = self.engine_thread.call(self.health.canary(), self.config.canary_timeout_s)
         self.metrics.canary_seconds.observe(latency)
         self.engine_thread.submit(self.health.run())
+        self.channel = self._start_channel()
         self.metrics.ready.set(1)
         log.info("llm model ready (warm-up canary %.3f s)", latency)
         if self.config.init_marker:
@@ -156,11 +158,13 @@ class LLMBackend:
             request_id = f"{request.request_id() or 'triton'}-{uuid.uuid4().hex[:12]}"
             stream = Stream(sender)
             self.responses.register(request_id, stream)
-            handler = (
-                self._generate_openai if isinstance(parsed, OpenAIEnvelope) else self._generate
-            )
+            if isinstance(parsed, OpenAIEnvelope):
+                out = _TritonOut(self, request_id, stream)
+                coro = self._generate_openai(request_id, parsed, out)
+            else:
+                coro = self._generate(request_id, parsed, stream)
             try:
-                stream.future = self.engine_thread.submit(handler(request_id, parsed, stream))
+                stream.future = self.engine_thread.submit(coro)
             except Exception as e:  # noqa: BLE001 - e.g. the engine loop already stopped
                 self.metrics.outcome("unavailable")
                 self.responses.put(request_id, self._error(f"{e!r}", "UNAVAILABLE"), self.final)
@@ -168,6 +172,12 @@ class LLMBackend:
 
     def finalize(self) -> None:
         log.info("llm model finalize: stopping the engine")
+        channel = getattr(self, "channel", None)
+        if channel is not None:
+            try:
+                self.engine_thread.call(_call_on_loop(lambda _: channel.close(), None), 5.0)
+            except Exception:  # noqa: BLE001 - the engine loop may be gone already
+                log.debug("closing the OpenAI channel failed", exc_info=True)
         self.engine_thread.stop()
         self._flush()  # the loop has stopped: whatever its last iteration left
         self.responses.stop()
@@ -288,12 +298,17 @@ class LLMBackend:
         finally:
             self._end()
 
-    async def _generate_openai(self, request_id: str, env: OpenAIEnvelope, stream: Stream) -> None:
+    async def _generate_openai(self, request_id: str, env: OpenAIEnvelope, out: Any) -> None:
         """One OpenAI call through vLLM's serving layer; the bodies are relayed verbatim.
 
-        Same discipline as ``_generate``: one FINAL response whatever happens, the next
-        SSE events pulled only once the previous response was sent (SSEPuller), and a
-        unit fault is a Triton UNAVAILABLE error, never vLLM's in-stream error event.
+        ``out``: where the answer goes, a Triton response sender (``_TritonOut``) or
+        an OpenAI channel call (``ChannelCall``): ``send(event, final)`` returns the
+        future to await before pulling more (None once final), ``error(message,
+        code)`` ends the call, ``cancelled`` is set by the client's cancellation.
+
+        Same discipline as ``_generate``: one final response whatever happens, the
+        next SSE events pulled only once the previous response was sent (SSEPuller),
+        and a unit fault is an UNAVAILABLE error, never vLLM's in-stream error event.
         """
         from neuron_serving.triton.openai_serving import SSEPuller
 
@@ -304,54 +319,84 @@ class LLMBackend:
             tap = result.tap
             if result.stream is None:
                 # vLLM's full generators answer a cancellation with an error body.
-                if stream.cancelled:
+                if out.cancelled:
                     raise asyncio.CancelledError
                 self._check_unit(tap, result.status)
-                response = self._openai_response(
-                    env, tap, result.body, status=result.status, last=True
-                )
-                self._enqueue(request_id, response, self.final)
+                out.send(self._openai_event(env, tap, result.body, result.status, True), True)
                 self.metrics.outcome(_outcome(result.status))
                 return
             puller = SSEPuller(result.stream, tap)
-            loop = asyncio.get_running_loop()
             status: int | None = result.status
             while True:
                 body = await puller.pull()
-                if stream.cancelled:  # noticed before the task's future existed
+                if out.cancelled:  # noticed before the task's future existed
                     raise asyncio.CancelledError
                 self._check_unit(tap)
-                response = self._openai_response(
-                    env, tap, body.encode("utf-8"), status=status, last=puller.done
-                )
+                event = self._openai_event(env, tap, body.encode("utf-8"), status, puller.done)
                 status = None
+                sent = out.send(event, puller.done)
                 if puller.done:
-                    self._enqueue(request_id, response, self.final)
                     break
-                sent = loop.create_future()
-                self._enqueue(request_id, response, 0, sent)
-                await sent
+                if sent is not None:
+                    await sent
             self.metrics.outcome("ok")
         except asyncio.CancelledError:
             self.metrics.outcome("cancelled")
-            self._enqueue(request_id, self._error("request was cancelled", "CANCELLED"), self.final)
+            out.error("request was cancelled", "CANCELLED")
         except _UnitFault:
             self.metrics.outcome("unavailable")
-            self._enqueue(
-                request_id, self._error(self._unavailable_message(), "UNAVAILABLE"), self.final
-            )
-        except Exception as e:  # noqa: BLE001 - the client must always get a FINAL response
+            out.error(self._unavailable_message(), "UNAVAILABLE")
+        except Exception as e:  # noqa: BLE001 - the client must always get a final response
             log.exception("request %s failed", request_id)
             dead = self._unit_down(e)
             self.metrics.outcome("unavailable" if dead else "error")
             message = self._unavailable_message() if dead else f"generation failed: {e!r}"
-            self._enqueue(
-                request_id, self._error(message, "UNAVAILABLE" if dead else "INTERNAL"), self.final
-            )
+            out.error(message, "UNAVAILABLE" if dead else "INTERNAL")
         finally:
             if puller is not None:
                 await puller.aclose()
             self._end()
+
+    # ---- the OpenAI channel ------------------------------------------------------------
+
+    def _start_channel(self) -> Any:
+        """Serve the OpenAI channel on the engine loop (after the warm-up canary: like
+        Triton, it takes requests only once the model is ready). A channel that cannot
+        start leaves the leader serving through Triton alone, which the proxy falls
+        back to; it is logged, not fatal."""
+        c = self.config
+        if c.openai_channel_port is None or self.openai is None:
+            return None
+        from neuron_serving.openai_channel import resolve_token
+        from neuron_serving.triton.channel_server import ChannelServer
+
+        try:
+            server = ChannelServer(resolve_token(), self._open_channel_call)
+            port = self.engine_thread.call(
+                server.start(c.openai_channel_host, c.openai_channel_port), 30.0
+            )
+        except Exception as e:  # noqa: BLE001 - SecretError, OSError (port taken)
+            log.error("the OpenAI channel is off (the proxy uses Triton): %s", e)
+            return None
+        log.info("OpenAI channel on %s:%d", c.openai_channel_host, port)
+        return server
+
+    def _open_channel_call(self, call: Any, envelope: bytes) -> None:
+        """Engine loop: the channel's ``execute()`` for one ``Open``."""
+        if not self.health.healthy:
+            self.metrics.outcome("unavailable")
+            call.error(self._unavailable_message(), "UNAVAILABLE")
+            return
+        try:
+            env = parse_envelope(envelope)
+        except RequestError as e:
+            self.metrics.outcome("invalid")
+            call.error(str(e), "INVALID_ARG")
+            return
+        request_id = f"channel-{call.id}-{uuid.uuid4().hex[:12]}"
+        call.task = asyncio.get_running_loop().create_task(
+            self._generate_openai(request_id, env, call)
+        )
 
     def _begin(self) -> None:
         self._in_flight += 1
@@ -445,34 +490,53 @@ class LLMBackend:
             tensors.append(T("model_version", np.array([version], dtype=np.object_)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
-    def _openai_response(
-        self, env: OpenAIEnvelope, tap: Any, body: bytes, *, status: int | None, last: bool
-    ) -> Any:
-        """``status`` (and the prompt ids, model version) go with the first response
-        only, counts with the first and the last, the finish reason with the last:
-        fewer tensors per streamed response, as on the text path."""
-        T = self.pb.Tensor
-        tensors = [T("openai_body", np.array([body], dtype=np.object_))]
+    def _openai_event(
+        self, env: OpenAIEnvelope, tap: Any, body: bytes, status: int | None, last: bool
+    ) -> Event:
+        """One response of an OpenAI call, for either output. ``status`` (and the
+        prompt ids, model version) go with the first response only, counts with the
+        first and the last, the finish reason with the last: fewer tensors per
+        streamed Triton response, as on the text path."""
+        event = Event(0, body)
         first = status is not None
         ids = env.token_ids and env.endpoint in GENERATE_ENDPOINTS
         if first:
-            tensors.append(T("openai_status", np.array([status], dtype=np.int32)))
+            event.status = status
             if ids and tap.prompt_token_ids is not None:
-                prompt = np.array(tap.prompt_token_ids, dtype=np.int64)
-                tensors.append(T("prompt_token_ids", prompt))
+                event.prompt_token_ids = list(tap.prompt_token_ids)
             if self.config.model_version:
-                version = self.config.model_version.encode()
-                tensors.append(T("model_version", np.array([version], dtype=np.object_)))
+                event.model_version = self.config.model_version
         if ids:
-            tensors.append(T("token_ids", np.array(tap.take_token_ids(), dtype=np.int64)))
+            event.token_ids = tap.take_token_ids()
         if (first or last) and tap.prompt_token_ids is not None:
-            tensors += [
-                T("prompt_tokens", np.array([len(tap.prompt_token_ids)], dtype=np.int32)),
-                T("completion_tokens", np.array([tap.completion_tokens], dtype=np.int32)),
-            ]
+            event.prompt_tokens = len(tap.prompt_token_ids)
+            event.completion_tokens = tap.completion_tokens
         if last:
-            reason = (tap.finish_reason or "done").encode()
-            tensors.append(T("finish_reason", np.array([reason], dtype=np.object_)))
+            event.finish_reason = tap.finish_reason or "done"
+        return event
+
+    def _openai_response(self, e: Event) -> Any:
+        """An OpenAI call's event as the Triton ``llm`` model's outputs."""
+        T = self.pb.Tensor
+        tensors = [T("openai_body", np.array([e.body], dtype=np.object_))]
+        if e.status is not None:
+            tensors.append(T("openai_status", np.array([e.status], dtype=np.int32)))
+        if e.prompt_token_ids is not None:
+            tensors.append(T("prompt_token_ids", np.array(e.prompt_token_ids, dtype=np.int64)))
+        if e.model_version is not None:
+            version = e.model_version.encode()
+            tensors.append(T("model_version", np.array([version], dtype=np.object_)))
+        if e.token_ids is not None:
+            tensors.append(T("token_ids", np.array(e.token_ids, dtype=np.int64)))
+        if e.prompt_tokens is not None:
+            tensors += [
+                T("prompt_tokens", np.array([e.prompt_tokens], dtype=np.int32)),
+                T("completion_tokens", np.array([e.completion_tokens], dtype=np.int32)),
+            ]
+        if e.finish_reason is not None:
+            tensors.append(
+                T("finish_reason", np.array([e.finish_reason.encode()], dtype=np.object_))
+            )
         return self.pb.InferenceResponse(output_tensors=tensors)
 
     def _error(self, message: str, code: str) -> Any:
@@ -499,6 +563,35 @@ class LLMBackend:
             self.pb.unload_model(self.model_name)
         except Exception:  # noqa: BLE001 - the leader still exits on its readiness watch
             log.exception("unloading %s after a unit failure failed", self.model_name)
+
+
+class _TritonOut:
+    """A Triton response sender as an OpenAI call's output (the channel's is
+    ``channel_server.ChannelCall``; ``_generate_openai`` takes either)."""
+
+    __slots__ = ("backend", "request_id", "stream")
+
+    def __init__(self, backend: LLMBackend, request_id: str, stream: Stream) -> None:
+        self.backend = backend
+        self.request_id = request_id
+        self.stream = stream
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stream.cancelled
+
+    def send(self, event: Event, final: bool) -> asyncio.Future | None:
+        b = self.backend
+        if final:
+            b._enqueue(self.request_id, b._openai_response(event), b.final)
+            return None
+        sent = asyncio.get_running_loop().create_future()
+        b._enqueue(self.request_id, b._openai_response(event), 0, sent)
+        return sent
+
+    def error(self, message: str, code: str) -> None:
+        b = self.backend
+        b._enqueue(self.request_id, b._error(message, code), b.final)
 
 
 class _UnitFault(Exception):

@@ -78,6 +78,13 @@ class BackendConfig:
     # Any other vLLM engine argument (`leader --engine-args JSON`), applied last to
     # what engine_kwargs() builds; keys the unit sets itself are refused (engine_args.py).
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # The OpenAI channel (neuron_serving/openai_channel.py): the proxy's multiplexed
+    # connection to this leader, served on the engine loop. The launcher picks a free
+    # port and announces it as the model config parameter "openai_channel_port";
+    # None = no channel (the proxy then uses Triton's gRPC or HTTP front end). The
+    # host is Triton's own bind address: the channel is as reachable as Triton.
+    openai_channel_port: int | None = None
+    openai_channel_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -104,6 +111,10 @@ class BackendConfig:
             )
         if not 0 <= self.vllm_metrics_port < 65536:
             raise ValueError(f"vllm_metrics_port must be in 0..65535, got {self.vllm_metrics_port}")
+        if self.openai_channel_port is not None and not 0 <= self.openai_channel_port < 65536:
+            raise ValueError(
+                f"openai_channel_port must be in 0..65535, got {self.openai_channel_port}"
+            )
         if self.engine_args:
             check_engine_args(self.engine_args)
 

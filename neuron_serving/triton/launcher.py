@@ -191,6 +191,10 @@ class TritonLeader:
             "init_marker": str(self._init_marker(run_dir)),
             "model_version": s.model_version,
             "served_model_name": s.served_model_name,
+            # The proxy's OpenAI channel (openai_channel.py), bound where Triton is;
+            # announced in the model config (repository.py), so no flag is needed.
+            "openai_channel_host": s.host,
+            "openai_channel_port": free_port(s.host or "127.0.0.1"),
         }
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.openai_channel import CONFIG_PARAMETER
+
 MODEL_NAME = "llm"
 # The files tritonserver needs of the model: a test builds the wheel and checks each.
 MODEL_FILES = (
@@ -123,6 +125,14 @@ def render_model_repository(run_dir: Path, overrides: dict[str, Any]) -> Path:
     settings.update(overrides)
     config = BackendConfig.from_dict(settings)  # fail here, with the key's name
     model_json.write_text(json.dumps(settings, indent=2) + "\n")
+    if config.openai_channel_port:
+        # Where the proxy finds this leader's OpenAI channel (the host is the leader's
+        # own); read with the checkpoint version below by the proxy's probes.
+        with open(repo / MODEL_NAME / "config.pbtxt", "a", encoding="utf-8") as f:
+            f.write(
+                f'\nparameters {{\n  key: "{CONFIG_PARAMETER}"\n'
+                f'  value {{ string_value: "{int(config.openai_channel_port)}" }}\n}}\n'
+            )
     if config.model_version:
         # Readable by any Triton client (ModelConfig RPC / GET /v2/models/llm/config)
         # without a request: the proxy learns a unit's version from it. VERSION_RE

@@ -20,12 +20,9 @@ not be guessable (``openssl rand -hex 32``).
 Resolution order of the token (first found wins):
 1. ``NEURON_SERVING_UNIT_TOKEN`` (ECS injects it from Secrets Manager),
 2. an explicit token file (``--token-file`` / ``NEURON_SERVING_TOKEN_FILE``),
-3. ``~/.config/neuron-serving/unit-token``, created with mode 0600 on first use.
-   Processes of one user on one host share it with no setup; a unit that spans
-   hosts must distribute one secret (and not rely on this default). It is
-   created atomically (written to a private temporary file, then hard-linked
-   into place), so a rank starting at the same instant reads either no file
-   or the whole secret, never an empty one.
+3. ``~/.config/neuron-serving/unit-token``, created with mode 0600 on first use
+   (``secret_file.py``, the recipe of every shared secret here). A unit that
+   spans hosts must distribute one secret (and not rely on this default).
 """
 
 from __future__ import annotations
@@ -34,16 +31,15 @@ import hashlib
 import hmac
 import os
 import secrets
-import tempfile
 from pathlib import Path
 
 from neuron_serving import envs
+from neuron_serving.secret_file import MIN_TOKEN_CHARS as MIN_TOKEN_CHARS  # re-exported
+from neuron_serving.secret_file import SecretError, resolve_secret
 
 DEFAULT_TOKEN_FILE = Path("~/.config/neuron-serving/unit-token")
 NONCE_BYTES = 32
 MAC_BYTES = 32
-# 24 characters: 96 bits as hex, the least we accept for an offline-guessable secret.
-MIN_TOKEN_CHARS = 24
 
 
 class AuthError(Exception):
@@ -51,46 +47,16 @@ class AuthError(Exception):
 
 
 def resolve_token(token_file: str | os.PathLike | None = None) -> bytes:
-    env_token = envs.NEURON_SERVING_UNIT_TOKEN
-    if env_token is not None:
-        return _checked(env_token.strip(), "NEURON_SERVING_UNIT_TOKEN")
-    path = Path(token_file or envs.NEURON_SERVING_TOKEN_FILE or DEFAULT_TOKEN_FILE).expanduser()
-    if token_file is None and envs.NEURON_SERVING_TOKEN_FILE is None and not path.exists():
-        _create_default_token(path)
     try:
-        token = path.read_text().strip()
-    except OSError as e:
-        raise AuthError(f"cannot read unit token file {path}: {e.strerror}") from e
-    return _checked(token, f"unit token file {path}")
-
-
-def _checked(token: str, source: str) -> bytes:
-    if len(token) < MIN_TOKEN_CHARS:
-        raise AuthError(
-            f"the unit token from {source} is {len(token)} characters, shorter than "
-            f"{MIN_TOKEN_CHARS}; use a random secret (e.g. `openssl rand -hex 32`)"
+        return resolve_secret(
+            "unit token",
+            envs.NEURON_SERVING_UNIT_TOKEN,
+            "NEURON_SERVING_UNIT_TOKEN",
+            token_file or envs.NEURON_SERVING_TOKEN_FILE,
+            DEFAULT_TOKEN_FILE,
         )
-    return token.encode()
-
-
-def _create_default_token(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    # Write the whole secret to a private temporary file first and hard-link it
-    # into place: link() fails if the name exists, so racing ranks agree on one
-    # secret, and the name never points at a partly written file (O_EXCL on the
-    # final name would let a second rank read it empty between open and write).
-    fd, tmp = tempfile.mkstemp(prefix=".unit-token.", dir=path.parent)  # mode 0600
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass  # another rank won the race; its file is complete
-    finally:
-        os.unlink(tmp)
+    except SecretError as e:
+        raise AuthError(str(e)) from e.__cause__
 
 
 def new_nonce() -> bytes:

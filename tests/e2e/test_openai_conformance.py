@@ -448,3 +448,16 @@ def test_tokenize_detokenize_version_models(send) -> None:
     assert shape(ours.body) == shape(ref.body)
     assert ours.body["data"][0]["max_model_len"] == ref.body["data"][0]["max_model_len"]
     assert ours.body["data"][0]["id"] == MODEL
+
+
+def test_every_call_above_rode_the_leaders_openai_channel(servers) -> None:
+    """The proxy found the leader's OpenAI channel (the port its model config
+    announces) and sent every call of this module over it: none fell back to Triton.
+    So the comparisons above hold for the channel, the proxy's default transport."""
+    _, ours = servers
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    status = httpx.get(f"{ours}/status", headers=auth, timeout=TIMEOUT_S).json()
+    assert [u["upstream"] for u in status["units"]] == ["channel"]
+    metrics = httpx.get(f"{ours}/metrics", headers=auth, timeout=TIMEOUT_S).text
+    assert "\nproxy_openai_channel_fallbacks_total 0.0\n" in metrics
+    assert 'proxy_unit_upstream{transport="channel",unit=' in metrics

@@ -1,0 +1,207 @@
+"""The leader's OpenAI channel: one multiplexed connection per proxy and leader.
+
+Why it exists (measured in proxy/README.md, "CPU per token and per request"): over
+Triton's per-request streams the proxy pays one upstream message per token per
+stream, each with its own wake-up, read and parse, and a request set-up per
+request (an HTTP/2 call or an HTTP/1.1 request). vLLM's own API server receives one
+message per engine step for all its requests. On this channel the leader sends,
+per iteration of its engine loop (one engine step's outputs for every stream), one
+frame with every stream's events; the proxy opens a request with one small frame
+on a connection it already holds.
+
+Both ends import this module (the leader's ``triton/channel_server.py``, the
+proxy's ``channel_upstream.py``): the handshake, the framing and the typed messages
+are defined once.
+
+Handshake (mutual proof of the channel token, which never crosses the wire; fixed
+sizes, so nothing from an unauthenticated peer is parsed or sized by it)::
+
+    leader -> proxy   MAGIC (8 bytes) + leader nonce (32)
+    proxy  -> leader  proxy nonce (32) + HMAC(token, "client", both nonces) (32)
+    leader -> proxy   HMAC(token, "server", both nonces) (32)
+
+Then frames in both directions: a 4-byte big-endian length, then that many bytes
+of msgpack. A length above the receiver's bound ends the connection before anything
+is allocated. Proxy -> leader: a list of ``Open``/``Cancel``; leader -> proxy: a
+list of ``Event``. Frames after the handshake carry no MAC: the channel has the
+trust of the leader's Triton inference API (reachable on the same address, with no
+key at all); the handshake keeps strangers off it.
+
+The token: ``NEURON_SERVING_CHANNEL_TOKEN``, else ``NEURON_SERVING_CHANNEL_TOKEN_FILE``,
+else ``~/.config/neuron-serving/channel-token`` (``secret_file.py``; processes of
+one user on one host share it with no setup). A proxy that cannot prove it uses
+Triton's transport instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from pathlib import Path
+
+import msgspec
+
+from neuron_serving import envs
+from neuron_serving.secret_file import resolve_secret
+
+MAGIC = b"NSOAIC01"
+NONCE_BYTES = 32
+MAC_BYTES = 32
+HELLO_BYTES = len(MAGIC) + NONCE_BYTES  # leader -> proxy
+PROOF_BYTES = NONCE_BYTES + MAC_BYTES  # proxy -> leader
+HANDSHAKE_TIMEOUT_S = 5.0
+LENGTH_BYTES = 4
+# Proxy -> leader: an envelope is at most MAX_ENVELOPE_BYTES (64 MiB, the leader's
+# bound on ``openai_request``) plus msgpack framing. Leader -> proxy: one event is
+# one response body; a non-streamed answer with n > 1 or logprobs of thousands of
+# tokens is megabytes, and several streams' events share a frame.
+MAX_TO_LEADER = (64 << 20) + (64 << 10)
+MAX_TO_PROXY = 256 << 20
+DEFAULT_TOKEN_FILE = Path("~/.config/neuron-serving/channel-token")
+# The model config parameter that announces the channel's port (read by the
+# proxy's probes with the checkpoint version; the host is the leader's).
+CONFIG_PARAMETER = "openai_channel_port"
+
+
+class ChannelError(Exception):
+    """The peer broke the protocol or failed the handshake."""
+
+
+def resolve_token() -> bytes:
+    return resolve_secret(
+        "channel token",
+        envs.NEURON_SERVING_CHANNEL_TOKEN,
+        "NEURON_SERVING_CHANNEL_TOKEN",
+        envs.NEURON_SERVING_CHANNEL_TOKEN_FILE,
+        DEFAULT_TOKEN_FILE,
+    )
+
+
+def _mac(token: bytes, role: bytes, leader_nonce: bytes, proxy_nonce: bytes) -> bytes:
+    return hmac.new(
+        token, b"neuron-serving/openai-channel/v1 " + role + leader_nonce + proxy_nonce,
+        hashlib.sha256,
+    ).digest()  # fmt: skip
+
+
+def hello() -> tuple[bytes, bytes]:
+    """Leader: (the bytes to send first, its nonce)."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return MAGIC + nonce, nonce
+
+
+def prove(token: bytes, hello_bytes: bytes) -> tuple[bytes, bytes, bytes]:
+    """Proxy: the leader's hello -> (the proof to send, leader nonce, proxy nonce)."""
+    if len(hello_bytes) != HELLO_BYTES or not hello_bytes.startswith(MAGIC):
+        raise ChannelError("the peer is not a leader's OpenAI channel (bad hello)")
+    leader_nonce = hello_bytes[len(MAGIC) :]
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    return nonce + _mac(token, b"client", leader_nonce, nonce), leader_nonce, nonce
+
+
+def check_proof(token: bytes, leader_nonce: bytes, proof: bytes) -> bytes:
+    """Leader: the proxy's proof -> the leader's own proof to send back; raises
+    ``ChannelError`` for a wrong one (compared in constant time)."""
+    nonce, tag = proof[:NONCE_BYTES], proof[NONCE_BYTES:]
+    if len(proof) != PROOF_BYTES or not hmac.compare_digest(
+        tag, _mac(token, b"client", leader_nonce, nonce)
+    ):
+        raise ChannelError("the peer did not prove the channel token")
+    return _mac(token, b"server", leader_nonce, nonce)
+
+
+def check_leader(token: bytes, leader_nonce: bytes, proxy_nonce: bytes, tag: bytes) -> None:
+    """Proxy: the leader's proof, so a stranger cannot pose as a leader."""
+    if not hmac.compare_digest(tag, _mac(token, b"server", leader_nonce, proxy_nonce)):
+        raise ChannelError("the leader did not prove the channel token")
+
+
+# ---- messages ------------------------------------------------------------------------
+
+
+class Open(msgspec.Struct, tag="open", array_like=True, frozen=True):
+    """Start one OpenAI call. ``id``: the proxy's, unique on its connection.
+    ``envelope``: the ``openai_request`` envelope (UTF-8 JSON,
+    ``triton/openai_envelope.py``), exactly as Triton's input carries it."""
+
+    id: int
+    envelope: bytes
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
+    """The client went away: abort the call (vLLM frees its KV blocks)."""
+
+    id: int
+
+
+ToLeader = list[Open | Cancel]
+
+
+class Event(msgspec.Struct, array_like=True):
+    """One response of one call: the fields of the Triton ``llm`` model's outputs for
+    the OpenAI path (``openai_status``, ``openai_body``, ``token_ids``...; the same
+    first/middle/last rules), or an error. A call's last event has a
+    ``finish_reason``, a non-200 ``status`` or an ``error``."""
+
+    id: int
+    body: bytes = b""
+    status: int | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    model_version: str | None = None
+    # A Triton error's message and code name (UNAVAILABLE, INVALID_ARG, CANCELLED,
+    # INTERNAL): the same errors the Triton transports carry, classified alike.
+    error: str | None = None
+    error_code: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return (
+            self.finish_reason is not None
+            or self.error is not None
+            or (self.status is not None and self.status != 200)
+        )
+
+
+ToProxy = list[Event]
+
+
+def frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(LENGTH_BYTES, "big") + payload
+
+
+class FrameReader:
+    """Cuts a byte stream into frames. The length prefix is checked against ``limit``
+    before the frame is buffered, so a hostile length allocates nothing."""
+
+    __slots__ = ("_buf", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self._buf = bytearray()
+        self._limit = limit
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        frames = []
+        at = 0
+        while len(buf) - at >= LENGTH_BYTES:
+            n = int.from_bytes(buf[at : at + LENGTH_BYTES], "big")
+            if n > self._limit:
+                raise ChannelError(f"a {n}-byte frame; the bound is {self._limit}")
+            end = at + LENGTH_BYTES + n
+            if len(buf) < end:
+                break
+            frames.append(bytes(buf[at + LENGTH_BYTES : end]))
+            at = end
+        if at:
+            del buf[:at]
+        return frames
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

@@ -1,0 +1,247 @@
+"""The leader's end of the OpenAI channel (``neuron_serving/openai_channel.py``).
+
+A TCP server on the engine loop, next to AsyncLLM: the proxy's ``Open`` becomes a
+request task on that loop at once (no Triton, no thread hand-off), and what the
+tasks answer in one loop iteration (an engine step's outputs for every stream)
+leaves as one frame: ``ChannelCall.send`` appends an event, and a flush callback
+queued behind the tasks that are ready now writes them all, as the backend's
+``_enqueue`` does for Triton responses.
+
+Backpressure is the Triton path's: a streaming request's task awaits the future
+``send`` returns before it pulls more output from AsyncLLM, and vLLM's per-request
+output collector merges what arrives meanwhile. Here the future resolves when the
+frame is handed to the transport, or, while the transport is over its high-water
+mark (a proxy that does not read), when the transport asks for more
+(``resume_writing``). A connection's tasks are cancelled when it closes (vLLM
+aborts their requests); a ``Cancel`` cancels one.
+
+Hostile input: before the handshake only fixed-size bytes are read and nothing is
+parsed; a peer that does not prove the token within ``HANDSHAKE_TIMEOUT_S`` is cut
+off. After it, frames are bounded (``MAX_TO_LEADER``) before they are buffered and
+decoded into typed messages; anything else ends the connection (and its calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from neuron_serving.openai_channel import (
+    HANDSHAKE_TIMEOUT_S,
+    MAX_TO_LEADER,
+    PROOF_BYTES,
+    Cancel,
+    ChannelError,
+    Event,
+    FrameReader,
+    Open,
+    ToLeader,
+    ToProxy,
+    check_proof,
+    frame,
+    hello,
+)
+
+log = logging.getLogger(__name__)
+
+_DECODER = msgspec.msgpack.Decoder(ToLeader)
+_ENCODER = msgspec.msgpack.Encoder()
+_conn_ids = itertools.count(1)
+
+
+class ChannelCall:
+    """One OpenAI call on a connection: what the backend's request task answers into
+    (the channel's counterpart of a Triton response sender)."""
+
+    __slots__ = ("conn", "id", "task", "cancelled")
+
+    def __init__(self, conn: _Connection, call_id: int) -> None:
+        self.conn = conn
+        self.id = call_id
+        self.task: asyncio.Task | None = None
+        self.cancelled = False
+
+    def send(self, event: Event, final: bool) -> asyncio.Future | None:
+        """Queue ``event`` (its ``id`` is set here). Not final: returns the future to
+        await before pulling more output (see the module's backpressure note)."""
+        event.id = self.id
+        if final:
+            self.conn.calls.pop(self.id, None)
+        return self.conn.send(event, waiter=not final)
+
+    def error(self, message: str, code: str) -> None:
+        self.send(Event(self.id, error=message, error_code=code), final=True)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+
+
+OpenCall = Callable[[ChannelCall, bytes], None]
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, token: bytes, open_call: OpenCall, server: ChannelServer) -> None:
+        self.token = token
+        self.open_call = open_call
+        self.server = server
+        self.name = f"channel-{next(_conn_ids)}"
+        self.calls: dict[int, ChannelCall] = {}
+        self.transport: asyncio.Transport | None = None
+        self.nonce = b""
+        self.authenticated = False
+        self.handshake = bytearray()
+        self.reader = FrameReader(MAX_TO_LEADER)
+        self.pending: list[Event] = []
+        self.waiters: list[asyncio.Future] = []
+        self.paused = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.loop = asyncio.get_running_loop()
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        greeting, self.nonce = hello()
+        transport.write(greeting)
+        self.timer = self.loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if not self.authenticated:
+                self.handshake += data
+                if len(self.handshake) < PROOF_BYTES:
+                    return
+                proof = bytes(self.handshake[:PROOF_BYTES])
+                rest = bytes(self.handshake[PROOF_BYTES:])
+                self.handshake = bytearray()
+                self.transport.write(check_proof(self.token, self.nonce, proof))
+                self.authenticated = True
+                self._cancel_timer()
+                if not rest:
+                    return
+                data = rest
+            for payload in self.reader.feed(data):
+                for message in _DECODER.decode(payload):
+                    self._dispatch(message)
+        except (ChannelError, msgspec.DecodeError) as e:  # ValidationError included
+            self._drop(f"{type(e).__name__}: {e}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        self.server.connections.discard(self)
+        calls, self.calls = self.calls, {}
+        if calls:
+            log.info("%s closed with %d calls in flight; aborting them", self.name, len(calls))
+        for call in calls.values():
+            call.cancel()
+        self._resolve()  # the tasks are cancelled; nothing waits on a dead peer
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._resolve()
+
+    # ---- calls ------------------------------------------------------------------------
+
+    def _dispatch(self, message: Open | Cancel) -> None:
+        if isinstance(message, Open):
+            if message.id in self.calls:
+                raise ChannelError(f"call id {message.id} is already open")
+            call = ChannelCall(self, message.id)
+            self.calls[message.id] = call
+            self.open_call(call, message.envelope)
+        else:
+            call = self.calls.pop(message.id, None)
+            if call is not None:
+                call.cancel()
+
+    def send(self, event: Event, waiter: bool) -> asyncio.Future | None:
+        if self.transport is None or self.transport.is_closing():
+            return None  # the peer is gone; connection_lost cancels the task
+        self.pending.append(event)
+        if len(self.pending) == 1:
+            self.loop.call_soon(self._flush)
+        if not waiter:
+            return None
+        future = self.loop.create_future()
+        self.waiters.append(future)
+        return future
+
+    def _flush(self) -> None:
+        events, self.pending = self.pending, []
+        if self.transport is None or self.transport.is_closing():
+            self._resolve()
+            return
+        self.transport.write(frame(_ENCODER.encode(events)))
+        if not self.paused:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for w in waiters:
+            if not w.done():  # cancelled with its request task
+                w.set_result(None)
+
+    # ---- failures ---------------------------------------------------------------------
+
+    def _handshake_expired(self) -> None:
+        self.timer = None
+        if not self.authenticated:
+            self._drop(f"no handshake within {HANDSHAKE_TIMEOUT_S}s")
+
+    def _cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _drop(self, reason: str) -> None:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        if not self.authenticated:
+            self.server.rejected_total += 1
+        log.warning("%s from %s dropped: %s", self.name, peer, reason)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class ChannelServer:
+    """Serves the channel on the running loop. ``open_call(call, envelope)`` runs on
+    that loop for each ``Open``; it must answer the call (``send``/``error``) or
+    start a task that will, and set ``call.task`` for cancellation."""
+
+    def __init__(self, token: bytes, open_call: OpenCall) -> None:
+        self._token = token
+        self._open_call = open_call
+        self._server: asyncio.base_events.Server | None = None
+        self.connections: set[_Connection] = set()
+        self.rejected_total = 0  # connections dropped before they proved the token
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: _Connection(self._token, self._open_call, self), host, port
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
+
+
+def encode_events(events: ToProxy) -> bytes:
+    """One leader -> proxy frame (tests and fakes build frames the leader's way)."""
+    return frame(_ENCODER.encode(events))

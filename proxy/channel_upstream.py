@@ -1,0 +1,396 @@
+"""The OpenAI route's upstream over the leaders' OpenAI channel
+(``neuron_serving/openai_channel.py``), under the contract of ``upstream.py``.
+
+One authenticated TCP connection per leader carries every OpenAI call the proxy
+sends that unit: a call is one small ``Open`` frame on a connection already open,
+and the leader answers every stream's events of one engine step in one frame. So
+the proxy pays one read and one decode per engine step instead of one per token
+per stream, and no per-request HTTP or gRPC set-up (the costs measured in the
+proxy README). What the dispatcher sees does not change: ``openai`` is an async
+iterator of ``GenerationDelta`` ending with the final one, raising only
+``UpstreamError``, bounded by one ``ReadWatchdog`` per call (first response,
+between responses, the deadline). Events of one call that arrived together are
+merged into one delta (bodies and token ids concatenated), so a proxy that falls
+behind writes each client once per wake-up, not once per event.
+
+Failures: a lost connection fails every call on it as a unit fault (the
+dispatcher retries or migrates each, as for a broken Triton stream); a call the
+caller abandons is cancelled on the leader with ``Cancel`` (vLLM aborts it). A
+leader whose channel cannot be reached or does not prove the token is served
+through Triton's transport instead (``fallback``), and its channel is not tried
+again for ``RETRY_AFTER_S``: the channel is an optimisation, never a new way to
+fail.
+
+Where a unit's channel is: its leader's host and the port its model config
+announces (``CONFIG_PARAMETER``), which the health checker reads with the
+checkpoint version and hands to ``announce``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from neuron_serving.openai_channel import (
+    HELLO_BYTES,
+    MAC_BYTES,
+    MAX_TO_PROXY,
+    Cancel,
+    ChannelError,
+    Event,
+    FrameReader,
+    Open,
+    ToProxy,
+    check_leader,
+    frame,
+    prove,
+)
+from proxy.config import TimeoutConfig, UnitSpec
+from proxy.upstream import (
+    AttemptTiming,
+    DeadlineExceeded,
+    GenerationDelta,
+    ReadWatchdog,
+    UpstreamError,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 10.0  # after a failed connect or handshake, Triton's transport meanwhile
+_DECODER = msgspec.msgpack.Decoder(ToProxy)
+_ENCODER = msgspec.msgpack.Encoder()
+
+Address = tuple[str, int]
+
+
+class _Call:
+    __slots__ = ("events", "waiter", "error")
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self.waiter: asyncio.Future | None = None
+        self.error: UpstreamError | None = None
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class LeaderChannel(asyncio.Protocol):
+    """One connection to one leader's channel: the handshake, then frames."""
+
+    def __init__(self, token: bytes, name: str) -> None:
+        self.token = token
+        self.name = name
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[None] = self.loop.create_future()
+        self.closed = False
+        self.calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._handshake = bytearray()
+        self._leader_nonce = self._proxy_nonce = b""
+        self._reader = FrameReader(MAX_TO_PROXY)
+        self._outbox: list[Open | Cancel] = []
+
+    # ---- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if not self.ready.done():
+                data = self._shake(data)
+                if not data:
+                    return
+            for payload in self._reader.feed(data):
+                for event in _DECODER.decode(payload):
+                    self._deliver(event)
+        except (ChannelError, msgspec.DecodeError) as e:
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(f"connection lost ({exc or 'closed by the leader'})")
+
+    # ---- handshake ----------------------------------------------------------------------
+
+    def _shake(self, data: bytes) -> bytes:
+        """Feed handshake bytes; returns what follows the handshake."""
+        self._handshake += data
+        if not self._leader_nonce:
+            if len(self._handshake) < HELLO_BYTES:
+                return b""
+            proof, self._leader_nonce, self._proxy_nonce = prove(
+                self.token, bytes(self._handshake[:HELLO_BYTES])
+            )
+            del self._handshake[:HELLO_BYTES]
+            self.transport.write(proof)
+        if len(self._handshake) < MAC_BYTES:
+            return b""
+        tag = bytes(self._handshake[:MAC_BYTES])
+        rest = bytes(self._handshake[MAC_BYTES:])
+        self._handshake = bytearray()
+        check_leader(self.token, self._leader_nonce, self._proxy_nonce, tag)
+        self.ready.set_result(None)
+        return rest
+
+    # ---- calls --------------------------------------------------------------------------
+
+    def open(self, envelope: bytes) -> tuple[int, _Call]:
+        call_id = next(self._ids)
+        call = _Call()
+        self.calls[call_id] = call
+        self._send(Open(call_id, envelope))
+        return call_id, call
+
+    def cancel(self, call_id: int) -> None:
+        if self.calls.pop(call_id, None) is not None and not self.closed:
+            self._send(Cancel(call_id))
+
+    def _send(self, message: Open | Cancel) -> None:
+        # One write per loop iteration for every call opened or cancelled in it.
+        self._outbox.append(message)
+        if len(self._outbox) == 1:
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        messages, self._outbox = self._outbox, []
+        if not self.closed and self.transport is not None:
+            self.transport.write(frame(_ENCODER.encode(messages)))
+
+    def _deliver(self, event: Event) -> None:
+        call = self.calls.get(event.id)
+        if call is None:
+            return  # cancelled by us; the leader's last words for it
+        call.events.append(event)
+        if event.final:
+            del self.calls[event.id]
+        call.wake()
+
+    def _fail(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.ready.done():
+            self.ready.set_exception(ChannelError(reason))
+            self.ready.exception()  # retrieved: connect() may have stopped waiting
+        calls, self.calls = self.calls, {}
+        if calls:
+            log.warning("OpenAI channel %s failed with %d calls: %s", self.name, len(calls), reason)
+        for call in calls.values():
+            call.error = UpstreamError(
+                f"upstream channel {self.name}: {reason}", unit_fault=True, retriable=True
+            )
+            call.wake()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        self._fail("closed by the proxy")
+
+
+def _delta(events: list[Event]) -> GenerationDelta:
+    """One or more events of one call (in order, none an error) -> one delta."""
+    if len(events) == 1:
+        e = events[0]
+        return GenerationDelta(
+            "", e.finish_reason, e.prompt_tokens, e.completion_tokens, e.model_version,
+            e.status, e.body, e.token_ids, e.prompt_token_ids,
+        )  # fmt: skip
+    token_ids: list[int] | None = None
+    status = prompt_ids = version = prompt_tokens = completion_tokens = None
+    for e in events:
+        if e.token_ids is not None:
+            token_ids = e.token_ids if token_ids is None else token_ids + e.token_ids
+        status = e.status if status is None else status
+        prompt_ids = e.prompt_token_ids if prompt_ids is None else prompt_ids
+        version = e.model_version if version is None else version
+        if e.prompt_tokens is not None:
+            prompt_tokens, completion_tokens = e.prompt_tokens, e.completion_tokens
+    return GenerationDelta(
+        "", events[-1].finish_reason, prompt_tokens, completion_tokens, version, status,
+        b"".join(e.body for e in events), token_ids, prompt_ids,
+    )  # fmt: skip
+
+
+def classify_event_error(event: Event) -> UpstreamError:
+    """A call's error event: the Triton error the other transports would carry."""
+    message = f"upstream {event.error_code}: {event.error}"
+    if event.error_code == "INVALID_ARG":  # the proxy's envelope was refused
+        return UpstreamError(message, unit_fault=False, retriable=False, status=400)
+    status = 503 if event.error_code == "UNAVAILABLE" else 502
+    return UpstreamError(message, unit_fault=True, retriable=True, status=status)
+
+
+class ChannelUpstream:
+    """``openai`` over the channel for units that announce one; everything else (and
+    a unit whose channel is unusable) goes to ``fallback(unit)``'s transport."""
+
+    def __init__(
+        self,
+        token: bytes,
+        timeouts: TimeoutConfig,
+        fallback: Callable[[UnitSpec], Any],
+        on_fallback: Callable[[], None] | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
+        self._token = token
+        self._timeouts = timeouts
+        self._fallback = fallback
+        self._on_fallback = on_fallback
+        self._connect_timeout_s = connect_timeout_s
+        self._ports: dict[str, Address] = {}  # unit id -> its leader's channel
+        self._channels: dict[Address, LeaderChannel] = {}
+        self._connecting: dict[Address, asyncio.Task[LeaderChannel]] = {}
+        self._down_until: dict[Address, float] = {}
+        self.fallbacks_total = 0
+
+    def announce(self, unit: UnitSpec, port: int | None) -> None:
+        """The health checker read the unit's model config: its channel's port, or
+        None (a leader without one)."""
+        if port is None:
+            self._ports.pop(unit.unit_id, None)
+            return
+        host = unit.leader_grpc.rsplit(":", 1)[0].strip("[]")  # HOST:PORT or [V6]:PORT
+        self._ports[unit.unit_id] = (host, port)
+
+    def forget(self, unit_id: str) -> None:
+        self._ports.pop(unit_id, None)
+
+    def address(self, unit: UnitSpec) -> Address | None:
+        addr = self._ports.get(unit.unit_id)
+        if addr is None or self._down_until.get(addr, 0.0) > time.monotonic():
+            return None
+        return addr
+
+    def openai(
+        self,
+        addr: Address,
+        unit: UnitSpec,
+        envelope: bytes,
+        deadline: float,
+        timing: AttemptTiming | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        return self._stream(addr, unit, envelope, deadline, timing)
+
+    async def _channel(self, addr: Address, timeout: float) -> LeaderChannel:
+        channel = self._channels.get(addr)
+        if channel is not None and not channel.closed:
+            return channel
+        task = self._connecting.get(addr)
+        if task is None:  # one connect per leader, however many calls wait for it
+            task = asyncio.ensure_future(self._connect(addr))
+            self._connecting[addr] = task
+            task.add_done_callback(lambda t: self._connected(addr, t))
+        return await asyncio.wait_for(asyncio.shield(task), timeout)
+
+    def _connected(self, addr: Address, task: asyncio.Task[LeaderChannel]) -> None:
+        self._connecting.pop(addr, None)
+        if not task.cancelled():
+            task.exception()  # retrieved here: every waiter may have timed out
+
+    async def _connect(self, addr: Address) -> LeaderChannel:
+        loop = asyncio.get_running_loop()
+        name = f"{addr[0]}:{addr[1]}"
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, channel = await loop.create_connection(
+                    lambda: LeaderChannel(self._token, name), addr[0], addr[1]
+                )
+                try:
+                    await channel.ready
+                except BaseException:
+                    channel.close()
+                    raise
+        except (OSError, ChannelError, TimeoutError) as e:
+            self._down_until[addr] = time.monotonic() + RETRY_AFTER_S
+            log.warning(
+                "OpenAI channel %s unusable (%s: %s); using Triton for it for %.0f s",
+                name, type(e).__name__, e, RETRY_AFTER_S,
+            )  # fmt: skip
+            raise
+        self._channels[addr] = channel
+        log.info("OpenAI channel %s connected", name)
+        return channel
+
+    async def _stream(
+        self,
+        addr: Address,
+        unit: UnitSpec,
+        envelope: bytes,
+        deadline: float,
+        timing: AttemptTiming | None,
+    ) -> AsyncIterator[GenerationDelta]:
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        if left <= 0:
+            raise DeadlineExceeded()
+        try:
+            channel = await self._channel(addr, min(left, self._connect_timeout_s))
+        except (OSError, ChannelError, TimeoutError):
+            # Nothing was sent: the unit is asked the same thing over Triton.
+            self.fallbacks_total += 1
+            if self._on_fallback is not None:
+                self._on_fallback()
+            async for delta in self._fallback(unit).openai(unit, envelope, deadline, timing):
+                yield delta
+            return
+        call_id, call = channel.open(envelope)
+        if timing is not None:
+            timing.mark_sent(loop)
+        watchdog = ReadWatchdog(loop, deadline, asyncio.current_task())
+        budget = self._timeouts.first_token_s
+        finished = False
+        try:
+            while True:
+                events = call.events
+                if not events:
+                    if call.error is not None:
+                        raise call.error
+                    call.waiter = loop.create_future()
+                    try:
+                        watchdog.waiting(budget)
+                        await call.waiter
+                        watchdog.idle()
+                    except asyncio.CancelledError:
+                        error = watchdog.timed_out(budget)
+                        if error is None:
+                            raise
+                        raise error from None
+                    finally:
+                        call.waiter = None
+                    continue
+                if events[-1].error is not None:
+                    if len(events) == 1:
+                        finished = True  # the leader ended the call itself
+                        raise classify_event_error(events[0])
+                    call.events, events = events[-1:], events[:-1]
+                else:
+                    call.events = []
+                if timing is not None and not timing.first:
+                    timing.first = loop.time()
+                budget = self._timeouts.inter_token_s
+                delta = _delta(events)
+                finished = delta.final
+                yield delta
+                if finished:
+                    return
+        finally:
+            watchdog.close()
+            if not finished:
+                channel.cancel(call_id)
+
+    async def close(self) -> None:
+        for task in list(self._connecting.values()):
+            task.cancel()
+        for channel in list(self._channels.values()):
+            channel.close()
+        self._channels.clear()

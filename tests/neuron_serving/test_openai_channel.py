@@ -1,0 +1,95 @@
+"""The OpenAI channel's handshake and framing (both ends use these functions)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from neuron_serving import openai_channel as oc
+
+TOKEN = b"t" * 32
+
+
+def test_handshake_proves_both_sides() -> None:
+    greeting, leader_nonce = oc.hello()
+    assert len(greeting) == oc.HELLO_BYTES and greeting.startswith(oc.MAGIC)
+    proof, seen_nonce, proxy_nonce = oc.prove(TOKEN, greeting)
+    assert seen_nonce == leader_nonce and len(proof) == oc.PROOF_BYTES
+    answer = oc.check_proof(TOKEN, leader_nonce, proof)
+    oc.check_leader(TOKEN, leader_nonce, proxy_nonce, answer)
+
+
+def test_a_wrong_token_fails_either_way() -> None:
+    greeting, leader_nonce = oc.hello()
+    proof, _, proxy_nonce = oc.prove(b"x" * 32, greeting)
+    with pytest.raises(oc.ChannelError, match="did not prove"):
+        oc.check_proof(TOKEN, leader_nonce, proof)
+    # A stranger posing as a leader cannot answer a real proxy's proof either.
+    proof, _, proxy_nonce = oc.prove(TOKEN, greeting)
+    fake_answer = oc.check_proof(b"y" * 32, leader_nonce, oc.prove(b"y" * 32, greeting)[0])
+    with pytest.raises(oc.ChannelError, match="leader did not prove"):
+        oc.check_leader(TOKEN, leader_nonce, proxy_nonce, fake_answer)
+
+
+def test_a_proof_is_bound_to_its_nonces() -> None:
+    """A recorded proof does not verify against another connection's leader nonce."""
+    greeting, _ = oc.hello()
+    proof, _, _ = oc.prove(TOKEN, greeting)
+    _, other_nonce = oc.hello()
+    with pytest.raises(oc.ChannelError):
+        oc.check_proof(TOKEN, other_nonce, proof)
+
+
+@pytest.mark.parametrize("hello", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 12,
+                                   b"NSOAIC01" + b"n" * 31])  # fmt: skip
+def test_a_peer_that_is_not_a_leader_is_refused(hello: bytes) -> None:
+    with pytest.raises(oc.ChannelError, match="not a leader"):
+        oc.prove(TOKEN, hello)
+
+
+def test_frames_survive_any_split() -> None:
+    payloads = [b"", b"a", b"x" * 70000, msgspec.msgpack.encode([1, 2, 3])]
+    stream = b"".join(oc.frame(p) for p in payloads)
+    for step in (1, 3, 4, 5, 1000, len(stream)):
+        reader = oc.FrameReader(1 << 20)
+        got = []
+        for at in range(0, len(stream), step):
+            got += reader.feed(stream[at : at + step])
+        assert got == payloads and reader.buffered == 0
+
+
+def test_a_hostile_length_is_refused_before_buffering() -> None:
+    reader = oc.FrameReader(1024)
+    with pytest.raises(oc.ChannelError, match="4294967295-byte frame"):
+        reader.feed(b"\xff\xff\xff\xff" + b"x" * 10)
+    assert oc.FrameReader(1024).feed((1024).to_bytes(4, "big")) == []  # at the bound: waits
+
+
+def test_event_final_and_compact_encoding() -> None:
+    assert not oc.Event(1, b"data: x\n\n", status=200).final
+    assert oc.Event(1, finish_reason="stop").final
+    assert oc.Event(1, status=400).final
+    assert oc.Event(1, error="unavailable", error_code="UNAVAILABLE").final
+    # An array on the wire (no field names): a middle event is the id, the body and
+    # one byte per absent field.
+    middle = msgspec.msgpack.encode(oc.Event(7, b"data: {}\n\n"))
+    assert msgspec.msgpack.decode(middle) == [7, b"data: {}\n\n"] + [None] * 9
+    decoded = msgspec.msgpack.decode(middle, type=oc.Event)
+    assert decoded.id == 7 and decoded.status is None
+
+
+def test_messages_to_the_leader_are_typed() -> None:
+    raw = msgspec.msgpack.encode([oc.Open(1, b"{}"), oc.Cancel(1)])
+    assert msgspec.msgpack.decode(raw, type=oc.ToLeader) == [oc.Open(1, b"{}"), oc.Cancel(1)]
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode([["exec", "rm -rf /"]]), type=oc.ToLeader)
+
+
+def test_the_token_comes_from_the_environment_or_a_private_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("NEURON_SERVING_CHANNEL_TOKEN", "e" * 30)
+    assert oc.resolve_token() == b"e" * 30
+    monkeypatch.delenv("NEURON_SERVING_CHANNEL_TOKEN")
+    monkeypatch.setenv("NEURON_SERVING_CHANNEL_TOKEN_FILE", str(tmp_path / "short"))
+    (tmp_path / "short").write_text("short\n")
+    with pytest.raises(Exception, match="channel token .* shorter than"):
+        oc.resolve_token()

@@ -1,0 +1,291 @@
+"""The proxy's OpenAI channel upstream against the leader's real channel server.
+
+The leader end is ``neuron_serving.triton.channel_server.ChannelServer`` on a
+loopback port, with a scripted backend in place of vLLM (what it answers is set by
+each test's envelope); the end-to-end tests run the same channel with a real leader
+(tests/e2e/test_openai_conformance.py, test_proxy_e2e.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from neuron_serving import openai_channel as oc
+from neuron_serving.triton import channel_server
+from neuron_serving.triton.channel_server import ChannelCall, ChannelServer
+from proxy.channel_upstream import ChannelUpstream
+from proxy.config import TimeoutConfig, UnitSpec
+from proxy.upstream import GenerationDelta, UpstreamError
+
+TOKEN = b"channel-token-for-tests-0123456789"
+UNIT = UnitSpec("u0", "127.0.0.1:1")
+
+
+class ScriptedLeader:
+    """The backend behind a real ChannelServer: the envelope says what to answer."""
+
+    def __init__(self) -> None:
+        self.server = ChannelServer(TOKEN, self.open_call)
+        self.cancelled: list[int] = []
+        self.opened = 0
+
+    def open_call(self, call: ChannelCall, envelope: bytes) -> None:
+        self.opened += 1
+        spec = json.loads(envelope)
+        if "error" in spec:
+            call.error(spec["error"], spec["code"])
+            return
+        call.task = asyncio.get_running_loop().create_task(self.run(call, spec))
+
+    async def run(self, call: ChannelCall, spec: dict[str, Any]) -> None:
+        try:
+            first = oc.Event(0, b"role", status=200, prompt_token_ids=[5, 6], model_version="v1")
+            await call.send(first, False)
+            for i in range(spec.get("tokens", 3)):
+                await asyncio.sleep(spec.get("delay", 0))
+                await call.send(oc.Event(0, b"t%d;" % i, token_ids=[i]), False)
+            if spec.get("hang"):
+                await asyncio.sleep(3600)
+            call.send(oc.Event(0, b"done", finish_reason="stop", completion_tokens=9), True)
+        except asyncio.CancelledError:
+            self.cancelled.append(call.id)
+            raise
+
+
+class FallbackTransport:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def openai(self, unit: UnitSpec, envelope: bytes, deadline: float, timing: Any = None
+                     ) -> AsyncIterator[GenerationDelta]:  # fmt: skip
+        self.calls += 1
+        yield GenerationDelta("", "stop", status=200, body=b"via triton")
+
+
+@pytest.fixture
+async def leader():
+    scripted = ScriptedLeader()
+    port = await scripted.server.start("127.0.0.1", 0)
+    yield scripted, port
+    scripted.server.close()
+
+
+def upstream(port: int, token: bytes = TOKEN, **timeouts: float) -> tuple[ChannelUpstream, Any]:
+    fallback = FallbackTransport()
+    up = ChannelUpstream(token, TimeoutConfig(**timeouts), lambda unit: fallback)
+    up.announce(UNIT, port)
+    return up, fallback
+
+
+async def collect(up: ChannelUpstream, spec: dict[str, Any], deadline_s: float = 10) -> list:
+    loop = asyncio.get_running_loop()
+    addr = up.address(UNIT)
+    assert addr is not None
+    gen = up.openai(addr, UNIT, json.dumps(spec).encode(), loop.time() + deadline_s)
+    return [d async for d in gen]
+
+
+async def test_a_stream_arrives_whole_and_in_order(leader) -> None:
+    scripted, port = leader
+    up, fallback = upstream(port)
+    deltas = await collect(up, {"tokens": 5})
+    assert deltas[0].status == 200 and deltas[0].model_version == "v1"
+    assert deltas[0].prompt_token_ids == [5, 6]
+    assert (
+        b"".join(d.body for d in deltas)
+        == b"role" + b"".join(b"t%d;" % i for i in range(5)) + b"done"
+    )
+    assert [i for d in deltas for i in d.token_ids or []] == [0, 1, 2, 3, 4]
+    assert deltas[-1].final and deltas[-1].finish_reason == "stop"
+    assert deltas[-1].completion_tokens == 9 and fallback.calls == 0
+    await up.close()
+
+
+async def test_many_calls_share_one_connection(leader) -> None:
+    scripted, port = leader
+    up, _ = upstream(port)
+    results = await asyncio.gather(*(collect(up, {"tokens": 8}) for _ in range(32)))
+    for deltas in results:
+        assert [i for d in deltas for i in d.token_ids or []] == list(range(8))
+    assert scripted.opened == 32 and len(scripted.server.connections) == 1
+    await up.close()
+
+
+async def test_a_reader_that_falls_behind_gets_merged_deltas(leader) -> None:
+    scripted, port = leader
+    up, _ = upstream(port)
+    loop = asyncio.get_running_loop()
+    gen = up.openai(up.address(UNIT), UNIT, json.dumps({"tokens": 20}).encode(), loop.time() + 10)
+    first = await anext(gen)
+    await asyncio.sleep(0.2)  # the leader streams on; the events queue up
+    rest = [d async for d in gen]
+    assert len(rest) < 21  # merged, not one delta per event
+    assert [i for d in [first, *rest] for i in d.token_ids or []] == list(range(20))
+    assert rest[-1].final
+    await up.close()
+
+
+async def test_leaving_early_cancels_the_call_on_the_leader(leader) -> None:
+    scripted, port = leader
+    up, _ = upstream(port)
+    loop = asyncio.get_running_loop()
+    gen = up.openai(up.address(UNIT), UNIT, json.dumps({"hang": True}).encode(), loop.time() + 10)
+    async for _ in gen:
+        break
+    await gen.aclose()
+    async with asyncio.timeout(5):
+        while not scripted.cancelled:
+            await asyncio.sleep(0.01)
+    assert scripted.cancelled == [1]
+    await up.close()
+
+
+async def test_a_lost_connection_fails_its_calls_as_a_unit_fault(leader) -> None:
+    scripted, port = leader
+    up, _ = upstream(port)
+    loop = asyncio.get_running_loop()
+    gen = up.openai(up.address(UNIT), UNIT, json.dumps({"hang": True}).encode(), loop.time() + 10)
+    await anext(gen)
+    scripted.server.close()  # the leader goes away mid-stream
+    with pytest.raises(UpstreamError) as e:
+        async with asyncio.timeout(5):
+            async for _ in gen:
+                pass
+    assert e.value.unit_fault and e.value.retriable and "connection lost" in str(e.value)
+    await up.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "unit_fault"),
+    [("INVALID_ARG", 400, False), ("UNAVAILABLE", 503, True), ("INTERNAL", 502, True)],
+)
+async def test_leader_errors_are_classified_as_over_triton(
+    leader, code, status, unit_fault
+) -> None:
+    scripted, port = leader
+    up, _ = upstream(port)
+    with pytest.raises(UpstreamError) as e:
+        await collect(up, {"error": "model llm is unavailable", "code": code})
+    assert (e.value.status, e.value.unit_fault, e.value.retriable) == (
+        status,
+        unit_fault,
+        unit_fault,
+    )
+    await up.close()
+
+
+async def test_a_silent_leader_is_cut_off_by_the_watchdog(leader) -> None:
+    scripted, port = leader
+    up, _ = upstream(port, inter_token_s=0.3)
+    with pytest.raises(UpstreamError, match="silent for 0.3s") as e:
+        await collect(up, {"hang": True, "tokens": 1})
+    assert e.value.unit_fault
+    async with asyncio.timeout(5):  # and the leader was told to stop
+        while not scripted.cancelled:
+            await asyncio.sleep(0.01)
+    await up.close()
+
+
+async def test_a_wrong_token_falls_back_to_triton_and_backs_off(leader) -> None:
+    scripted, port = leader
+    up, fallback = upstream(port, token=b"not-the-channel-token-0123456789")
+    deltas = await collect(up, {"tokens": 1})
+    assert [d.body for d in deltas] == [b"via triton"] and fallback.calls == 1
+    assert scripted.opened == 0 and scripted.server.rejected_total == 1
+    assert up.address(UNIT) is None  # not retried at once: Triton meanwhile
+    await up.close()
+
+
+async def test_a_leader_without_a_channel_falls_back(leader) -> None:
+    scripted, port = leader
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    up, fallback = upstream(closed_port)
+    deltas = await collect(up, {"tokens": 1})
+    assert [d.body for d in deltas] == [b"via triton"] and fallback.calls == 1
+    up.announce(UNIT, None)
+    assert up.address(UNIT) is None
+    await up.close()
+
+
+# ---- the leader's end against hostile peers ---------------------------------------------
+
+
+async def _raw(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    async with asyncio.timeout(5):
+        while await reader.read(65536):
+            pass
+    return True
+
+
+async def test_garbage_instead_of_a_proof_is_dropped_unparsed(leader) -> None:
+    scripted, port = leader
+    reader, writer = await _raw(port)
+    assert (await reader.readexactly(oc.HELLO_BYTES)).startswith(oc.MAGIC)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\x00" * 100)
+    assert await _closed(reader)
+    assert scripted.server.rejected_total == 1 and scripted.opened == 0
+    writer.close()
+
+
+async def test_a_peer_that_never_proves_is_cut_off(leader, monkeypatch) -> None:
+    scripted, port = leader
+    monkeypatch.setattr(channel_server, "HANDSHAKE_TIMEOUT_S", 0.2)
+    reader, writer = await _raw(port)
+    await reader.readexactly(oc.HELLO_BYTES)
+    writer.write(b"x" * 10)  # part of a proof, then nothing
+    assert await _closed(reader)
+    assert scripted.server.rejected_total == 1
+    writer.close()
+
+
+async def _authenticated(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await _raw(port)
+    proof, leader_nonce, proxy_nonce = oc.prove(TOKEN, await reader.readexactly(oc.HELLO_BYTES))
+    writer.write(proof)
+    oc.check_leader(TOKEN, leader_nonce, proxy_nonce, await reader.readexactly(oc.MAC_BYTES))
+    return reader, writer
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        (oc.MAX_TO_LEADER + 1).to_bytes(4, "big"),  # a length over the bound, no body
+        oc.frame(b"\xc1 not msgpack"),
+        oc.frame(b"\x91\x92\xa4exec\xa2rm"),  # [["exec", "rm"]]: not a message
+    ],
+)
+async def test_after_the_handshake_bad_frames_end_the_connection(leader, payload) -> None:
+    scripted, port = leader
+    reader, writer = await _authenticated(port)
+    writer.write(payload)
+    assert await _closed(reader)
+    assert scripted.opened == 0 and not scripted.server.connections
+    writer.close()
+
+
+async def test_a_hostile_peer_does_not_disturb_other_calls(leader) -> None:
+    scripted, port = leader
+    up, _ = upstream(port)
+    loop = asyncio.get_running_loop()
+    gen = up.openai(up.address(UNIT), UNIT, json.dumps({"tokens": 30, "delay": 0.01}).encode(),
+                    loop.time() + 10)  # fmt: skip
+    first = await anext(gen)
+    reader, writer = await _raw(port)
+    await reader.readexactly(oc.HELLO_BYTES)
+    writer.write(b"\xff" * 64)  # a wrong proof
+    rest = [d async for d in gen]
+    assert [i for d in [first, *rest] for i in d.token_ids or []] == list(range(30))
+    writer.close()
+    await up.close()

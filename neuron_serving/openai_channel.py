@@ -22,8 +22,9 @@ sizes, so nothing from an unauthenticated peer is parsed or sized by it)::
 
 Then frames in both directions: a 4-byte big-endian length, then that many bytes
 of msgpack. A length above the receiver's bound ends the connection before anything
-is allocated. Proxy -> leader: a list of ``Open``/``Cancel``; leader -> proxy: a
-list of ``Event``. Frames after the handshake carry no MAC: the channel has the
+is allocated. Proxy -> leader: a list of ``Open`` (an OpenAI call), ``Generate`` (a
+text request of Triton's generate route) and ``Cancel``; leader -> proxy: a list of
+``Event``. Frames after the handshake carry no MAC: the channel has the
 trust of the leader's Triton inference API (reachable on the same address, with no
 key at all); the handshake keeps strangers off it.
 
@@ -129,20 +130,31 @@ class Open(msgspec.Struct, tag="open", array_like=True, frozen=True):
     envelope: bytes
 
 
+class Generate(msgspec.Struct, tag="generate", array_like=True, frozen=True):
+    """Start one text request of Triton's generate route: vllm_backend's inputs as
+    the proxy sends them over Triton (``stream`` and ``exclude_input_in_output``
+    always true). ``sampling_parameters``: a JSON object, as Triton's input."""
+
+    id: int
+    text_input: str
+    sampling_parameters: str
+
+
 class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
     """The client went away: abort the call (vLLM frees its KV blocks)."""
 
     id: int
 
 
-ToLeader = list[Open | Cancel]
+ToLeader = list[Open | Generate | Cancel]
 
 
 class Event(msgspec.Struct, array_like=True):
-    """One response of one call: the fields of the Triton ``llm`` model's outputs for
-    the OpenAI path (``openai_status``, ``openai_body``, ``token_ids``...; the same
-    first/middle/last rules), or an error. A call's last event has a
-    ``finish_reason``, a non-200 ``status`` or an ``error``."""
+    """One response of one call: the fields of the Triton ``llm`` model's outputs
+    (the OpenAI path's ``openai_status``, ``openai_body``, ``token_ids``...; a text
+    request's ``text_output`` as ``body``, UTF-8; the same first/middle/last rules),
+    or an error. A call's last event has a ``finish_reason``, a non-200 ``status``
+    or an ``error``."""
 
     id: int
     body: bytes = b""
@@ -153,6 +165,7 @@ class Event(msgspec.Struct, array_like=True):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     model_version: str | None = None
+    logprobs: list[float] | None = None  # text requests that asked for them
     # A Triton error's message and code name (UNAVAILABLE, INVALID_ARG, CANCELLED,
     # INTERNAL): the same errors the Triton transports carry, classified alike.
     error: str | None = None

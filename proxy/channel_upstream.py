@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,7 @@ from neuron_serving.openai_channel import (
     ChannelError,
     Event,
     FrameReader,
+    Generate,
     Open,
     ToProxy,
     check_leader,
@@ -98,7 +100,7 @@ class LeaderChannel(asyncio.Protocol):
         self._handshake = bytearray()
         self._leader_nonce = self._proxy_nonce = b""
         self._reader = FrameReader(MAX_TO_PROXY)
-        self._outbox: list[Open | Cancel] = []
+        self._outbox: list[Open | Generate | Cancel] = []
 
     # ---- asyncio.Protocol ---------------------------------------------------------------
 
@@ -144,18 +146,19 @@ class LeaderChannel(asyncio.Protocol):
 
     # ---- calls --------------------------------------------------------------------------
 
-    def open(self, envelope: bytes) -> tuple[int, _Call]:
+    def open(self, request: Callable[[int], Open | Generate]) -> tuple[int, _Call]:
+        """Start a call: ``request(id)`` is its first message."""
         call_id = next(self._ids)
         call = _Call()
         self.calls[call_id] = call
-        self._send(Open(call_id, envelope))
+        self._send(request(call_id))
         return call_id, call
 
     def cancel(self, call_id: int) -> None:
         if self.calls.pop(call_id, None) is not None and not self.closed:
             self._send(Cancel(call_id))
 
-    def _send(self, message: Open | Cancel) -> None:
+    def _send(self, message: Open | Generate | Cancel) -> None:
         # One write per loop iteration for every call opened or cancelled in it.
         self._outbox.append(message)
         if len(self._outbox) == 1:
@@ -197,10 +200,16 @@ class LeaderChannel(asyncio.Protocol):
         self._fail("closed by the proxy")
 
 
-def _delta(events: list[Event]) -> GenerationDelta:
-    """One or more events of one call (in order, none an error) -> one delta."""
+def _delta(events: list[Event], text: bool) -> GenerationDelta:
+    """One or more events of one call (in order, none an error) -> one delta. ``text``:
+    a text request's (the bodies are its text), else an OpenAI call's."""
     if len(events) == 1:
         e = events[0]
+        if text:
+            return GenerationDelta(
+                e.body.decode("utf-8", errors="replace"), e.finish_reason, e.prompt_tokens,
+                e.completion_tokens, e.model_version, token_ids=e.token_ids,
+            )  # fmt: skip
         return GenerationDelta(
             "", e.finish_reason, e.prompt_tokens, e.completion_tokens, e.model_version,
             e.status, e.body, e.token_ids, e.prompt_token_ids,
@@ -215,9 +224,15 @@ def _delta(events: list[Event]) -> GenerationDelta:
         version = e.model_version if version is None else version
         if e.prompt_tokens is not None:
             prompt_tokens, completion_tokens = e.prompt_tokens, e.completion_tokens
+    body = b"".join(e.body for e in events)
+    if text:
+        return GenerationDelta(
+            body.decode("utf-8", errors="replace"), events[-1].finish_reason, prompt_tokens,
+            completion_tokens, version, token_ids=token_ids,
+        )  # fmt: skip
     return GenerationDelta(
         "", events[-1].finish_reason, prompt_tokens, completion_tokens, version, status,
-        b"".join(e.body for e in events), token_ids, prompt_ids,
+        body, token_ids, prompt_ids,
     )  # fmt: skip
 
 
@@ -279,7 +294,27 @@ class ChannelUpstream:
         deadline: float,
         timing: AttemptTiming | None = None,
     ) -> AsyncIterator[GenerationDelta]:
-        return self._stream(addr, unit, envelope, deadline, timing)
+        """``Upstream.openai`` over the channel at ``addr`` (``address(unit)``)."""
+        return self._stream(
+            addr, unit, lambda i: Open(i, envelope), False, deadline, timing,
+            lambda t: t.openai(unit, envelope, deadline, timing),
+        )  # fmt: skip
+
+    def generate(
+        self,
+        addr: Address,
+        unit: UnitSpec,
+        prompt: str,
+        sampling: dict[str, Any],
+        deadline: float,
+        timing: AttemptTiming | None = None,
+    ) -> AsyncIterator[GenerationDelta]:
+        """``Upstream.generate`` (a text request) over the channel at ``addr``."""
+        params = json.dumps(sampling)
+        return self._stream(
+            addr, unit, lambda i: Generate(i, prompt, params), True, deadline, timing,
+            lambda t: t.generate(unit, prompt, sampling, deadline, timing),
+        )  # fmt: skip
 
     async def _channel(self, addr: Address, timeout: float) -> LeaderChannel:
         channel = self._channels.get(addr)
@@ -325,9 +360,11 @@ class ChannelUpstream:
         self,
         addr: Address,
         unit: UnitSpec,
-        envelope: bytes,
+        request: Callable[[int], Open | Generate],
+        text: bool,
         deadline: float,
         timing: AttemptTiming | None,
+        over_triton: Callable[[Any], AsyncIterator[GenerationDelta]],
     ) -> AsyncIterator[GenerationDelta]:
         loop = asyncio.get_running_loop()
         left = deadline - loop.time()
@@ -340,10 +377,10 @@ class ChannelUpstream:
             self.fallbacks_total += 1
             if self._on_fallback is not None:
                 self._on_fallback()
-            async for delta in self._fallback(unit).openai(unit, envelope, deadline, timing):
+            async for delta in over_triton(self._fallback(unit)):
                 yield delta
             return
-        call_id, call = channel.open(envelope)
+        call_id, call = channel.open(request)
         if timing is not None:
             timing.mark_sent(loop)
         watchdog = ReadWatchdog(loop, deadline, asyncio.current_task())
@@ -357,14 +394,7 @@ class ChannelUpstream:
                         raise call.error
                     call.waiter = loop.create_future()
                     try:
-                        watchdog.waiting(budget)
-                        await call.waiter
-                        watchdog.idle()
-                    except asyncio.CancelledError:
-                        error = watchdog.timed_out(budget)
-                        if error is None:
-                            raise
-                        raise error from None
+                        await watchdog.bounded(call.waiter, budget)
                     finally:
                         call.waiter = None
                     continue
@@ -378,7 +408,7 @@ class ChannelUpstream:
                 if timing is not None and not timing.first:
                     timing.first = loop.time()
                 budget = self._timeouts.inter_token_s
-                delta = _delta(events)
+                delta = _delta(events, text)
                 finished = delta.final
                 yield delta
                 if finished:

@@ -1,9 +1,9 @@
 """Which transport carries a unit's generations.
 
-OpenAI calls go over the leader's OpenAI channel (``channel_upstream.py``: one
-multiplexed connection per leader, one frame per engine step) when the unit
-announces one and the proxy holds the channel token (``openai_channel: true``, the
-default); otherwise, and always for the Triton generate route, over the config's
+OpenAI calls and the Triton generate route's text requests go over the leader's
+OpenAI channel (``channel_upstream.py``: one multiplexed connection per leader, one
+frame per engine step) when the unit announces one and the proxy holds the channel
+token (``openai_channel: true``, the default); otherwise over the config's
 ``upstream_protocol``:
 
 ``grpc`` (default): Triton's ``ModelStreamInfer`` (``grpc_upstream.TritonUpstream``).
@@ -36,9 +36,13 @@ class UnitTransport:
         self.channel = channel
 
     def generate(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:
-        """``Upstream.generate`` on the unit's transport. It returns the chosen
-        transport's own generator, not a wrapper around it: every layer of async
-        generators costs a resumption per token."""
+        """``Upstream.generate`` on the unit's channel, else its transport. It returns
+        the chosen transport's own generator, not a wrapper around it: every layer of
+        async generators costs a resumption per token."""
+        if self.channel is not None:
+            addr = self.channel.address(unit)
+            if addr is not None:
+                return self.channel.generate(addr, unit, *args)
         return self._for(unit).generate(unit, *args)
 
     def openai(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:

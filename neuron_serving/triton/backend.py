@@ -159,10 +159,11 @@ class LLMBackend:
             stream = Stream(sender)
             self.responses.register(request_id, stream)
             if isinstance(parsed, OpenAIEnvelope):
-                out = _TritonOut(self, request_id, stream)
+                out = _TritonOut(self, request_id, stream, self._openai_response)
                 coro = self._generate_openai(request_id, parsed, out)
             else:
-                coro = self._generate(request_id, parsed, stream)
+                out = _TritonOut(self, request_id, stream, self._text_response)
+                coro = self._generate(request_id, parsed, out)
             try:
                 stream.future = self.engine_thread.submit(coro)
             except Exception as e:  # noqa: BLE001 - e.g. the engine loop already stopped
@@ -220,13 +221,14 @@ class LLMBackend:
             return_token_ids=bool(want_ids[0]) if want_ids is not None and want_ids.size else False,
         )
 
-    async def _generate(self, request_id: str, req: GenerateRequest, stream: Stream) -> None:
+    async def _generate(self, request_id: str, req: GenerateRequest, out: Any) -> None:
+        """One text request (Triton's generate path). ``out`` as for
+        ``_generate_openai``: a Triton response sender or an OpenAI channel call."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._begin()
         produced = False
-        loop = asyncio.get_running_loop()
         try:
             prompt_ids = self.tokenizer.encode(req.prompt)
             check_prompt_length(len(prompt_ids), self.config.max_model_len)
@@ -238,19 +240,19 @@ class LLMBackend:
             completion_tokens = 0
             outputs = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id)
             try:
-                async for out in outputs:
-                    if stream.cancelled:  # noticed before the task's future existed
+                async for output in outputs:
+                    if out.cancelled:  # noticed before the task's future existed
                         raise asyncio.CancelledError
                     first, produced = not produced, True
-                    seq = out.outputs[0]
+                    seq = output.outputs[0]
                     n = len(seq.token_ids)
                     completion_tokens = completion_tokens + n if req.stream else n
                     text = seq.text
                     if not req.stream and not req.exclude_input_in_output:
                         text = req.prompt + text
-                    finish = seq.finish_reason if out.finished else None
+                    finish = seq.finish_reason if output.finished else None
                     logprobs = _sampled_logprobs(seq) if "logprobs" in req.sampling else None
-                    response = self._response(
+                    event = self._text_event(
                         text,
                         finish,
                         len(prompt_ids),
@@ -259,14 +261,11 @@ class LLMBackend:
                         token_ids=list(seq.token_ids) if req.return_token_ids else None,
                         first=first,
                     )
-                    if out.finished:
-                        self._enqueue(request_id, response, self.final)
-                    else:
+                    sent = out.send(event, output.finished)
+                    if sent is not None:
                         # Backpressure: pull the next output only once this one is
                         # sent; meanwhile vLLM's output collector merges the DELTAs
                         # that arrive (see responses.py).
-                        sent = loop.create_future()
-                        self._enqueue(request_id, response, 0, sent)
                         await sent
             finally:
                 # Deterministic abort when we leave early: AsyncLLM.generate aborts the
@@ -278,23 +277,21 @@ class LLMBackend:
             # Client cancelled (or engine shutdown): AsyncLLM.generate has already
             # aborted the request in vLLM on its way out.
             self.metrics.outcome("cancelled")
-            self._enqueue(request_id, self._error("request was cancelled", "CANCELLED"), self.final)
+            out.error("request was cancelled", "CANCELLED")
         except RequestError as e:
             self.metrics.outcome("invalid")
-            self._enqueue(request_id, self._error(str(e), "INVALID_ARG"), self.final)
+            out.error(str(e), "INVALID_ARG")
         except ValueError as e:
             # vLLM's own input validation; only possible before the first output.
             outcome, code = ("invalid", "INVALID_ARG") if not produced else ("error", "INTERNAL")
             self.metrics.outcome(outcome)
-            self._enqueue(request_id, self._error(str(e), code), self.final)
+            out.error(str(e), code)
         except Exception as e:  # noqa: BLE001 - the client must always get a FINAL response
             dead = self.engine.errored or not self.health.healthy
             log.exception("request %s failed", request_id)
             self.metrics.outcome("unavailable" if dead else "error")
             message = self._unavailable_message() if dead else f"generation failed: {e!r}"
-            self._enqueue(
-                request_id, self._error(message, "UNAVAILABLE" if dead else "INTERNAL"), self.final
-            )
+            out.error(message, "UNAVAILABLE" if dead else "INTERNAL")
         finally:
             self._end()
 
@@ -381,22 +378,33 @@ class LLMBackend:
         log.info("OpenAI channel on %s:%d", c.openai_channel_host, port)
         return server
 
-    def _open_channel_call(self, call: Any, envelope: bytes) -> None:
-        """Engine loop: the channel's ``execute()`` for one ``Open``."""
+    def _open_channel_call(self, call: Any, message: Any) -> None:
+        """Engine loop: the channel's ``execute()`` for one ``Open`` (an OpenAI call)
+        or ``Generate`` (a text request), with the same checks."""
+        from neuron_serving.openai_channel import Open
+
         if not self.health.healthy:
             self.metrics.outcome("unavailable")
             call.error(self._unavailable_message(), "UNAVAILABLE")
             return
+        request_id = f"channel-{call.id}-{uuid.uuid4().hex[:12]}"
         try:
-            env = parse_envelope(envelope)
+            if isinstance(message, Open):
+                coro = self._generate_openai(request_id, parse_envelope(message.envelope), call)
+            else:
+                req = parse_request(
+                    message.text_input,
+                    stream=True,
+                    exclude_input_in_output=True,
+                    sampling_parameters=message.sampling_parameters,
+                    max_model_len=self.config.max_model_len,
+                )
+                coro = self._generate(request_id, req, call)
         except RequestError as e:
             self.metrics.outcome("invalid")
             call.error(str(e), "INVALID_ARG")
             return
-        request_id = f"channel-{call.id}-{uuid.uuid4().hex[:12]}"
-        call.task = asyncio.get_running_loop().create_task(
-            self._generate_openai(request_id, env, call)
-        )
+        call.task = asyncio.get_running_loop().create_task(coro)
 
     def _begin(self) -> None:
         self._in_flight += 1
@@ -454,7 +462,7 @@ class LLMBackend:
         """Response thread -> engine loop, once per drained batch."""
         self.engine_thread.loop.call_soon_threadsafe(_resolve_all, waiters)
 
-    def _response(
+    def _text_event(
         self,
         text: str,
         finish_reason: str | None,
@@ -464,29 +472,42 @@ class LLMBackend:
         *,
         token_ids: list[int] | None = None,
         first: bool = False,
-    ) -> Any:
-        T = self.pb.Tensor
-        tensors = [T("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]
-        # The counts and the finish reason go with the first and the last response
-        # only: each output tensor of each response is a shared-memory allocation in
-        # the stub and an output tensor in tritonserver and its front end, and text
-        # alone on the middle ones cut the leader's CPU per streamed token by ~20 %
-        # (stub 185 -> 147 us, tritonserver 112 -> 95 us; Triton README). Readers take
-        # counts as a maximum over the responses they saw (proxy/grpc_upstream.py).
+    ) -> Event:
+        """One response of a text request, for either output (the text as ``body``).
+        The counts and the finish reason go with the first and the last response
+        only: each output tensor of each Triton response is a shared-memory
+        allocation in the stub and an output tensor in tritonserver and its front
+        end, and text alone on the middle ones cut the leader's CPU per streamed token
+        by ~20 % (stub 185 -> 147 us, tritonserver 112 -> 95 us; Triton README).
+        Readers take counts as a maximum over the responses they saw
+        (proxy/grpc_upstream.py)."""
+        event = Event(0, text.encode("utf-8"), finish_reason=finish_reason)
         if first or finish_reason is not None:
-            tensors += [
-                T("finish_reason", np.array([(finish_reason or "").encode()], dtype=np.object_)),
-                T("prompt_tokens", np.array([prompt_tokens], dtype=np.int32)),
-                T("completion_tokens", np.array([completion_tokens], dtype=np.int32)),
-            ]
-        if logprobs is not None:
-            tensors.append(
-                T("logprobs", np.array([json.dumps(logprobs).encode()], dtype=np.object_))
-            )
-        if token_ids is not None:
-            tensors.append(T("token_ids", np.array(token_ids, dtype=np.int64)))
+            event.prompt_tokens, event.completion_tokens = prompt_tokens, completion_tokens
+        event.logprobs = logprobs
+        event.token_ids = token_ids
         if first and self.config.model_version:
-            version = self.config.model_version.encode()
+            event.model_version = self.config.model_version
+        return event
+
+    def _text_response(self, e: Event) -> Any:
+        """A text request's event as the Triton ``llm`` model's outputs."""
+        T = self.pb.Tensor
+        tensors = [T("text_output", np.array([e.body], dtype=np.object_))]
+        if e.prompt_tokens is not None:
+            tensors += [
+                T("finish_reason", np.array([(e.finish_reason or "").encode()], dtype=np.object_)),
+                T("prompt_tokens", np.array([e.prompt_tokens], dtype=np.int32)),
+                T("completion_tokens", np.array([e.completion_tokens], dtype=np.int32)),
+            ]
+        if e.logprobs is not None:
+            tensors.append(
+                T("logprobs", np.array([json.dumps(e.logprobs).encode()], dtype=np.object_))
+            )
+        if e.token_ids is not None:
+            tensors.append(T("token_ids", np.array(e.token_ids, dtype=np.int64)))
+        if e.model_version is not None:
+            version = e.model_version.encode()
             tensors.append(T("model_version", np.array([version], dtype=np.object_)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
@@ -566,15 +587,18 @@ class LLMBackend:
 
 
 class _TritonOut:
-    """A Triton response sender as an OpenAI call's output (the channel's is
-    ``channel_server.ChannelCall``; ``_generate_openai`` takes either)."""
+    """A Triton response sender as a request's output (the channel's is
+    ``channel_server.ChannelCall``; ``_generate`` and ``_generate_openai`` take either)."""
 
-    __slots__ = ("backend", "request_id", "stream")
+    __slots__ = ("backend", "request_id", "stream", "render")
 
-    def __init__(self, backend: LLMBackend, request_id: str, stream: Stream) -> None:
+    def __init__(
+        self, backend: LLMBackend, request_id: str, stream: Stream, render: Callable[[Event], Any]
+    ) -> None:
         self.backend = backend
         self.request_id = request_id
         self.stream = stream
+        self.render = render  # event -> InferenceResponse (text or OpenAI outputs)
 
     @property
     def cancelled(self) -> bool:
@@ -583,10 +607,10 @@ class _TritonOut:
     def send(self, event: Event, final: bool) -> asyncio.Future | None:
         b = self.backend
         if final:
-            b._enqueue(self.request_id, b._openai_response(event), b.final)
+            b._enqueue(self.request_id, self.render(event), b.final)
             return None
         sent = asyncio.get_running_loop().create_future()
-        b._enqueue(self.request_id, b._openai_response(event), 0, sent)
+        b._enqueue(self.request_id, self.render(event), 0, sent)
         return sent
 
     def error(self, message: str, code: str) -> None:

@@ -39,6 +39,7 @@ from neuron_serving.openai_channel import (
     ChannelError,
     Event,
     FrameReader,
+    Generate,
     Open,
     ToLeader,
     ToProxy,
@@ -83,7 +84,7 @@ class ChannelCall:
             self.task.cancel()
 
 
-OpenCall = Callable[[ChannelCall, bytes], None]
+OpenCall = Callable[[ChannelCall, Open | Generate], None]
 
 
 class _Connection(asyncio.Protocol):
@@ -153,13 +154,13 @@ class _Connection(asyncio.Protocol):
 
     # ---- calls ------------------------------------------------------------------------
 
-    def _dispatch(self, message: Open | Cancel) -> None:
-        if isinstance(message, Open):
+    def _dispatch(self, message: Open | Generate | Cancel) -> None:
+        if not isinstance(message, Cancel):
             if message.id in self.calls:
                 raise ChannelError(f"call id {message.id} is already open")
             call = ChannelCall(self, message.id)
             self.calls[message.id] = call
-            self.open_call(call, message.envelope)
+            self.open_call(call, message)
         else:
             call = self.calls.pop(message.id, None)
             if call is not None:
@@ -214,9 +215,10 @@ class _Connection(asyncio.Protocol):
 
 
 class ChannelServer:
-    """Serves the channel on the running loop. ``open_call(call, envelope)`` runs on
-    that loop for each ``Open``; it must answer the call (``send``/``error``) or
-    start a task that will, and set ``call.task`` for cancellation."""
+    """Serves the channel on the running loop. ``open_call(call, message)`` runs on
+    that loop for each ``Open`` or ``Generate``; it must answer the call
+    (``send``/``error``) or start a task that will, and set ``call.task`` for
+    cancellation."""
 
     def __init__(self, token: bytes, open_call: OpenCall) -> None:
         self._token = token

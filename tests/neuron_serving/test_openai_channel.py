@@ -73,7 +73,7 @@ def test_event_final_and_compact_encoding() -> None:
     # An array on the wire (no field names): a middle event is the id, the body and
     # one byte per absent field.
     middle = msgspec.msgpack.encode(oc.Event(7, b"data: {}\n\n"))
-    assert msgspec.msgpack.decode(middle) == [7, b"data: {}\n\n"] + [None] * 9
+    assert msgspec.msgpack.decode(middle) == [7, b"data: {}\n\n"] + [None] * 10
     decoded = msgspec.msgpack.decode(middle, type=oc.Event)
     assert decoded.id == 7 and decoded.status is None
 

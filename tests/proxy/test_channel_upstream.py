@@ -34,10 +34,15 @@ class ScriptedLeader:
         self.server = ChannelServer(TOKEN, self.open_call)
         self.cancelled: list[int] = []
         self.opened = 0
+        self.texts: list[str] = []
 
-    def open_call(self, call: ChannelCall, envelope: bytes) -> None:
+    def open_call(self, call: ChannelCall, message: oc.Open | oc.Generate) -> None:
         self.opened += 1
-        spec = json.loads(envelope)
+        if isinstance(message, oc.Generate):
+            self.texts.append(message.text_input)
+            spec = json.loads(message.sampling_parameters)
+        else:
+            spec = json.loads(message.envelope)
         if "error" in spec:
             call.error(spec["error"], spec["code"])
             return
@@ -104,6 +109,19 @@ async def test_a_stream_arrives_whole_and_in_order(leader) -> None:
     assert [i for d in deltas for i in d.token_ids or []] == [0, 1, 2, 3, 4]
     assert deltas[-1].final and deltas[-1].finish_reason == "stop"
     assert deltas[-1].completion_tokens == 9 and fallback.calls == 0
+    await up.close()
+
+
+async def test_a_text_request_rides_the_channel_too(leader) -> None:
+    """Triton's generate route: a ``Generate`` message, text deltas."""
+    scripted, port = leader
+    up, fallback = upstream(port)
+    loop = asyncio.get_running_loop()
+    gen = up.generate(up.address(UNIT), UNIT, "Is it in stock?", {"tokens": 4}, loop.time() + 10)
+    deltas = [d async for d in gen]
+    assert "".join(d.text for d in deltas) == "role" + "t0;t1;t2;t3;" + "done"
+    assert all(d.body == b"" for d in deltas) and deltas[-1].finish_reason == "stop"
+    assert scripted.texts == ["Is it in stock?"] and fallback.calls == 0
     await up.close()
 
 

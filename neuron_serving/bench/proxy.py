@@ -222,9 +222,9 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             wait_leaders([leader])
             started = []
             try:
-                for name, protocol in (("proxy", "grpc"), ("proxy_http", "http")):
+                for name, channel in (("proxy", True), ("proxy_grpc", False)):
                     cfg = proxy_config([leader], model_dir, MAX_MODEL_LEN,
-                                       upstream_protocol=protocol)  # fmt: skip
+                                       openai_channel=channel)  # fmt: skip
                     started.append((name, start_proxy(cfg, work, name=name)))
                 urls = {"direct": f"http://{leader.http}/v2/models/llm/generate_stream"}
                 proxies = {}
@@ -261,8 +261,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "sequential_requests_per_arm": sequential,
             "protocol": "Triton HTTP generate_stream, same aiohttp client in every arm",
             "upstreams": {
-                "proxy": "gRPC ModelStreamInfer (default)",
-                "proxy_http": "HTTP generate_stream (upstream_protocol: http)",
+                "proxy": "the leader's OpenAI channel (default)",
+                "proxy_grpc": "Triton gRPC ModelStreamInfer (openai_channel: false)",
             },
             "model": "demo" if model is None else model,
             "tp": 1,
@@ -279,7 +279,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "added_itl_p50_ms": _added(runs, "itl_p50_ms"),
         "added_itl_p99_ms": _added(runs, "itl_p99_ms"),
         "proxy_cpu_us_per_token": spread([run["proxy"]["proxy_cpu_us_per_token"] for run in runs]),
-        "http_upstream": _upstream_figures(runs, seq, "proxy_http"),
+        "grpc_upstream": _upstream_figures(runs, seq, "proxy_grpc"),
         "throughput": throughput,
         "arms": arms,
         "sequential": {
@@ -310,13 +310,13 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
           f"(hop p50 {seq['proxy']['hop_p50_ms']:.2f} ms); "
           f"ITL p50 direct {arms['direct']['itl_p50_ms']['median']:.2f} ms, proxy "
           f"{arms['proxy']['itl_p50_ms']['median']:.2f} ms -> {path}", file=sys.stderr)  # fmt: skip
-    h = result["http_upstream"]
-    print(f"proxy, HTTP upstream: added TTFT p50 {h['added_ttft_p50_ms']['median']:+.2f} ms, p99 "
+    h = result["grpc_upstream"]
+    print(f"proxy, Triton gRPC upstream: added TTFT p50 {h['added_ttft_p50_ms']['median']:+.2f} ms, p99 "
           f"{h['added_ttft_p99_ms']['median']:+.2f} ms; own hop p50 "
           f"{h['proxy_hop_ttft_p50_ms']['median']:.2f} ms, p99 "
           f"{h['proxy_hop_ttft_p99_ms']['median']:.2f} ms; sequential added TTFT p50 "
           f"{h['sequential_added_ttft_p50_ms']:+.2f} ms; proxy CPU per token "
-          f"{h['proxy_cpu_us_per_token']['median']:.0f} us (gRPC upstream "
+          f"{h['proxy_cpu_us_per_token']['median']:.0f} us (channel "
           f"{result['proxy_cpu_us_per_token']['median']:.0f} us)", file=sys.stderr)  # fmt: skip
     tp = throughput
     print(f"proxy throughput at {THROUGHPUT_STREAMS} streams: proxy / direct {tp['ratio']:.2f} "

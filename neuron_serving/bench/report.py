@@ -182,13 +182,14 @@ def _proxy_targets(r: dict[str, Any]) -> list[Target]:
                               f"{num(limit, 0)} ms at {streams} streams",
                               spread_text(hop, 2, " ms"), hop["median"] <= limit,
                               straddles=straddles(hop, limit)))  # fmt: skip
-    http = r.get("http_upstream") or {}
+    # Results before the channel (2026-12-04) compared the HTTP upstream instead.
+    other, other_name = _other_upstream(r)
     for q in ("p50", "p99"):
         for key, what in ((f"added_ttft_{q}_ms", "added TTFT"),
                           (f"proxy_hop_ttft_{q}_ms", "proxy's own hop")):  # fmt: skip
-            if http.get(key):
-                out.append(Target("proxy", f"information: HTTP upstream, {what} {q} at "
-                                  f"{streams} streams", spread_text(http[key], 2, " ms"), None,
+            if other.get(key):
+                out.append(Target("proxy", f"information: {other_name}, {what} {q} at "
+                                  f"{streams} streams", spread_text(other[key], 2, " ms"), None,
                                   status="information, no target"))  # fmt: skip
     tp = r.get("throughput")
     if tp:
@@ -202,6 +203,13 @@ def _proxy_targets(r: dict[str, Any]) -> list[Target]:
                               "/ direct generate_stream", _with_pairs(oa["median"], oa, "per repeat"),
                               None, status="information, no target"))  # fmt: skip
     return out
+
+
+def _other_upstream(r: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """bench proxy's second proxy arm: Triton gRPC (since the channel), else HTTP."""
+    if r.get("grpc_upstream"):
+        return r["grpc_upstream"], "Triton gRPC upstream"
+    return r.get("http_upstream") or {}, "HTTP upstream"
 
 
 def _cpu_targets(r: dict[str, Any]) -> list[Target]:
@@ -225,7 +233,9 @@ def _cpu_targets(r: dict[str, Any]) -> list[Target]:
                  f"{num(c[key].get('per_token_ratio'))}), "
                  f"{num(c[key].get('proxy_us_per_request'), 0)} us/request", None,
                  status="information, no target")
-          for key, what in (("http_upstream", "HTTP upstream"),
+          for key, what in (("channel_asyncio", "the channel on asyncio's loop"),
+                            ("grpc_upstream", "Triton gRPC upstream (channel off)"),
+                            ("http_upstream", "Triton HTTP upstream (channel off)"),
                             ("http_upstream_asyncio", "HTTP upstream on asyncio's loop"))
           if c.get(key)),
     ]  # fmt: skip
@@ -625,7 +635,7 @@ def _proxy_section(r: dict[str, Any]) -> list[str]:
     lines = [*_table(["figure", "direct", "proxy", "added"], rows), "",
              f"One stream at a time: added TTFT p50 {num(seq.get('added_ttft_p50_ms'))} ms, "
              f"p99 {num(seq.get('added_ttft_p99_ms'))} ms.{hop}"]  # fmt: skip
-    http = r.get("http_upstream")
+    http, other_name = _other_upstream(r)
     if http:
         cpu = r.get("proxy_cpu_us_per_token")
         rows = [[k.replace("_", " "), spread_text(cpu if k == "proxy_cpu_us_per_token" else
@@ -635,8 +645,9 @@ def _proxy_section(r: dict[str, Any]) -> list[str]:
         rows.append(["one stream at a time: added TTFT p50 ms",
                      num(seq.get("added_ttft_p50_ms"), 2),
                      num(http.get("sequential_added_ttft_p50_ms"), 2)])  # fmt: skip
-        lines += ["", "By upstream transport (the proxy's `upstream_protocol`):", "",
-                  *_table(["figure", "gRPC (default)", "HTTP generate_stream"], rows)]  # fmt: skip
+        first = "the channel (default)" if r.get("grpc_upstream") else "gRPC (default)"
+        lines += ["", "By upstream transport:", "",
+                  *_table(["figure", first, other_name], rows)]  # fmt: skip
     return lines
 
 

@@ -14,6 +14,7 @@ import http.client
 import json
 import secrets
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -487,6 +488,36 @@ def test_grpc_admin_apis_are_refused_without_the_key(leader: LeaderEndpoints, tm
         assert [m["name"] for m in index["models"]] == ["llm"], index
     finally:
         c.close()
+
+
+def test_the_openai_channel_refuses_strangers(leader: LeaderEndpoints) -> None:
+    """The leader's OpenAI channel, at the port its model config announces: a peer
+    that sends a wrong proof, or a frame instead of one, is dropped unparsed; one that
+    proves the token gets the leader's own proof back (mutual)."""
+    from neuron_serving import openai_channel as oc
+
+    config = json.loads(get(f"http://{leader.http}/v2/models/llm/config")[1])
+    port = int(config["parameters"][oc.CONFIG_PARAMETER]["string_value"])
+    for attack in (b"\x00" * oc.PROOF_BYTES, oc.frame(b"\x91\x92\xa4open\x01")):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            hello = _recv_exactly(s, oc.HELLO_BYTES)
+            assert hello.startswith(oc.MAGIC)
+            s.sendall(attack + b"x" * 1000)
+            assert s.recv(4096) == b"", "the leader answered a peer that did not prove the token"
+    token = oc.resolve_token()  # the same user's default token file, as the leader's
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        proof, leader_nonce, proxy_nonce = oc.prove(token, _recv_exactly(s, oc.HELLO_BYTES))
+        s.sendall(proof)
+        oc.check_leader(token, leader_nonce, proxy_nonce, _recv_exactly(s, oc.MAC_BYTES))
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        assert chunk, f"connection closed after {len(data)} of {n} bytes"
+        data += chunk
+    return data
 
 
 async def test_model_still_serves_after_the_attacks(leader: LeaderEndpoints, client) -> None:

@@ -173,8 +173,10 @@ class Dispatcher:
         decision = self.policy.choose(
             RouteRequest(job.model, job.routing_key, job.session_id), fresh
         )
-        self.metrics.routing_decisions.labels(
-            self.policy.name, "panic" if eligible.panic else decision.reason
+        self.metrics.child(
+            self.metrics.routing_decisions,
+            self.policy.name,
+            "panic" if eligible.panic else decision.reason,
         ).inc()
         return decision.unit
 
@@ -359,9 +361,9 @@ class Dispatcher:
         request's fault, not the unit's: neither a success nor a fault of the unit."""
         if status is None or status == 200:
             self.outlier.record_success(unit, time.monotonic())
-            self.metrics.upstream_attempts.labels(unit.unit_id, "ok").inc()
+            self.metrics.child(self.metrics.upstream_attempts, unit.unit_id, "ok").inc()
         else:
-            self.metrics.upstream_attempts.labels(unit.unit_id, "request_error").inc()
+            self.metrics.child(self.metrics.upstream_attempts, unit.unit_id, "request_error").inc()
 
     def _failed(
         self,

@@ -10,6 +10,7 @@ registry at scrape time rather than on every probe.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -33,6 +34,7 @@ _PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.
 class ProxyMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # unit: the unit that served the request's (first) token, "" if none did (a bad
         # request, overload, no routable unit). Set by the front ends on the aiohttp
         # request (REQUEST_UNIT) and read when the response is counted.
@@ -146,11 +148,22 @@ class ProxyMetrics:
         self.queued = Gauge("proxy_admission_queued", "Requests waiting for admission", registry=r)
         self.active = Gauge("proxy_admission_active", "Requests admitted and running", registry=r)
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached: prometheus_client validates the values and
+        takes a lock on every ``labels()`` call, ~5 us each, several per request. The
+        label values are bounded (endpoints, codes, unit ids, tenants, reasons), and so
+        is this cache."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def first_token(self, request: web.Request, unit: str, ttft_s: float) -> None:
         """Once per request, when its first token is ready: TTFT by unit, and the unit
         for the request counter (which the server's middleware increments at the end)."""
         request[REQUEST_UNIT] = unit
-        self.ttft.labels(unit).observe(ttft_s)
+        self.child(self.ttft, unit).observe(ttft_s)
 
     def first_written(self, upstream_ttft_s: float | None, ttft_s: float) -> None:
         """Once per stream, after its first chunk is written (``ttft_s`` since the

@@ -250,7 +250,8 @@ class ProxyServer:
             )
             unit = request.get(REQUEST_UNIT, "")
             tenant = request.get(TENANT, "")
-            self.metrics.requests.labels(endpoint, str(resp.status), unit, tenant).inc()
+            m = self.metrics
+            m.child(m.requests, endpoint, str(resp.status), unit, tenant).inc()
             return resp
 
         @web.middleware

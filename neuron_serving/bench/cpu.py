@@ -18,7 +18,9 @@ leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes).
 proxy's CPU per token (label ``neuron-serving proxy``) set against ``vllm serve``'s
 API server (``vllm api server``) on the same load. A second, short pass measures CPU
 per *request* (``PER_REQUEST_REQUESTS`` requests of one output token each) for the
-proxy and for vLLM's API server.
+proxy and for vLLM's API server, net of each server's idle CPU rate (read over
+``IDLE_S`` before the pass; the raw figures and the idle rates are reported too).
+CPU is read from ``/proc/PID/task/*/schedstat`` (nanoseconds), not clock ticks.
 
 ``neuron-serving bench cpu [--quick] [--py-spy DIR]`` (diagnostic, not in ``bench
 all``): one leader and one vLLM server, side by side as in the serving benchmark,
@@ -38,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +80,29 @@ def _label(proc: Any) -> str:
         return "?"
 
 
+def _cpu_s(proc: Any) -> float:
+    """A process's CPU seconds. ``/proc/PID/task/*/schedstat`` counts nanoseconds
+    (the sum over its threads); psutil's ``cpu_times`` counts clock ticks (10 ms), too
+    coarse for a per-request figure (one tick over 128 requests is 78 us). A thread
+    that exited between two readings drops out of the sum, so psutil's figure (which
+    keeps it) is the floor."""
+    ticks = proc.cpu_times()
+    coarse = ticks.user + ticks.system
+    try:
+        tasks = Path(f"/proc/{proc.pid}/task")
+        fine = sum(int((t / "schedstat").read_text().split()[0]) for t in tasks.iterdir()) / 1e9
+    except (OSError, ValueError, IndexError):
+        return coarse
+    return fine if fine >= coarse - 0.02 else coarse
+
+
 def cpu_by_name(*pids: int) -> dict[str, float]:
     """CPU seconds (user + system, children not reaped yet excluded) per process
     label over the trees rooted at ``pids``."""
     out: dict[str, float] = {}
     for proc in (p for pid in pids for p in _tree(pid)):
         try:
-            t = proc.cpu_times()
-            out[_label(proc)] = out.get(_label(proc), 0.0) + t.user + t.system
+            out[_label(proc)] = out.get(_label(proc), 0.0) + _cpu_s(proc)
         except Exception:  # noqa: BLE001
             continue
     return out
@@ -98,7 +116,14 @@ def _cli_label(cmd: list[str]) -> str:
 
 # The per-request pass: many requests of one output token, so what is measured is the
 # per-request work (parse, route, render, the first and last chunk), not per-token.
-PER_REQUEST_REQUESTS = 128
+PER_REQUEST_REQUESTS = 384
+# Before each arm's per-request pass, its servers' CPU is read over this long idle
+# window and that rate is subtracted from the pass: what remains is the CPU the
+# requests cost. (The proxy's health probes, 4 per second per node here, and any
+# server's periodic work run whether requests come or not; at the 30-60 one-token
+# requests per second a unit serves here, they were ~150 us of "per request".) The
+# idle rates are reported too (``idle_cpu_ms_per_s``).
+IDLE_S = 3.0
 # (upstream_protocol, openai_channel, arm, event loop): the proxy as deployed (the
 # OpenAI channel, uvloop), the same on asyncio's own loop (the uvloop decision), and
 # with the channel off over Triton's gRPC and HTTP front ends (the channel decision),
@@ -179,19 +204,31 @@ async def _per_request(arms: list[Any], servers: dict[str, tuple[int, ...]],
     extra = {"temperature": 0.0}
     chosen = [a for a in arms if a.name in PER_REQUEST_ARMS]
     out: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
+    raw: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
+    idle: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
     for r in range(repeats):
         for arm in chosen if r % 2 == 0 else chosen[::-1]:
             pids = servers[arm.name]
             before = cpu_by_name(*pids)
+            await asyncio.sleep(IDLE_S)
+            rate = {k: v / IDLE_S for k, v in _delta(cpu_by_name(*pids), before).items()}
+            before, t0 = cpu_by_name(*pids), time.monotonic()
             summary = await run_load(arm, ids, PER_REQUEST_REQUESTS, CONCURRENCY, 1, extra)
-            after = cpu_by_name(*pids)
+            after, wall = cpu_by_name(*pids), time.monotonic() - t0
             n = max(PER_REQUEST_REQUESTS - summary["failed"], 1)
+            used = {k: v for k, v in _delta(after, before).items() if v > 0}
+            raw[arm.name].append({k: v / n * 1e6 for k, v in used.items()})
             out[arm.name].append(
-                {k: v / n * 1e6 for k, v in _delta(after, before).items() if v > 0}
+                {k: max(0.0, v - rate.get(k, 0.0) * wall) / n * 1e6 for k, v in used.items()}
             )
-    return {name: {k: spread([row.get(k, 0.0) for row in rows])
-                   for k in sorted({k for row in rows for k in row})}
-            for name, rows in out.items()}  # fmt: skip
+            idle[arm.name].append({k: v * 1e3 for k, v in rate.items()})
+
+    def summary_of(rows_by_arm: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+        return {name: {k: spread([row.get(k, 0.0) for row in rows])
+                       for k in sorted({k for row in rows for k in row})}
+                for name, rows in rows_by_arm.items()}  # fmt: skip
+
+    return {"net": summary_of(out), "raw": summary_of(raw), "idle_ms_per_s": summary_of(idle)}
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -215,7 +252,8 @@ TARGET_PROXY_US_PER_REQUEST = 500.0
 PROXY_LABEL, API_SERVER_LABEL = "neuron-serving proxy", "vllm api server"
 
 
-def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dict[str, Any]:
+def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any],
+                        raw: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The issue's figures: the proxy's CPU per output token against vLLM's API
     server's on the same load, and the proxy's CPU per request."""
     med = lambda s: (s or {}).get("median", float("nan"))  # noqa: E731
@@ -231,6 +269,9 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any]) -> dic
         "proxy_us_per_token": proxy_tok, "api_server_us_per_token": api_tok,
         "per_token_ratio": ratio, "proxy_us_per_request": proxy_req,
         "api_server_us_per_request": med(per_request.get("vllm", {}).get(API_SERVER_LABEL)),
+        # Before the idle rate is subtracted (see IDLE_S), for the record.
+        "proxy_us_per_request_raw": med((raw or {}).get("proxy_openai", {}).get(PROXY_LABEL)),
+        "api_server_us_per_request_raw": med((raw or {}).get("vllm", {}).get(API_SERVER_LABEL)),
         # The same proxy on asyncio's loop, and without the channel: for information
         # (the event-loop and transport choices, side by side).
         **{key: {
@@ -281,7 +322,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             if pdir is not None:
                 pdir.mkdir(parents=True, exist_ok=True)
             runs = asyncio.run(_measure(arm_list, servers, repeats, requests, max_tokens, pdir))
-            per_request = asyncio.run(_per_request(arm_list, servers, repeats))
+            per_request_all = asyncio.run(_per_request(arm_list, servers, repeats))
+            per_request = per_request_all["net"]
         finally:
             for proxy in proxies:
                 proxy.process.stop()
@@ -295,8 +337,11 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                             "client = this load driver's own process"},  # fmt: skip
         "machine_load": {"load_avg_1m_start": load_before[0], "load_avg_1m_end": os.getloadavg()[0]},
         "arms": agg,
-        "proxy_vs_vllm_api_server": proxy_vs_api_server(agg, per_request),
-        "per_request_us": per_request,
+        "proxy_vs_vllm_api_server": proxy_vs_api_server(agg, per_request,
+                                                         per_request_all["raw"]),
+        "per_request_us": per_request,  # net of the idle rate (IDLE_S)
+        "per_request_raw_us": per_request_all["raw"],
+        "idle_cpu_ms_per_s": per_request_all["idle_ms_per_s"],
         "runs": runs,
     }  # fmt: skip
     path = write_result("cpu" + ("-quick" if quick else ""), result)

@@ -47,13 +47,16 @@ class FakeUnit:
 @dataclass
 class Fleet:
     tmp_path: Any
-    protocol: str = "grpc"  # the proxies' upstream_protocol (the fakes serve both)
+    # The proxies' upstream: "grpc" or "http" (upstream_protocol; the fakes serve
+    # both), or "channel" (the fakes also serve the leader's OpenAI channel, which the
+    # proxy then uses for every call; gRPC stays its fallback).
+    protocol: str = "grpc"
     units: list[FakeUnit] = field(default_factory=list)
     proxies: list[ProxyServer] = field(default_factory=list)
     sessions: list[aiohttp.ClientSession] = field(default_factory=list)
 
     async def unit(self, unit_id: str, followers: int = 1) -> FakeUnit:
-        triton = await FakeTriton().start()
+        triton = await FakeTriton(Behavior(channel=self.protocol == "channel")).start()
         fs = [await FakeFollower().start() for _ in range(followers)]
         u = FakeUnit(unit_id, triton, fs)
         self.units.append(u)
@@ -80,7 +83,7 @@ class Fleet:
             "timeouts": {"request_s": 10.0, "first_token_s": 3.0, "inter_token_s": 2.0},
             "models": [{"name": "llm", "model_dir": self.model_dir()}],
             "units": [],
-            "upstream_protocol": self.protocol,
+            "upstream_protocol": "grpc" if self.protocol == "channel" else self.protocol,
         }  # fmt: skip
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
@@ -98,6 +101,9 @@ class Fleet:
         self.proxies.append(server)
         if wait_healthy:
             await wait_until(lambda: all(u.nodes_healthy() for u in server.registry.units.values()))
+            if self.protocol == "channel":  # the tests of this arm do ride the channel
+                units = server.registry.units.values()
+                assert all(server.transport.name_for(u.spec) == "channel" for u in units)
         return server
 
     def session(self) -> aiohttp.ClientSession:
@@ -134,7 +140,7 @@ class Fleet:
 @pytest.fixture
 async def fleet(tmp_path, request):
     """Fake units and proxies; gRPC upstream unless a module parametrizes it
-    (``pytest.mark.parametrize("fleet", ["grpc", "http"], indirect=True)``)."""
+    (``pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)``)."""
     f = Fleet(tmp_path, getattr(request, "param", "grpc"))
     yield f
     await f.close()

@@ -9,8 +9,11 @@ path (vllm_backend's tensor names: ``text_input`` ...) and the OpenAI path
 ``prompt_token_ids``; fake_openai.py). Its "model" is deterministic: each next word
 is a function of the whole text so far, so resuming from prompt + generated-so-far
 (text, or token ids) continues exactly the sequence an uninterrupted run produces
-(what greedy decoding gives a real request migration). ``FakeFollower`` is a
-grpc.health.v1 server.
+(what greedy decoding gives a real request migration). With ``Behavior.channel``
+it also serves the leader's OpenAI channel (the real ``ChannelServer`` of
+neuron_serving/triton/channel_server.py, the same model and knobs behind it) and
+announces its port in the model config, as the real leader does. ``FakeFollower``
+is a grpc.health.v1 server.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
+from neuron_serving import openai_channel as oc
+from neuron_serving.triton.channel_server import ChannelCall, ChannelServer
 from tests.proxy.fake_openai import (
     WORD_ID,
     WORDS,
@@ -70,6 +75,9 @@ class Behavior:
     # Checkpoint version: in the model config's parameters and in each request's first
     # response, like neuron_serving's leader (None: an unversioned leader).
     model_version: str | None = None
+    # Serve the leader's OpenAI channel too, announced in the model config (the
+    # proxy then sends OpenAI calls and text requests over it).
+    channel: bool = False
     prompts: list[str] = field(default_factory=list)
     envelopes: list[dict] = field(default_factory=list)  # openai_request, as received
     openai_bodies: list[bytes] = field(default_factory=list)  # openai_body, as sent
@@ -172,6 +180,8 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         config = model_config_pb2.ModelConfig(name=request.name, backend="python")
         if self.owner.behavior.model_version is not None:
             config.parameters["model_version"].string_value = self.owner.behavior.model_version
+        if self.owner.channel is not None:
+            config.parameters[oc.CONFIG_PARAMETER].string_value = str(self.owner.channel.port)
         return service_pb2.ModelConfigResponse(config=config)
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -242,6 +252,7 @@ class FakeTriton:
         self.runner: web.AppRunner | None = None
         self.port = 0
         self.http_port = 0
+        self.channel: ChannelServer | None = None
 
     @property
     def addr(self) -> str:
@@ -268,7 +279,43 @@ class FakeTriton:
         site = web.TCPSite(self.runner, "127.0.0.1", self.http_port)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]
+        if self.behavior.channel:
+            self.channel = ChannelServer(oc.resolve_token(), self._channel_call)
+            await self.channel.start("127.0.0.1", 0)
         return self
+
+    def _channel_call(self, call: ChannelCall, message: oc.Open | oc.Generate) -> None:
+        b = self.behavior
+        b.started += 1
+        if b.fail_next > 0:
+            b.fail_next -= 1
+            call.error("fake: unit unavailable", "UNAVAILABLE")
+            return
+        if b.stream_error:
+            call.error(b.stream_error, "INVALID_ARG")
+            return
+        call.task = asyncio.get_running_loop().create_task(self._channel_answer(call, message))
+
+    async def _channel_answer(self, call: ChannelCall, message: oc.Open | oc.Generate) -> None:
+        """The same model as the other protocols, as channel events."""
+        if isinstance(message, oc.Open):
+            async for r in self.openai(message.envelope.decode()):
+                event = oc.Event(0, r.body, r.status, r.finish_reason, r.token_ids,
+                                 r.prompt_token_ids, r.prompt_tokens, r.completion_tokens,
+                                 r.model_version)  # fmt: skip
+                sent = call.send(event, event.final)
+                if sent is not None:
+                    await sent
+            return
+        async for text, finish, prompt_tokens, completion, version in self.generate(
+            message.text_input, message.sampling_parameters
+        ):
+            event = oc.Event(0, text.encode(), None, finish or None,
+                             prompt_tokens=prompt_tokens, completion_tokens=completion,
+                             model_version=version)  # fmt: skip
+            sent = call.send(event, event.final)
+            if sent is not None:
+                await sent
 
     async def generate(self, prompt: str, sampling_json: str):
         """The model, for either protocol: (text, finish_reason, prompt_tokens,
@@ -418,6 +465,9 @@ class FakeTriton:
 
     async def kill(self) -> None:
         """Stop at once, breaking every open stream (what a crashed leader looks like)."""
+        if self.channel is not None:
+            channel, self.channel = self.channel, None
+            channel.close()
         if self.server is not None:
             server, self.server = self.server, None
             await server.stop(grace=None)

@@ -12,7 +12,7 @@ from tests.proxy.conftest import read_sse, url
 from tests.proxy.fake_openai import WORD_ID, WORDS, render_chat
 from tests.proxy.fakes import reference_completion
 
-pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http"], indirect=True)
+pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)
 
 RR = {"routing": {"policy": "round_robin"}}  # u0 first: tests know where a request lands
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "red shoes?"}]

@@ -16,10 +16,10 @@ behind writes each client once per wake-up, not once per event.
 Failures: a lost connection fails every call on it as a unit fault (the
 dispatcher retries or migrates each, as for a broken Triton stream); a call the
 caller abandons is cancelled on the leader with ``Cancel`` (vLLM aborts it). A
-leader whose channel cannot be reached or does not prove the token is served
-through Triton's transport instead (``fallback``), and its channel is not tried
-again for ``RETRY_AFTER_S``: the channel is an optimisation, never a new way to
-fail.
+leader whose channel is not connected (yet), cannot be reached or does not prove
+the token is served through Triton's transport instead (``fallback``): the channel
+is an optimisation, never a new way to fail, and no request waits for it to
+connect (``ChannelUpstream``).
 
 Where a unit's channel is: its leader's host and the port its model config
 announces (``CONFIG_PARAMETER``), which the health checker reads with the
@@ -64,7 +64,10 @@ from proxy.upstream import (
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_S = 10.0  # after a failed connect or handshake, Triton's transport meanwhile
+# After a failed connect or handshake: Triton's transport meanwhile, retried after
+# RETRY_MIN_S, doubling up to RETRY_MAX_S.
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 60.0
 _DECODER = msgspec.msgpack.Decoder(ToProxy)
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -246,8 +249,15 @@ def classify_event_error(event: Event) -> UpstreamError:
 
 
 class ChannelUpstream:
-    """``openai`` over the channel for units that announce one; everything else (and
-    a unit whose channel is unusable) goes to ``fallback(unit)``'s transport."""
+    """``openai``/``generate`` over the channel for units whose leader's channel is
+    connected; everything else goes to ``fallback(unit)``'s transport.
+
+    A request never waits for a connection: ``address`` answers from what is
+    connected now and, for a unit whose channel is announced but not connected, starts
+    a connection in the background (also started as soon as a probe announces the
+    port), so the first requests after a leader (re)starts go over Triton and the rest
+    over the channel. A failed connect or handshake is retried with backoff
+    (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); meanwhile Triton serves the unit."""
 
     def __init__(
         self,
@@ -264,27 +274,44 @@ class ChannelUpstream:
         self._connect_timeout_s = connect_timeout_s
         self._ports: dict[str, Address] = {}  # unit id -> its leader's channel
         self._channels: dict[Address, LeaderChannel] = {}
-        self._connecting: dict[Address, asyncio.Task[LeaderChannel]] = {}
-        self._down_until: dict[Address, float] = {}
+        self._connecting: dict[Address, asyncio.Task[None]] = {}
+        self._retry: dict[Address, tuple[float, float]] = {}  # addr -> (not before, backoff)
         self.fallbacks_total = 0
 
     def announce(self, unit: UnitSpec, port: int | None) -> None:
         """The health checker read the unit's model config: its channel's port, or
-        None (a leader without one)."""
+        None (a leader without one). Connects at once, so requests find it ready."""
         if port is None:
             self._ports.pop(unit.unit_id, None)
             return
         host = unit.leader_grpc.rsplit(":", 1)[0].strip("[]")  # HOST:PORT or [V6]:PORT
-        self._ports[unit.unit_id] = (host, port)
+        self._ports[unit.unit_id] = addr = (host, port)
+        self._ensure(addr)
 
     def forget(self, unit_id: str) -> None:
         self._ports.pop(unit_id, None)
 
     def address(self, unit: UnitSpec) -> Address | None:
+        """The unit's channel if it is connected now (else None: use Triton)."""
         addr = self._ports.get(unit.unit_id)
-        if addr is None or self._down_until.get(addr, 0.0) > time.monotonic():
+        if addr is None:
             return None
-        return addr
+        channel = self._channels.get(addr)
+        if channel is not None and not channel.closed:
+            return addr
+        self._ensure(addr)
+        return None
+
+    def _ensure(self, addr: Address) -> None:
+        """Start connecting to ``addr`` unless connected, connecting or backing off."""
+        channel = self._channels.get(addr)
+        if (channel is not None and not channel.closed) or addr in self._connecting:
+            return
+        if self._retry.get(addr, (0.0, 0.0))[0] > time.monotonic():
+            return
+        task = asyncio.get_running_loop().create_task(self._connect(addr))
+        self._connecting[addr] = task
+        task.add_done_callback(lambda _: self._connecting.pop(addr, None))
 
     def openai(
         self,
@@ -316,23 +343,7 @@ class ChannelUpstream:
             lambda t: t.generate(unit, prompt, sampling, deadline, timing),
         )  # fmt: skip
 
-    async def _channel(self, addr: Address, timeout: float) -> LeaderChannel:
-        channel = self._channels.get(addr)
-        if channel is not None and not channel.closed:
-            return channel
-        task = self._connecting.get(addr)
-        if task is None:  # one connect per leader, however many calls wait for it
-            task = asyncio.ensure_future(self._connect(addr))
-            self._connecting[addr] = task
-            task.add_done_callback(lambda t: self._connected(addr, t))
-        return await asyncio.wait_for(asyncio.shield(task), timeout)
-
-    def _connected(self, addr: Address, task: asyncio.Task[LeaderChannel]) -> None:
-        self._connecting.pop(addr, None)
-        if not task.cancelled():
-            task.exception()  # retrieved here: every waiter may have timed out
-
-    async def _connect(self, addr: Address) -> LeaderChannel:
+    async def _connect(self, addr: Address) -> None:
         loop = asyncio.get_running_loop()
         name = f"{addr[0]}:{addr[1]}"
         try:
@@ -346,15 +357,19 @@ class ChannelUpstream:
                     channel.close()
                     raise
         except (OSError, ChannelError, TimeoutError) as e:
-            self._down_until[addr] = time.monotonic() + RETRY_AFTER_S
+            backoff = min(max(2 * self._retry.get(addr, (0.0, 0.0))[1], RETRY_MIN_S), RETRY_MAX_S)
+            self._retry[addr] = (time.monotonic() + backoff, backoff)
             log.warning(
-                "OpenAI channel %s unusable (%s: %s); using Triton for it for %.0f s",
-                name, type(e).__name__, e, RETRY_AFTER_S,
+                "OpenAI channel %s unusable (%s: %s); Triton carries its calls, retry in %.0f s",
+                name, type(e).__name__, e, backoff,
             )  # fmt: skip
-            raise
+            return
+        self._retry.pop(addr, None)
+        old = self._channels.get(addr)
         self._channels[addr] = channel
+        if old is not None:
+            old.close()
         log.info("OpenAI channel %s connected", name)
-        return channel
 
     async def _stream(
         self,
@@ -367,13 +382,11 @@ class ChannelUpstream:
         over_triton: Callable[[Any], AsyncIterator[GenerationDelta]],
     ) -> AsyncIterator[GenerationDelta]:
         loop = asyncio.get_running_loop()
-        left = deadline - loop.time()
-        if left <= 0:
+        if deadline - loop.time() <= 0:
             raise DeadlineExceeded()
-        try:
-            channel = await self._channel(addr, min(left, self._connect_timeout_s))
-        except (OSError, ChannelError, TimeoutError):
-            # Nothing was sent: the unit is asked the same thing over Triton.
+        channel = self._channels.get(addr)
+        if channel is None or channel.closed:
+            # Lost since ``address`` saw it; nothing was sent: ask over Triton.
             self.fallbacks_total += 1
             if self._on_fallback is not None:
                 self._on_fallback()

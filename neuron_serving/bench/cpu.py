@@ -137,6 +137,19 @@ PROXY_ARMS = (
 PER_REQUEST_ARMS = (*(arm for _, _, arm, _ in PROXY_ARMS), "vllm")
 
 
+def _check_upstream(proxy: Any, arm: str, wanted: str, timeout_s: float = 15.0) -> None:
+    """Measure what we say: the arm's proxy carries its unit's calls over ``wanted``
+    (the channel connects in the background, a moment after the unit is routable)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        upstream = {u["upstream"] for u in proxy.status()["units"]}
+        if upstream == {wanted}:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{arm}: the proxy's units use {upstream}, not {wanted}")
+        time.sleep(0.2)
+
+
 def _client_cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -313,9 +326,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                                    upstream_protocol=protocol, openai_channel=channel)  # fmt: skip
                 env = {"NEURON_SERVING_PROXY_EVENT_LOOP": loop}
                 proxies.append(start_proxy(cfg, work, name=name, env=env))
-                upstream = {u["upstream"] for u in proxies[-1].status()["units"]}
-                if upstream != {"channel" if channel else protocol}:  # measure what we say
-                    raise RuntimeError(f"{name}: the proxy's units use {upstream}")
+                _check_upstream(proxies[-1], name, "channel" if channel else protocol)
                 arm_list.append(proxy_arm(proxies[-1].base, name))
                 servers[name] = (ldr, proxies[-1].process.popen.pid)
             pdir = Path(profile_dir) if profile_dir else None

@@ -103,7 +103,9 @@ class Fleet:
             await wait_until(lambda: all(u.nodes_healthy() for u in server.registry.units.values()))
             if self.protocol == "channel":  # the tests of this arm do ride the channel
                 units = server.registry.units.values()
-                assert all(server.transport.name_for(u.spec) == "channel" for u in units)
+                await wait_until(
+                    lambda: all(server.transport.name_for(u.spec) == "channel" for u in units)
+                )
         return server
 
     def session(self) -> aiohttp.ClientSession:

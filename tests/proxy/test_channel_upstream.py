@@ -81,10 +81,17 @@ async def leader():
     scripted.server.close()
 
 
-def upstream(port: int, token: bytes = TOKEN, **timeouts: float) -> tuple[ChannelUpstream, Any]:
+async def upstream(
+    port: int, token: bytes = TOKEN, **timeouts: float
+) -> tuple[ChannelUpstream, Any]:
+    """An upstream whose unit announced the channel at ``port``; returns once the
+    background connection has succeeded or failed."""
     fallback = FallbackTransport()
     up = ChannelUpstream(token, TimeoutConfig(**timeouts), lambda unit: fallback)
     up.announce(UNIT, port)
+    async with asyncio.timeout(5):
+        while up._connecting:
+            await asyncio.sleep(0.01)
     return up, fallback
 
 
@@ -98,7 +105,7 @@ async def collect(up: ChannelUpstream, spec: dict[str, Any], deadline_s: float =
 
 async def test_a_stream_arrives_whole_and_in_order(leader) -> None:
     scripted, port = leader
-    up, fallback = upstream(port)
+    up, fallback = await upstream(port)
     deltas = await collect(up, {"tokens": 5})
     assert deltas[0].status == 200 and deltas[0].model_version == "v1"
     assert deltas[0].prompt_token_ids == [5, 6]
@@ -115,7 +122,7 @@ async def test_a_stream_arrives_whole_and_in_order(leader) -> None:
 async def test_a_text_request_rides_the_channel_too(leader) -> None:
     """Triton's generate route: a ``Generate`` message, text deltas."""
     scripted, port = leader
-    up, fallback = upstream(port)
+    up, fallback = await upstream(port)
     loop = asyncio.get_running_loop()
     gen = up.generate(up.address(UNIT), UNIT, "Is it in stock?", {"tokens": 4}, loop.time() + 10)
     deltas = [d async for d in gen]
@@ -127,7 +134,7 @@ async def test_a_text_request_rides_the_channel_too(leader) -> None:
 
 async def test_many_calls_share_one_connection(leader) -> None:
     scripted, port = leader
-    up, _ = upstream(port)
+    up, _ = await upstream(port)
     results = await asyncio.gather(*(collect(up, {"tokens": 8}) for _ in range(32)))
     for deltas in results:
         assert [i for d in deltas for i in d.token_ids or []] == list(range(8))
@@ -137,7 +144,7 @@ async def test_many_calls_share_one_connection(leader) -> None:
 
 async def test_a_reader_that_falls_behind_gets_merged_deltas(leader) -> None:
     scripted, port = leader
-    up, _ = upstream(port)
+    up, _ = await upstream(port)
     loop = asyncio.get_running_loop()
     gen = up.openai(up.address(UNIT), UNIT, json.dumps({"tokens": 20}).encode(), loop.time() + 10)
     first = await anext(gen)
@@ -151,7 +158,7 @@ async def test_a_reader_that_falls_behind_gets_merged_deltas(leader) -> None:
 
 async def test_leaving_early_cancels_the_call_on_the_leader(leader) -> None:
     scripted, port = leader
-    up, _ = upstream(port)
+    up, _ = await upstream(port)
     loop = asyncio.get_running_loop()
     gen = up.openai(up.address(UNIT), UNIT, json.dumps({"hang": True}).encode(), loop.time() + 10)
     async for _ in gen:
@@ -166,7 +173,7 @@ async def test_leaving_early_cancels_the_call_on_the_leader(leader) -> None:
 
 async def test_a_lost_connection_fails_its_calls_as_a_unit_fault(leader) -> None:
     scripted, port = leader
-    up, _ = upstream(port)
+    up, _ = await upstream(port)
     loop = asyncio.get_running_loop()
     gen = up.openai(up.address(UNIT), UNIT, json.dumps({"hang": True}).encode(), loop.time() + 10)
     await anext(gen)
@@ -187,7 +194,7 @@ async def test_leader_errors_are_classified_as_over_triton(
     leader, code, status, unit_fault
 ) -> None:
     scripted, port = leader
-    up, _ = upstream(port)
+    up, _ = await upstream(port)
     with pytest.raises(UpstreamError) as e:
         await collect(up, {"error": "model llm is unavailable", "code": code})
     assert (e.value.status, e.value.unit_fault, e.value.retriable) == (
@@ -200,7 +207,7 @@ async def test_leader_errors_are_classified_as_over_triton(
 
 async def test_a_silent_leader_is_cut_off_by_the_watchdog(leader) -> None:
     scripted, port = leader
-    up, _ = upstream(port, inter_token_s=0.3)
+    up, _ = await upstream(port, inter_token_s=0.3)
     with pytest.raises(UpstreamError, match="silent for 0.3s") as e:
         await collect(up, {"hang": True, "tokens": 1})
     assert e.value.unit_fault
@@ -210,26 +217,41 @@ async def test_a_silent_leader_is_cut_off_by_the_watchdog(leader) -> None:
     await up.close()
 
 
-async def test_a_wrong_token_falls_back_to_triton_and_backs_off(leader) -> None:
+async def test_a_wrong_token_leaves_the_unit_on_triton_and_backs_off(leader) -> None:
     scripted, port = leader
-    up, fallback = upstream(port, token=b"not-the-channel-token-0123456789")
-    deltas = await collect(up, {"tokens": 1})
-    assert [d.body for d in deltas] == [b"via triton"] and fallback.calls == 1
+    up, _ = await upstream(port, token=b"not-the-channel-token-0123456789")
+    assert up.address(UNIT) is None  # the transport then uses Triton
     assert scripted.opened == 0 and scripted.server.rejected_total == 1
-    assert up.address(UNIT) is None  # not retried at once: Triton meanwhile
+    await asyncio.sleep(0.1)
+    assert up.address(UNIT) is None and not up._connecting  # backing off, not hammering
+    assert scripted.server.rejected_total == 1
     await up.close()
 
 
-async def test_a_leader_without_a_channel_falls_back(leader) -> None:
-    scripted, port = leader
+async def test_a_leader_without_a_channel_stays_on_triton(leader) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    up, fallback = upstream(closed_port)
-    deltas = await collect(up, {"tokens": 1})
-    assert [d.body for d in deltas] == [b"via triton"] and fallback.calls == 1
+    up, _ = await upstream(closed_port)
+    assert up.address(UNIT) is None
     up.announce(UNIT, None)
     assert up.address(UNIT) is None
+    await up.close()
+
+
+async def test_a_channel_lost_before_the_call_starts_falls_back(leader) -> None:
+    """Nothing was sent yet: the call goes over Triton, and the channel reconnects."""
+    scripted, port = leader
+    up, fallback = await upstream(port)
+    addr = up.address(UNIT)
+    up._channels[addr].close()
+    gen = up.openai(addr, UNIT, b"{}", asyncio.get_running_loop().time() + 10)
+    assert [d.body async for d in gen] == [b"via triton"] and fallback.calls == 1
+    assert up.address(UNIT) is None  # reconnecting in the background
+    async with asyncio.timeout(5):
+        while up.address(UNIT) is None:
+            await asyncio.sleep(0.01)
+    assert len(scripted.server.connections) == 1
     await up.close()
 
 
@@ -295,7 +317,7 @@ async def test_after_the_handshake_bad_frames_end_the_connection(leader, payload
 
 async def test_a_hostile_peer_does_not_disturb_other_calls(leader) -> None:
     scripted, port = leader
-    up, _ = upstream(port)
+    up, _ = await upstream(port)
     loop = asyncio.get_running_loop()
     gen = up.openai(up.address(UNIT), UNIT, json.dumps({"tokens": 30, "delay": 0.01}).encode(),
                     loop.time() + 10)  # fmt: skip

@@ -170,6 +170,11 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "Shared secret of the leaders' OpenAI channel (openai_channel.py): a proxy that proves "
         "it gets one multiplexed connection per leader; overrides the token file.",
     ),
+    "NEURON_SERVING_LEADER_CHANNEL_PORT": (
+        _int("NEURON_SERVING_LEADER_CHANNEL_PORT", 0),
+        "Port of the leader's OpenAI channel (on Triton's bind address); 0 = a free port. "
+        "Announced in the model config either way; fixed on ECS (8003) for the security group.",
+    ),
     "NEURON_SERVING_CHANNEL_TOKEN_FILE": (
         _str("NEURON_SERVING_CHANNEL_TOKEN_FILE", None),
         "Path of the OpenAI channel's secret file (default ~/.config/neuron-serving/channel-token, "

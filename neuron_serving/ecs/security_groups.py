@@ -10,6 +10,7 @@ model like every other rendered file:
 | --- | --- | --- | --- |
 | 8000, 8001 | leader | proxy group | Triton HTTP / gRPC: inference and health only (the rest needs the admin key), and no client authentication of its own: only the proxy may reach it |
 | 8000 | leader | deployer group (optional) | `neuron-serving deploy` canaries call Triton's HTTP generate directly |
+| 8003 | leader | proxy group | the leader's OpenAI channel (the proxy's OpenAI calls and generate requests; a handshake with the channel token) |
 | health port | all | proxy group | grpc.health.v1: the proxy probes followers |
 | 8002, health port + 1 | all | metrics group (optional) | Prometheus (Triton+vLLM merged; node /metrics and /healthz) |
 | control port .. +3 | all | the unit group itself | control (HMAC join), control-plane TCPStore, vLLM's TCPStore, Neuron collectives bootstrap: no authentication on the stores, so members only |
@@ -28,6 +29,7 @@ from typing import Any
 
 from neuron_serving.devices.neuron import NEURON_CC_PORT_OFFSET
 from neuron_serving.ecs.spec import (
+    OPENAI_CHANNEL_PORT,
     TRITON_GRPC_PORT,
     TRITON_HTTP_PORT,
     TRITON_METRICS_PORT,
@@ -55,6 +57,7 @@ def ingress_rules(spec: DeploymentSpec) -> list[dict[str, Any]]:
     rules = [
         _rule(TRITON_HTTP_PORT, TRITON_GRPC_PORT, proxy, "proxy to Triton HTTP and gRPC"),
         _rule(spec.health_port, spec.health_port, proxy, "proxy to node health gRPC"),
+        _rule(OPENAI_CHANNEL_PORT, OPENAI_CHANNEL_PORT, proxy, "proxy to the OpenAI channel"),
     ]
     if spec.deployer_security_group:
         rules.append(

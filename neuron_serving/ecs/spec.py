@@ -48,6 +48,9 @@ SECURITY_GROUP_KEYS = (
 )
 # Triton's ports are fixed by the Triton image convention and the proxy's config.
 TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT = 8000, 8001, 8002
+# The leader's OpenAI channel (neuron_serving/openai_channel.py): fixed on ECS so the
+# security group can open it to the proxy (locally the launcher picks a free port).
+OPENAI_CHANNEL_PORT = 8003
 
 
 class SpecError(ValueError):
@@ -99,6 +102,11 @@ class DeploymentSpec:
     service_discovery_namespace_id: str | None = None
     # Injected as NEURON_SERVING_UNIT_TOKEN; required with more than one node per unit.
     unit_token_secret_arn: str | None = None
+    # Leader only: NEURON_SERVING_CHANNEL_TOKEN, the secret of the OpenAI channel; give
+    # the proxy the same secret. None = the leader's channel cannot be used by any
+    # proxy (each container has its own default token file): the proxy then sends
+    # every call over Triton, which works, at about twice the proxy's CPU per token.
+    channel_token_secret_arn: str | None = None
     # Leader only: NEURON_SERVING_TRITON_ADMIN_KEY; None = a random key per start, i.e.
     # Triton's model control, repository, statistics, trace, logging APIs are off.
     triton_admin_key_secret_arn: str | None = None
@@ -235,13 +243,13 @@ class DeploymentSpec:
     def _port_problems(self) -> list[str]:
         ctl = range(self.control_port, self.control_port + 4)
         health = range(self.health_port, self.health_port + 2)
-        triton = {TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT}
+        triton = {TRITON_HTTP_PORT, TRITON_GRPC_PORT, TRITON_METRICS_PORT, OPENAI_CHANNEL_PORT}
         if not (1024 <= self.control_port <= 65532 and 1024 <= self.health_port <= 65534):
             return ["control_port must be in 1024..65532 and health_port in 1024..65534"]
         if set(ctl) & set(health) or (set(ctl) | set(health)) & triton:
             return [
                 f"ports overlap: control {ctl.start}..{ctl.stop - 1}, health "
-                f"{health.start}..{health.stop - 1}, Triton 8000..8002"
+                f"{health.start}..{health.stop - 1}, Triton 8000..8002, OpenAI channel 8003"
             ]
         return []
 

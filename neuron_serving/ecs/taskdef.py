@@ -21,6 +21,7 @@ from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.neuron import NEURON_CC_PORT_OFFSET, NeuronBackend
 from neuron_serving.devices.neuron_rank import NeuronUnitShape, follower_argv, leader_argv
 from neuron_serving.ecs.spec import (
+    OPENAI_CHANNEL_PORT,
     TRITON_GRPC_PORT,
     TRITON_HTTP_PORT,
     TRITON_METRICS_PORT,
@@ -129,6 +130,7 @@ def static_environment(spec: DeploymentSpec, role: str) -> dict[str, str]:
     # NEURON_SERVING_HEALTH_HOST is the task's ENI address, set by the command.
     if role == "leader":
         env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(spec.health_port)
+        env["NEURON_SERVING_LEADER_CHANNEL_PORT"] = str(OPENAI_CHANNEL_PORT)
     if spec.model_uri:
         env["NEURON_SERVING_MODEL_URI"] = spec.model_uri
     if spec.model_manifest_sha256:
@@ -191,6 +193,7 @@ def port_mappings(spec: DeploymentSpec, role: str) -> list[dict[str, Any]]:
             ("triton-http", TRITON_HTTP_PORT),
             ("triton-grpc", TRITON_GRPC_PORT),
             ("triton-metrics", TRITON_METRICS_PORT),
+            ("openai-channel", OPENAI_CHANNEL_PORT),
             ("control", spec.control_port),
             ("control-store", spec.control_port + 1),
             ("dist-store", spec.control_port + 2),
@@ -273,6 +276,7 @@ def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
     secrets = {"NEURON_SERVING_UNIT_TOKEN": spec.unit_token_secret_arn}
     if role == "leader":
         secrets["NEURON_SERVING_TRITON_ADMIN_KEY"] = spec.triton_admin_key_secret_arn
+        secrets["NEURON_SERVING_CHANNEL_TOKEN"] = spec.channel_token_secret_arn
     if any(secrets.values()):
         container["secrets"] = [
             {"name": name, "valueFrom": arn} for name, arn in secrets.items() if arn

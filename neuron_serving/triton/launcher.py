@@ -181,6 +181,8 @@ class TritonLeader:
         install = TritonInstall.find()
         triton_metrics_port = free_port()
         vllm_metrics_port = free_port()
+        from neuron_serving import envs
+
         overrides = {
             **s.model_overrides,
             "model": str(Path(s.model).resolve()),
@@ -194,7 +196,8 @@ class TritonLeader:
             # The proxy's OpenAI channel (openai_channel.py), bound where Triton is;
             # announced in the model config (repository.py), so no flag is needed.
             "openai_channel_host": s.host,
-            "openai_channel_port": free_port(s.host or "127.0.0.1"),
+            "openai_channel_port": envs.NEURON_SERVING_LEADER_CHANNEL_PORT
+            or free_port(s.host or "127.0.0.1"),
         }
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)

@@ -51,6 +51,7 @@ def test_rules_admit_exactly_the_designed_sources():
         8000: {PROXY, DEPLOYER},  # Triton HTTP: proxy, deploy canaries
         8001: {PROXY},  # Triton gRPC
         8002: {SCRAPER},  # merged metrics
+        8003: {PROXY},  # the leader's OpenAI channel
         29500: {UNIT},  # control (HMAC join)
         29501: {UNIT},  # control-plane TCPStore (no authentication)
         29502: {UNIT},  # vLLM's TCPStore (no authentication)
@@ -67,7 +68,7 @@ def test_rules_admit_exactly_the_designed_sources():
     # Gloo pairs bind ephemeral ports: members only.
     low, high = EPHEMERAL_PORTS
     assert allowed(params, low) == allowed(params, high) == {UNIT}
-    for port in (22, 80, 443, 8003, 8080, 9102, 29504, 32767, 61000):
+    for port in (22, 80, 443, 8004, 8080, 9102, 29504, 32767, 61000):
         assert allowed(params, port) == set(), port
 
 

@@ -56,7 +56,7 @@ def test_task_definition_has_every_device_and_setting(itype, role):
     assert all(p["hostPort"] == p["containerPort"] for p in c["portMappings"])
     assert {9100, 9101} <= ports
     if role == "leader":
-        assert ports == {8000, 8001, 8002, 29500, 29501, 29502, 29503, 9100, 9101}
+        assert ports == {8000, 8001, 8002, 8003, 29500, 29501, 29502, 29503, 9100, 9101}
     else:
         assert ports == {9100, 9101}
     hc = c["healthCheck"]
@@ -179,6 +179,21 @@ def test_triton_admin_key_secret_goes_to_the_leader_only():
     assert [s["name"] for s in follower["secrets"]] == ["NEURON_SERVING_UNIT_TOKEN"]
     single = make_spec(nodes_per_unit=1, unit_token_secret_arn=None)
     assert "secrets" not in taskdef.task_definition(single, "leader")["containerDefinitions"][0]
+
+
+def test_the_openai_channel_is_fixed_and_keyed_on_the_leader_only():
+    """The leader's OpenAI channel on ECS: a fixed port (the security group opens it to
+    the proxy) and, when configured, its token from Secrets Manager."""
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:neuron-serving/channel"
+    spec = make_spec(channel_token_secret_arn=arn)
+    leader = taskdef.task_definition(spec, "leader")["containerDefinitions"][0]
+    follower = taskdef.task_definition(spec, "follower")["containerDefinitions"][0]
+    assert {"name": "NEURON_SERVING_CHANNEL_TOKEN", "valueFrom": arn} in leader["secrets"]
+    assert "NEURON_SERVING_CHANNEL_TOKEN" not in {s["name"] for s in follower["secrets"]}
+    assert env_of(leader)["NEURON_SERVING_LEADER_CHANNEL_PORT"] == "8003"
+    assert "NEURON_SERVING_LEADER_CHANNEL_PORT" not in env_of(follower)
+    assert {"name": "openai-channel", "containerPort": 8003, "hostPort": 8003,
+            "protocol": "tcp"} in leader["portMappings"]  # fmt: skip
 
 
 def test_health_check_passes_only_for_a_ready_node(tmp_path):

@@ -1,18 +1,26 @@
-"""`neuron-serving bench startup`: start-up time of the default cluster against `vllm serve`.
+"""`neuron-serving bench startup`: start-up time of `make serve`'s cluster against `vllm serve`.
 
 Side by side in one run, each repeat on empty compile caches (a fresh
 ``VLLM_CACHE_ROOT`` and ``TORCHINDUCTOR_CACHE_DIR`` per arm: what a first `make
 serve` or a first `vllm serve` meets),
 arms alternating in order from one repeat to the next:
 
-- ``vllm serve`` on the same model, with the engine sizes `up` gives every unit
-  (``--max-model-len 512 --kv-cache-memory-bytes 256 MiB --max-num-seqs 16``), TP=1,
-  vLLM's own defaults otherwise: spawn -> ``/health`` answers 200;
-- the default `neuron-serving up` (2 units x TP=2, four ranks on two cores): spawn ->
-  the proxy's ``/status`` shows every unit routable;
+- ``vllm serve`` on the same model with the same flags (``SERVE_FLAGS``: float32,
+  ``--enforce-eager``, ``--max-model-len 2048``) and the engine sizes `up` gives
+  every unit (``--kv-cache-memory-bytes 256 MiB --max-num-seqs 16``), TP=1:
+  spawn -> ``/health`` answers 200;
+- `make serve`'s cluster: ``neuron-serving up --model smollm2-135m-instruct`` with
+  ``SERVE_FLAGS`` (2 units of TP=1): spawn -> the proxy's ``/status`` shows every
+  unit routable;
 - then a unit recreated after a crash: SIGKILL of unit-0's leader -> the proxy shows
-  unit-0 out of rotation -> routable again (the supervisor tears the unit down,
-  backs off and starts it again; its compile caches are those the first start left).
+  unit-0 out of rotation -> routable again (the supervisor kills what is left of the
+  unit, backs off and starts it again), with kill -> `up`'s "failed" line (what is
+  left of the unit stopped) and -> its "starting" line (backoff over), seen by
+  polling `up`'s log.
+
+``--model DIR`` runs both arms on another model with the same flags. The demo
+cluster (`make serve-demo`, 2 units x TP=2, compiled) is not an arm: it and its
+own `vllm serve` baseline would add about three minutes per repeat.
 
 Reported: each time with its spread over repeats, the ratios cluster / vllm serve
 per repeat, and the phases of each unit start as `up` reports them (launch ->
@@ -46,6 +54,11 @@ READY_TIMEOUT_S = 900.0
 _UP_STOP_S = 120.0
 # Unit ports below the ephemeral range and away from a default `up` (29600).
 _BASE_PORT = 26600
+# `make serve` (Makefile, target serve): `up --model $(SERVE_MODEL)` with these flags;
+# tests/neuron_serving/bench/test_startup.py keeps the two in step. Every one of them
+# is also a `vllm serve` flag of the same meaning, except --tp.
+SERVE_MODEL = "smollm2-135m-instruct"
+SERVE_FLAGS = ("--tp", "1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
 _EVENT = re.compile(r"^\[\s*([\d.]+)s\] (unit-\d+) (?:(starting):|(ready) after|leader: (\w+))")
 
 
@@ -71,15 +84,18 @@ def unit_phases(up_log: str) -> list[dict[str, Any]]:
 
 
 class Cluster:
-    """The default `neuron-serving up`, as a user starts it, on ports of its own."""
+    """`make serve`'s `neuron-serving up`, as a user starts it, on ports of its own."""
 
     def __init__(self, work: Path, model: Path, env: dict[str, str]) -> None:
+        self.events: dict[str, float] = {}  # `up` event line prefix -> first seen (monotonic)
+        self._marked: dict[str, int] = {}
         self.port = free_port()
         self.run_dir = work / "run"
         self.log_path = work / "up.log"
         args = [sys.executable, "-m", "neuron_serving.cli", "up", "--model", str(model),
                 "--port", str(self.port), "--admin-port", str(free_port()),
-                "--base-port", str(_BASE_PORT), "--run-dir", str(self.run_dir)]  # fmt: skip
+                "--base-port", str(_BASE_PORT), "--run-dir", str(self.run_dir),
+                *SERVE_FLAGS]  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.popen = proctree.spawn(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.tree = ProcessTree(self.popen, "up")
@@ -102,10 +118,36 @@ class Cluster:
         unit = next(u for u in state["units"] if u["unit_id"] == unit_id)
         return next(p["pid"] for p in unit["processes"] if p["name"] == "leader")
 
-    def wait(self, pred: Callable[[], bool], what: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Until ``pred()`` (polled every 0.1 s; each poll is bounded by its HTTP timeout)."""
+    def note_events(self, *prefixes: str) -> None:
+        """When one more event line starting with one of ``prefixes`` than at
+        ``mark_events`` shows in `up`'s log, at this poll's resolution (0.1 s): `up`
+        stamps its lines on its own clock."""
+        log = ""
+        for prefix in prefixes:
+            if prefix not in self.events:
+                log = log or self.log()
+                if self._count(log, prefix) > self._marked.get(prefix, 0):
+                    self.events[prefix] = time.monotonic()
+
+    def mark_events(self, *prefixes: str) -> None:
+        """From now on ``note_events`` waits for new lines of ``prefixes``."""
+        log = self.log()
+        self._marked = {p: self._count(log, p) for p in prefixes}
+        self.events.clear()
+
+    @staticmethod
+    def _count(log: str, prefix: str) -> int:
+        return len(re.findall(rf"^\[\s*[\d.]+s\] {re.escape(prefix)}", log, re.M))
+
+    def wait(
+        self, pred: Callable[[], bool], what: str, timeout_s: float = READY_TIMEOUT_S,
+        events: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
+        """Until ``pred()`` (polled every 0.1 s; each poll is bounded by its HTTP timeout),
+        noting ``events`` meanwhile."""
         deadline = time.monotonic() + timeout_s
         while not pred():
+            self.note_events(*events)
             if self.popen.poll() is not None:
                 raise RuntimeError(f"up exited with {self.popen.returncode}; see {self.log_path}")
             if time.monotonic() > deadline:
@@ -114,7 +156,11 @@ class Cluster:
 
     def stop(self) -> list[int]:
         self.popen.send_signal(signal.SIGINT)
-        self.tree.stop_main(_UP_STOP_S, kill_timeout_s=10.0)
+        try:  # one interrupt: `up` drains; a second (stop_main's SIGTERM) would skip it
+            self.popen.wait(_UP_STOP_S)
+        except subprocess.TimeoutExpired:
+            pass
+        self.tree.stop_main(10.0, kill_timeout_s=10.0)
         return [p.pid for p in self.tree.stop_leftovers(kill_timeout_s=10.0)]
 
 
@@ -123,6 +169,11 @@ def _cold_env(work: Path) -> dict[str, str]:
     cache root only when it uses its AOT artifacts, which the units do not)."""
     return {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
             "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-cache")}  # fmt: skip
+
+
+def vllm_flags() -> list[str]:
+    """``SERVE_FLAGS`` in `vllm serve`'s spelling (--tp is `up`'s short name)."""
+    return [{"--tp": "--tensor-parallel-size"}.get(f, f) for f in SERVE_FLAGS]
 
 
 def vllm_arm(model: Path, work: Path) -> dict[str, Any]:
@@ -134,8 +185,7 @@ def vllm_arm(model: Path, work: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     server = start_vllm_server(
         model, work, "vllm", cpu_bind="auto",
-        engine_args=["--max-model-len", str(spec.max_model_len),
-                     "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
+        engine_args=[*vllm_flags(), "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
                      "--max-num-seqs", str(spec.max_num_seqs)],
     )  # fmt: skip
     try:
@@ -156,12 +206,19 @@ def cluster_arm(model: Path, work: Path) -> dict[str, Any]:
         cluster.wait(cluster.routable, "every unit routable")
         out["ready_s"] = round(time.monotonic() - t0, 1)
         pid = cluster.leader_pid("unit-0")
+        events = ("unit-0 failed", "unit-0 starting")
+        cluster.mark_events(*events)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-        cluster.wait(lambda: not cluster.routable("unit-0"), "unit-0 out of rotation", 30)
+        cluster.wait(lambda: not cluster.routable("unit-0"), "unit-0 out of rotation", 30, events)
         out["kill_to_unroutable_s"] = round(time.monotonic() - killed, 2)
-        cluster.wait(lambda: cluster.routable("unit-0"), "unit-0 routable again")
+        cluster.wait(lambda: cluster.routable("unit-0"), "unit-0 routable again", events=events)
         out["recreated_routable_s"] = round(time.monotonic() - killed, 1)
+        # kill -> the unit's leftovers stopped ("failed" is printed after the
+        # teardown) -> relaunched (after the backoff).
+        for name, prefix in (("kill_to_torn_down_s", events[0]), ("kill_to_relaunch_s", events[1])):
+            if prefix in cluster.events:
+                out[name] = round(cluster.events[prefix] - killed, 1)
     finally:
         out["leftover_processes"] = cluster.stop()
         out["up_exit_code"] = cluster.popen.returncode
@@ -170,14 +227,15 @@ def cluster_arm(model: Path, work: Path) -> dict[str, Any]:
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
-    from neuron_serving.models.demo import build_demo_model
+    from neuron_serving.models.resolve import resolve_model
 
     repeats = repeats or (1 if quick else 3)
     runs: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ns-bench-startup-") as tmp:
         work = Path(tmp)
-        model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
+        # Not pulled yet: ModelNotPulled names `models pull` (as `make serve` runs it).
+        model_dir = Path(resolve_model(model or SERVE_MODEL))
         for r in range(repeats):
             order = ("vllm", "cluster") if r % 2 == 0 else ("cluster", "vllm")
             run: dict[str, Any] = {"order": list(order)}
@@ -199,12 +257,14 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "recreated_unit_routable_s": spread([r["cluster"]["recreated_routable_s"] for r in runs]),
         "kill_to_unroutable_s": spread([r["cluster"]["kill_to_unroutable_s"] for r in runs]),
     }
+    spec = ClusterSpec(model_dir=model_dir, run_dir=Path(tmp))
+    sizes = f"--kv-cache-memory-bytes {spec.kv_cache_bytes} --max-num-seqs {spec.max_num_seqs}"
     result = {
         "workload": {
-            "model": "demo" if model is None else model,
-            "vllm_serve": "TP=1, --max-model-len 512 --kv-cache-memory-bytes 268435456 "
-            "--max-num-seqs 16, vLLM defaults otherwise (torch.compile)",
-            "cluster": "neuron-serving up defaults: 2 units x TP=2 (4 ranks on 2 cores)",
+            "model": model or SERVE_MODEL,
+            "vllm_serve": f"{' '.join(vllm_flags())} {sizes}, vLLM defaults otherwise",
+            "cluster": f"make serve: neuron-serving up {' '.join(SERVE_FLAGS)} "
+            f"({spec.units} units; {sizes} per unit)",
             "compile_caches": "empty per arm and repeat (fresh VLLM_CACHE_ROOT and "
             "TORCHINDUCTOR_CACHE_DIR); the recreated unit finds what its first start left",
             "repeats": repeats,

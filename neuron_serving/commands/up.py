@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     say(
         f"{spec.units} unit(s) x TP={spec.tp} of {spec.model_dir} "
-        f"(CPU binding {spec.cpu_bind!r}); run dir {spec.run_dir}"
+        f"(CPU binding {', '.join(repr(spec.unit_cpu_bind(i)) for i in range(spec.units))}); "
+        f"run dir {spec.run_dir}"
     )
     rc = ExitCode.OK
     try:

@@ -11,8 +11,9 @@ One thread per group. It owns the group's processes; every other thread only
 reads ``snapshot()`` (under the lock) or calls ``stop()``.
 
     launch all -> watch (poll exits every 0.2 s; probe readiness / node progress)
-       any exit / not ready in time -> record failure -> tear down (TERM, then KILL)
-       -> wait backoff -> launch all again
+       any exit / not ready in time -> record failure -> SIGKILL what is left of the
+       group, unlink its shared memory (shm.py) -> wait backoff (none after a first
+       failure) -> launch all again
     stop() -> tear down -> STOPPED
     recreate(new processes) -> tear down -> launch the new processes at once
        (a planned replacement, e.g. a deploy: no backoff, not counted as a failure)
@@ -22,11 +23,15 @@ from __future__ import annotations
 
 import enum
 import logging
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import psutil
 
 from neuron_serving import proctree
 from neuron_serving.local.backoff import RestartBackoff
@@ -37,6 +42,7 @@ from neuron_serving.local.process import (
     ProcessSpec,
 )
 from neuron_serving.local.rotating_log import MIN_MAX_BYTES
+from neuron_serving.local.shm import mapped_shm_files, unlink_shm_files
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,7 @@ _POLL_S = 0.2
 # step it is in (a launch, a probe).
 _TEARDOWN_SLACK_S = 5.0
 
+_KILL_POLL_S = 0.05
 _READY_PROBE_S = 0.5
 _PROGRESS_PROBE_S = 1.0
 _TAIL_LINES = 25
@@ -94,8 +101,9 @@ class GroupPlan:
     # Optional per-process state while starting (a node's /healthz "state").
     progress: Callable[[str], str | None] | None = None
     ready_timeout_s: float = 600.0
+    # SIGTERM -> SIGKILL of a stop or a planned recreation; a failed group is killed
+    # at once (see _kill).
     stop_timeout_s: float = 10.0
-    restart_stop_timeout_s: float = 3.0
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
     # Each process's log: <name>.log up to log_max_bytes, then rotated (rotating_log.py).
     log_max_bytes: int = DEFAULT_LOG_MAX_BYTES
@@ -107,7 +115,7 @@ class GroupPlan:
             raise ValueError(f"{self.group_id}: a group needs at least one process")
         if len(set(names)) != len(names):
             raise ValueError(f"{self.group_id}: duplicate process names {names}")
-        for name in ("ready_timeout_s", "stop_timeout_s", "restart_stop_timeout_s"):
+        for name in ("ready_timeout_s", "stop_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{self.group_id}: {name} must be > 0")
         if self.log_max_bytes < MIN_MAX_BYTES or self.log_backups < 0:
@@ -254,16 +262,24 @@ class GroupSupervisor:
                     continue
                 up_for = time.time() - (self.ready_at or time.time())
                 delay = self.plan.backoff.failed(up_for)
+                self._set(phase=GroupPhase.STOPPING)
+                t0 = time.monotonic()
+                self._kill()
+                killed_s = time.monotonic() - t0
+                # Read now, not when the exit was seen: a log pipe reaches EOF only when
+                # every process holding it (tritonserver, EngineCore) is gone.
+                failure = replace(failure, log_tail=self._tails(failure))
                 with self._lock:
-                    # One update: readers never see the new count with the old phase.
+                    # One update: readers never see the new count with the old phase
+                    # or without the failure's log tail (a deploy reports it).
                     self.failures = [*self.failures[-9:], failure]
                     self.restarts += 1
                     self.phase = GroupPhase.BACKOFF
                     self.next_start_at = time.time() + delay
-                self._teardown(self.plan.restart_stop_timeout_s)
                 self._on_event(
-                    f"{self.group_id} failed: {failure.reason}; recreating the whole group "
-                    f"in {delay:.1f} s (restart {self.restarts})"
+                    f"{self.group_id} failed: {failure.reason}; the rest killed in "
+                    f"{killed_s:.1f} s; recreating the whole group in {delay:.1f} s "
+                    f"(restart {self.restarts})"
                 )
                 if self._backoff_wait(delay):
                     break
@@ -330,9 +346,8 @@ class GroupSupervisor:
                 rc = p.poll()
                 if rc is not None:
                     return GroupFailure(
-                        time.time(), p.name, rc, f"{p.name} exited with code {rc}",
-                        p.log_tail(_TAIL_LINES),
-                    )  # fmt: skip
+                        time.time(), p.name, rc, f"{p.name} exited with code {rc}", ""
+                    )
             now = time.monotonic()
             if self.phase == GroupPhase.STARTING:
                 if now >= next_progress and self.plan.progress is not None:
@@ -352,10 +367,9 @@ class GroupSupervisor:
                         self._on_event(f"{self.group_id} ready after {took:.1f} s")
                         continue
                 if now - launched > self.plan.ready_timeout_s:
-                    tails = "\n".join(f"--- {p.name}\n{p.log_tail(10)}" for p in self.procs)
                     return GroupFailure(
                         time.time(), "", None,
-                        f"not ready within {self.plan.ready_timeout_s:.0f} s", tails,
+                        f"not ready within {self.plan.ready_timeout_s:.0f} s", "",
                     )  # fmt: skip
         return None
 
@@ -377,6 +391,53 @@ class GroupSupervisor:
                 with self._lock:
                     self.node_states = {**self.node_states, p.name: state}
                 self._on_event(f"{self.group_id} {p.name}: {state}")
+
+    def _tails(self, failure: GroupFailure) -> str:
+        """The log tail of the process that exited, or of every process (readiness)."""
+        if failure.process:
+            p = next(p for p in self.procs if p.name == failure.process)
+            return p.log_tail(_TAIL_LINES)
+        return "\n".join(f"--- {p.name}\n{p.log_tail(10)}" for p in self.procs)
+
+    def _kill(self) -> None:
+        """Tear a failed group down at once: SIGKILL every process of the group and
+        everything of its session (until none is left alive, bounded), then unlink
+        the shared memory they mapped (shm.py).
+
+        Nothing of a failed group is worth a graceful stop: its tensor-parallel
+        world is broken, so it serves nothing more, and the proxy already migrates
+        its streams. What a SIGTERM bought was an orphaned tritonserver's
+        shared-memory cleanup, done here instead; what it cost was the recreation
+        waiting 3-5 s for it (the survivors' grace, then SIGKILL)."""
+        procs = [p for p in self.procs if p.popen is not None]
+        shm = mapped_shm_files(m.pid for p in procs for m in p.members())
+        # Dead is enough, reaped is not needed: a process frees its memory, ports and
+        # mappings before it becomes a zombie, and an orphan's zombie waits for init
+        # to reap it (1.5-2 s on this VM, whose init reaps slowly), so this does not
+        # use proctree's kill, which waits until every pid is gone.
+        deadline = time.monotonic() + proctree.KILL_TIMEOUT_S
+        while True:
+            members = [m for p in procs for m in p.members()]  # zombies excluded
+            for m in members:
+                try:
+                    m.send_signal(signal.SIGKILL)  # psutil skips a reused pid
+                except psutil.Error:
+                    pass
+            if not members or time.monotonic() >= deadline:
+                break
+            time.sleep(_KILL_POLL_S)
+        for p in procs:
+            try:  # our own children: reap them (their trees are dead or reported below)
+                p.popen.wait(max(_KILL_POLL_S, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        leftovers = [m.pid for p in procs for m in p.members()]
+        if leftovers:
+            log.error("%s: processes survived SIGKILL: %s", self.group_id, leftovers)
+            return  # their shared memory may still be in use
+        removed = unlink_shm_files(shm)
+        if removed:
+            log.info("%s: unlinked %d shared-memory files", self.group_id, len(removed))
 
     def _teardown(self, timeout_s: float) -> None:
         """Stop every process of the group in parallel (each: TERM, wait, KILL its tree)."""

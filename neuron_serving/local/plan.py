@@ -59,7 +59,7 @@ def unit_processes(
         {
             "NEURON_SERVING_UNIT_ID": unit_id,
             "NEURON_SERVING_TOKEN_FILE": str(token_file),
-            "VLLM_CPU_OMP_THREADS_BIND": spec.cpu_bind,
+            "VLLM_CPU_OMP_THREADS_BIND": spec.unit_cpu_bind(index),
         }
     )
     if manifest_sha256 is not None:

@@ -84,7 +84,8 @@ class ClusterSpec:
     max_model_len: int = 512
     kv_cache_bytes: int = 256 << 20
     max_num_seqs: int = 16
-    cpu_bind: str = ""  # "" = default_cpu_bind(tp)
+    # Every unit's VLLM_CPU_OMP_THREADS_BIND; "" = unit_cpu_bind's round robin.
+    cpu_bind: str = ""
     # Proxy probing: interval 0.5 s x 2 failures -> a dead unit leaves rotation in
     # about 1-1.5 s, inside the 3 s the local cluster promises.
     health_interval_s: float = 0.5
@@ -93,7 +94,6 @@ class ClusterSpec:
     # Supervision.
     ready_timeout_s: float = 600.0
     stop_timeout_s: float = 10.0  # SIGTERM -> SIGKILL on shutdown
-    restart_stop_timeout_s: float = 3.0  # same, when tearing down a failed unit
     backoff_base_s: float = 1.0
     backoff_max_s: float = 60.0
     stable_s: float = 60.0  # ready this long -> the crash-loop backoff resets
@@ -122,9 +122,7 @@ class ClusterSpec:
             object.__setattr__(self, "admin_port", self.port + 1)
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", default_served_name(self.model_dir))
-        if not self.cpu_bind:
-            object.__setattr__(self, "cpu_bind", default_cpu_bind(self.tp))
-        if len(self.cpu_bind.split("|")) < self.tp and self.cpu_bind != "nobind":
+        if self.cpu_bind and len(self.cpu_bind.split("|")) < self.tp and self.cpu_bind != "nobind":
             raise ValueError(f"cpu_bind {self.cpu_bind!r} needs one '|' entry per rank")
         last = self.base_port + self.units * stride(self.tp)
         if not 1024 <= self.base_port or last >= 65536:
@@ -135,7 +133,7 @@ class ClusterSpec:
         if self.max_model_len < 16 or self.kv_cache_bytes <= 0 or self.max_num_seqs < 1:
             raise ValueError("max_model_len >= 16, kv_cache_bytes > 0, max_num_seqs >= 1")
         for name in ("health_interval_s", "health_timeout_s", "ready_timeout_s",
-                     "stop_timeout_s", "restart_stop_timeout_s", "backoff_base_s",
+                     "stop_timeout_s", "backoff_base_s",
                      "stable_s", "drain_timeout_s"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -153,6 +151,19 @@ class ClusterSpec:
         if not 0 <= index < self.units:
             raise ValueError(f"unit index {index} outside 0..{self.units - 1}")
         return UnitPorts(self.base_port + index * stride(self.tp), self.tp)
+
+    def unit_cpu_bind(self, index: int) -> str:
+        """Unit ``index``'s binding (one CPU per rank): ``cpu_bind`` if given, else the
+        ranks of all units dealt round robin over the allowed CPUs, unit by unit.
+
+        So units do not all start on the same cores: two TP=1 units on two cores get
+        one core each (before: both on the first, the second idle, which cost the
+        units' parallel start and halved their decode when both were busy), and
+        units of TP=2 on two cores get "0|1" each as before."""
+        if self.cpu_bind:
+            return self.cpu_bind
+        ranks = default_cpu_bind(self.units * self.tp).split("|")
+        return "|".join(ranks[index * self.tp : (index + 1) * self.tp])
 
     def all_ports(self) -> list[int]:
         ports = [self.port, self.admin_port]

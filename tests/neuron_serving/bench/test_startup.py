@@ -1,8 +1,14 @@
-"""bench startup: the phases of each unit start, read from `up`'s event lines."""
+"""bench startup: the phases of each unit start, read from `up`'s event lines, and
+the cluster it starts being `make serve`'s."""
 
 from __future__ import annotations
 
-from neuron_serving.bench.startup import unit_phases
+import re
+from pathlib import Path
+
+from neuron_serving.bench.startup import SERVE_FLAGS, SERVE_MODEL, unit_phases, vllm_flags
+
+REPO = Path(__file__).resolve().parents[3]
 
 # As `neuron-serving up` printed them (one TP=2 unit, a leader SIGKILL, recreated).
 UP_LOG = """\
@@ -28,3 +34,21 @@ def test_each_unit_start_gets_its_leaders_phases_from_its_own_launch():
          "leader_loading_s": 43.0, "leader_ready_s": 72.6, "ready_s": 73.4},
         {"unit": "unit-0", "launched_at_s": 88.4, "leader_joining_s": 21.4, "ready_s": 49.9},
     ]  # fmt: skip
+
+
+def test_the_bench_runs_make_serves_cluster_and_vllm_serve_with_the_same_flags():
+    recipe = (REPO / "Makefile").read_text().split("\nserve:", 1)[1].split("\n\n", 1)[0]
+    up_line = " ".join(recipe.replace("\\\n", " ").split("$(BIN)/neuron-serving up", 1)[1].split())
+    assert re.fullmatch(r"SERVE_MODEL \?= (\S+)", _make_var("SERVE_MODEL"))[1] == SERVE_MODEL
+    assert up_line == " ".join(("--model", "$(SERVE_MODEL)", *SERVE_FLAGS))
+    flags = vllm_flags()
+    assert "--tp" not in flags and flags[flags.index("--tensor-parallel-size") + 1] == "1"
+    assert [f for f in flags if f.startswith("--")] == [
+        "--tensor-parallel-size", "--dtype", "--enforce-eager", "--max-model-len",
+    ]  # fmt: skip
+
+
+def _make_var(name: str) -> str:
+    return next(
+        line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith(name)
+    )

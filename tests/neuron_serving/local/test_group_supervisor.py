@@ -39,7 +39,6 @@ def alive(pid: int) -> bool:
 def make_plan(tmp_path: Path, procs: list[ProcessSpec], **kw) -> GroupPlan:
     marker = tmp_path / "ready"
     kw.setdefault("backoff", RestartBackoff(0.2, 1.0, 30.0))
-    kw.setdefault("restart_stop_timeout_s", 1.0)
     kw.setdefault("stop_timeout_s", 2.0)
     return GroupPlan("unit-t", procs, tmp_path / "logs", ready=marker.exists, **kw)
 
@@ -78,6 +77,48 @@ def test_any_exit_recreates_the_whole_group(tmp_path: Path) -> None:
     assert sup.pids() == []
 
 
+def _map_shm(prefix: str, note: Path) -> str:
+    """Code of a process that maps a /dev/shm file of its own (as tritonserver and
+    vLLM do), without a resource tracker to unlink it, and writes its path to ``note``."""
+    return (
+        "import mmap, os, time\n"
+        f"path = {prefix!r} + str(os.getpid())\n"
+        "fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)\n"
+        "os.ftruncate(fd, 4096)\n"
+        "m = mmap.mmap(fd, 4096)\n"
+        f"open({str(note)!r}, 'w').write(path)\n"
+        "time.sleep(60)\n"
+    )
+
+
+def test_a_failed_group_is_killed_at_once_and_its_shared_memory_unlinked(tmp_path: Path) -> None:
+    prefix = f"/dev/shm/ns-test-{os.getpid()}-{time.monotonic_ns()}-"
+    other = Path(prefix + "not-ours")
+    other.write_bytes(b"x")
+    ready, note = tmp_path / "ready", tmp_path / "shm-path"
+    leader = f"open({str(ready)!r}, 'w').close()\n" + _map_shm(prefix, note)
+    sup = GroupSupervisor(make_plan(tmp_path, [py("leader", leader), py("follower-1", SLEEP)]))
+    sup.start()
+    try:
+        assert sup.wait_phase(GroupPhase.READY, 20)
+        wait_for(note.exists, 10, what="shm mapped")
+        shm = Path(note.read_text())
+        assert shm.exists()
+        leader_popen = sup.procs[0].popen
+        ready.unlink()
+        os.kill(sup.procs[1].pid, signal.SIGKILL)
+        wait_for(lambda: sup.restarts == 1 and sup.generation == 2, 20, what="relaunched")
+        # SIGKILLed, not SIGTERMed first (-15) and given a grace.
+        assert leader_popen.returncode == -signal.SIGKILL
+        assert not shm.exists()  # the dead leader's, unlinked
+        assert other.exists()  # nobody in the group mapped it
+    finally:
+        sup.stop()
+        for p in Path("/dev/shm").glob(Path(prefix).name + "*"):
+            p.unlink(missing_ok=True)
+    assert sup.pids() == []
+
+
 def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
     procs = [py("leader", "import sys; print('boom: bad config'); sys.exit(7)")]
     sup = GroupSupervisor(make_plan(tmp_path, procs, backoff=RestartBackoff(0.2, 0.8, 30.0)))
@@ -98,7 +139,7 @@ def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
         sup.stop()
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     print("delays:", delays, "gaps between starts:", [round(g, 2) for g in gaps])
-    assert delays[:5] == [0.2, 0.4, 0.8, 0.8, 0.8]  # doubling, capped
+    assert delays[:5] == [0.0, 0.2, 0.4, 0.8, 0.8]  # at once, then doubling, capped
     # Wall clock only as a lower bound: a loaded box adds start-up time, never removes it.
     assert all(g >= d for g, d in zip(gaps, delays, strict=False))
     last = sup.snapshot()["last_failure"]
@@ -108,8 +149,9 @@ def test_crash_loop_backs_off_exponentially(tmp_path: Path) -> None:
 
 def test_backoff_resets_after_a_stable_period() -> None:
     b = RestartBackoff(1.0, 8.0, stable_s=10.0)
-    assert [b.failed(0) for _ in range(5)] == [1.0, 2.0, 4.0, 8.0, 8.0]
-    assert b.failed(up_for_s=11.0) == 1.0
+    assert [b.failed(0) for _ in range(5)] == [0.0, 1.0, 2.0, 4.0, 8.0]
+    assert b.failed(up_for_s=11.0) == 0.0
+    assert b.failed(0) == 1.0
     with pytest.raises(ValueError):
         RestartBackoff(2.0, 1.0)
 
@@ -203,8 +245,11 @@ def test_planned_recreate_swaps_processes_without_backoff(tmp_path: Path) -> Non
         assert snap["last_failure"] is None
         # The new processes are the plan from now on: a crash recreates v2, not v1.
         ready.unlink()
+        # As if it had failed before: this crash backs off (30 s); a first one would not.
+        sup.plan.backoff.consecutive = 1
         os.kill(sup.procs[1].pid, signal.SIGKILL)
         wait_for(lambda: sup.restarts == 1, 10, what="crash noticed")
+        assert sup.phase == GroupPhase.BACKOFF
         # Asking for a recreate during the (30 s) backoff starts at once.
         sup.recreate()
         wait_for(lambda: sup.phase == GroupPhase.READY, 20, what="ready after the crash")

@@ -4,6 +4,7 @@ loader), secrets' permissions, the unit's process plan, and the status merge."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -33,7 +34,19 @@ def test_ports_of_every_unit_are_distinct(model_dir: Path, tmp_path: Path) -> No
     u1 = spec.unit_ports(1)
     assert u1.control == 30000 + stride(4) and u1.http == u1.control + 4
     assert u1.health(3) + 1 < spec.unit_ports(2).control  # /healthz of the last rank fits
-    assert len(spec.cpu_bind.split("|")) == 4
+    assert all(len(spec.unit_cpu_bind(i).split("|")) == 4 for i in range(3))
+
+
+def test_units_are_dealt_cpus_round_robin(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    tp1 = ClusterSpec(model_dir, tmp_path, units=2, tp=1, base_port=30000)
+    assert [tp1.unit_cpu_bind(i) for i in range(2)] == ["0", "1"]
+    tp2 = ClusterSpec(model_dir, tmp_path, units=2, tp=2, base_port=30000)
+    assert [tp2.unit_cpu_bind(i) for i in range(2)] == ["0|1", "0|1"]
+    tp3 = ClusterSpec(model_dir, tmp_path, units=2, tp=3, base_port=30000)
+    assert [tp3.unit_cpu_bind(i) for i in range(2)] == ["0|1|0", "1|0|1"]
+    given = ClusterSpec(model_dir, tmp_path, units=2, tp=1, base_port=30000, cpu_bind="1")
+    assert [given.unit_cpu_bind(i) for i in range(2)] == ["1", "1"]
 
 
 @pytest.mark.parametrize(
@@ -98,7 +111,7 @@ def test_unit_plan(model_dir: Path, tmp_path: Path, monkeypatch) -> None:
         assert p.env["NEURON_SERVING_UNIT_ID"] == "unit-1"
         assert p.env["NEURON_SERVING_TOKEN_FILE"] == str(tmp_path / "unit-token")
         assert "NEURON_SERVING_UNIT_TOKEN" not in p.env
-        assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == spec.cpu_bind
+        assert p.env["VLLM_CPU_OMP_THREADS_BIND"] == spec.unit_cpu_bind(1)
 
 
 def test_status_merges_proxy_and_supervisor() -> None:

@@ -141,6 +141,11 @@ class GuardedAppRunner(web.AppRunner):
 class AccessLogger(AbstractAccessLogger):
     """One line per request, with its tenant; client strings escaped."""
 
+    @property
+    def enabled(self) -> bool:
+        # aiohttp asks once per connection: below INFO nothing is formatted at all.
+        return self.logger.isEnabledFor(logging.INFO)
+
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         self.logger.info(
             '%s "%s %s" %d %d %.3fs tenant=%s',

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: the CLI builds every command's parser, and the proxy pulls in
     # grpc, tritonclient and aiohttp.
     import asyncio
+    import gc
     import logging
     import signal
 
@@ -75,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await server.start()
+        # Everything built so far (modules, config, registry, clients) lives as long as
+        # the process: out of the cyclic collector's reach, a full collection no longer
+        # walks it (vLLM's EngineCore does the same after start-up, gc_utils.freeze_gc_heap).
+        gc.collect()
+        gc.freeze()
         print(
             f"proxy on http://{config.host}:{server.port} (admin {config.admin_host}:{server.admin_port})",
             flush=True,

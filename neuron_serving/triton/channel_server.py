@@ -42,7 +42,6 @@ from neuron_serving.openai_channel import (
     Generate,
     Open,
     ToLeader,
-    ToProxy,
     check_proof,
     frame,
     hello,
@@ -242,8 +241,3 @@ class ChannelServer:
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()
-
-
-def encode_events(events: ToProxy) -> bytes:
-    """One leader -> proxy frame (tests and fakes build frames the leader's way)."""
-    return frame(_ENCODER.encode(events))

@@ -226,7 +226,9 @@ def _cpu_targets(r: dict[str, Any]) -> list[Target]:
                f"{num(c.get('api_server_us_per_token'), 0)} us)",
                None if ratio is None else ratio <= tg.get("per_token_ratio", 0.5)),
         Target("cpu", f"proxy CPU per request <= {num(tg.get('proxy_us_per_request'), 0)} us",
-               f"{num(per_req, 0)} us (vLLM API server {num(c.get('api_server_us_per_request'), 0)} us)",
+               f"{num(per_req, 0)} us (vLLM API server {num(c.get('api_server_us_per_request'), 0)} us)"
+               + (f"; net of idle CPU, raw {num(c['proxy_us_per_request_raw'], 0)} us"
+                  if c.get("proxy_us_per_request_raw") else ""),
                None if per_req is None else per_req <= tg.get("proxy_us_per_request", 500.0)),
         *(Target("cpu", f"information: {what}, proxy CPU per output token and per request",
                  f"{num(c[key].get('proxy_us_per_token'), 0)} us/token (ratio "

@@ -6,6 +6,8 @@ The keys file is YAML::
       team-a:
         keys: ["<plaintext key>", ...]
         key_sha256: ["<hex sha256 of a key>", ...]
+        traffic_class: near-real-time   # the most urgent class its requests may use
+                                        # (real-time, the default; near-real-time; batch)
 
 Only sha256 digests are kept in memory. A presented key is hashed and compared
 with every configured digest by ``hmac.compare_digest`` (all of them, match or
@@ -29,6 +31,7 @@ from typing import Any
 import yaml
 
 from neuron_serving.bearer import bearer_token
+from proxy.traffic_class import TrafficClass
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +47,12 @@ def key_digest(key: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class TenantSpec:
-    """One tenant's keys. The traffic-classes work adds per-tenant fields here."""
+    """One tenant's keys and the most urgent traffic class its requests may use
+    (``proxy/traffic_class.py``; a request can only lower it)."""
 
     keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     key_sha256: tuple[str, ...] = ()
+    traffic_class: str = "real-time"
 
     def __post_init__(self) -> None:
         for name in ("keys", "key_sha256"):
@@ -63,6 +68,9 @@ class TenantSpec:
                 raise ValueError("key_sha256 entries must be 64 hex digits")
         if not self.keys and not self.key_sha256:
             raise ValueError("no keys (set keys and/or key_sha256)")
+        if not isinstance(self.traffic_class, str):
+            raise ValueError("traffic_class must be a string")
+        TrafficClass.parse(self.traffic_class)
 
     def digests(self) -> list[bytes]:
         return [key_digest(k) for k in self.keys] + [bytes.fromhex(h) for h in self.key_sha256]
@@ -73,8 +81,10 @@ class ApiKeys:
 
     def __init__(self, tenants: dict[str, TenantSpec] | None = None) -> None:
         self._entries: list[tuple[bytes, str]] = []
+        self._classes: dict[str, TrafficClass] = {}
         for name, spec in (tenants or {}).items():
             self._entries += [(d, name) for d in spec.digests()]
+            self._classes[name] = TrafficClass.parse(spec.traffic_class)
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +97,11 @@ class ApiKeys:
         if len(key) < MIN_KEY_CHARS:
             raise ValueError(f"the API key is shorter than {MIN_KEY_CHARS} characters")
         self._entries.append((key_digest(key), tenant))
+
+    def class_of(self, tenant: str | None) -> TrafficClass:
+        """The most urgent class ``tenant`` may use: real-time unless its entry in the
+        keys file says otherwise (and for --api-key's tenant, or no key at all)."""
+        return self._classes.get(tenant or "", TrafficClass.REAL_TIME)
 
     def tenant_of(self, key: str) -> str | None:
         digest = key_digest(key)

@@ -47,6 +47,7 @@ from proxy.protocol import OpenAIRequest
 from proxy.registry import Registry, UnitState
 from proxy.resume import ResumedStream, first_event, response_id_suffix
 from proxy.routing import RouteRequest, RoutingPolicy
+from proxy.traffic_class import TrafficClass
 from proxy.upstream import (
     AttemptTiming,
     GenerationDelta,
@@ -100,6 +101,8 @@ class Job:
     model: str
     deadline: float  # loop.time()
     session_id: str | None = None
+    # vLLM's request priority on the OpenAI route (proxy/traffic_class.py).
+    traffic_class: TrafficClass = TrafficClass.REAL_TIME
     # Pinned checkpoint version (None: any); fixed to the serving unit's version
     # once the first token has been produced.
     version: str | None = None
@@ -262,7 +265,9 @@ class Dispatcher:
         self.active_jobs += 1
         try:
             req = job.request
-            envelope = openai_envelope(req.endpoint, job.raw_body, req.resumable)
+            envelope = openai_envelope(
+                req.endpoint, job.raw_body, req.resumable, priority=int(job.traffic_class)
+            )
             tried: set[str] = set()
             failures = backoff = 0  # failed attempts before the first response; > 0: back off
             prompt_ids: list[int] | None = None
@@ -283,7 +288,9 @@ class Dispatcher:
                         dict(job.body, request_id=response_id_suffix(resumed.id))
                     )
                     resume = {"prompt_token_ids": prompt_ids, "output_token_ids": output_ids}
-                    envelope = openai_envelope(req.endpoint, body_json, True, resume)
+                    envelope = openai_envelope(
+                        req.endpoint, body_json, True, resume, priority=int(job.traffic_class)
+                    )
                 unit, is_retry = await self._begin_attempt(job, tried, backoff)
                 try:
                     timing = AttemptTiming()

@@ -35,12 +35,16 @@ from aiohttp.web_protocol import RequestHandler
 from neuron_serving.logsafe import RateLimitedLog, printable
 from proxy.config import LimitsConfig
 from proxy.errors import APIError
+from proxy.traffic_class import TrafficClass
 
 log = logging.getLogger(__name__)
 access_log = logging.getLogger("proxy.access")
 
 # Key on the aiohttp request: the authenticated tenant (absent: unauthenticated).
 TENANT = web.RequestKey("proxy_tenant", str)
+# The request's traffic class: the tenant's by authentication, then as lowered by the
+# request (proxy/traffic_class.py); on the metric and access-log lines.
+TRAFFIC_CLASS = web.RequestKey("proxy_traffic_class", TrafficClass)
 
 
 # Rejections of clients, at most 5 lines a second in all (a flood costs a count).
@@ -147,8 +151,9 @@ class AccessLogger(AbstractAccessLogger):
         return self.logger.isEnabledFor(logging.INFO)
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        cls = request.get(TRAFFIC_CLASS)
         self.logger.info(
-            '%s "%s %s" %d %d %.3fs tenant=%s',
+            '%s "%s %s" %d %d %.3fs tenant=%s class=%s',
             request.remote,
             printable(request.method, 16),
             printable(request.path),
@@ -156,6 +161,7 @@ class AccessLogger(AbstractAccessLogger):
             response.body_length,
             time,
             request.get(TENANT, "-"),
+            "-" if cls is None else cls.label,
         )
 
 

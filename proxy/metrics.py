@@ -42,8 +42,8 @@ class ProxyMetrics:
         # names, so a client cannot grow the label's cardinality.
         self.requests = Counter(
             "proxy_requests",
-            "Client requests by endpoint, HTTP status, serving unit and tenant",
-            ["endpoint", "code", "unit", "tenant"],
+            "Client requests by endpoint, HTTP status, serving unit, tenant and traffic class",
+            ["endpoint", "code", "unit", "tenant", "class"],
             registry=r,
         )
         self.upstream_attempts = Counter(

@@ -28,8 +28,10 @@ from aiohttp import web
 from proxy.dispatch import NoRoutableUnit, OpenAIJob
 from proxy.errors import APIError
 from proxy.front_end import read_json
+from proxy.http_guard import TRAFFIC_CLASS
 from proxy.pipeline import Pipeline
 from proxy.protocol import Endpoint, parse_openai
+from proxy.traffic_class import lowered
 from proxy.upstream import DeadlineExceeded, GenerationDelta, UpstreamError
 
 _DONE = b"data: [DONE]\n\n"
@@ -147,8 +149,12 @@ class OpenAIFrontEnd:
         req = parse_openai(body, endpoint, self.deps.model_names())
         if endpoint == "version":
             body = {}  # the model was only for routing
+        fields = self.pipeline.job_fields(request, req.model, start)
+        if req.service_tier is not None:
+            cls = fields["traffic_class"] = lowered(fields["traffic_class"], req.service_tier)
+            request[TRAFFIC_CLASS] = cls
         job = OpenAIJob(
-            **self.pipeline.job_fields(request, req.model, start),
+            **fields,
             request=req,
             # The client's JSON as msgspec re-encodes it (same values, same key order):
             # a few microseconds, and the leader gets exactly what the client sent.

@@ -42,10 +42,12 @@ from proxy.dispatch import (
 )
 from proxy.errors import invalid
 from proxy.front_end import as_api_error, text_header
-from proxy.http_guard import write_bounded
+from proxy.http_guard import TRAFFIC_CLASS, write_bounded
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.registry import Registry
 from proxy.tokenizer import ModelTokenizer
+from proxy.traffic_class import HEADER as TRAFFIC_HEADER
+from proxy.traffic_class import TrafficClass, header_class, lowered
 from proxy.upstream import GenerationDelta, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -105,11 +107,19 @@ class Pipeline:
     def job_fields(self, request: web.Request, model: str, start: float) -> dict[str, Any]:
         """What every job carries, read from the request (its headers may be a 400/404)."""
         config = self.deps.config
+        try:
+            asked = header_class(request.headers.get(TRAFFIC_HEADER))
+        except ValueError as e:
+            raise invalid(str(e), TRAFFIC_HEADER) from None
+        cls = request[TRAFFIC_CLASS] = lowered(
+            request.get(TRAFFIC_CLASS, TrafficClass.REAL_TIME), asked
+        )
         return {
             "model": model,
             "deadline": start + config.timeouts.request_s,
             "session_id": text_header(request, config.routing.session_header),
             "version": pinned_version(self.deps.registry, model, request.headers),
+            "traffic_class": cls,
         }
 
     def tokenizer(self, model: str) -> ModelTokenizer:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.errors import APIError, invalid
+from proxy.traffic_class import TrafficClass, service_tier_class
 
 Endpoint = Literal["chat/completions", "completions", "tokenize", "detokenize", "version"]
 GENERATE_ENDPOINTS = ("chat/completions", "completions")
@@ -47,6 +48,8 @@ class OpenAIRequest:
     resumable: bool = False  # a broken stream may continue on another unit, token-exact
     max_tokens: int | None = None  # the body's limit on generated tokens, if it set one
     routing_key: str = ""
+    # OpenAI's service_tier as a traffic class to lower to (None: no change).
+    service_tier: TrafficClass | None = None
 
 
 def lax_bool(value: Any, param: str) -> bool:
@@ -96,6 +99,10 @@ def parse_openai(body: Any, endpoint: Endpoint, served: list[str]) -> OpenAIRequ
     opts = body.get("stream_options")
     if stream and isinstance(opts, dict):
         include_usage = lax_bool(opts.get("include_usage"), "stream_options.include_usage")
+    try:
+        tier = service_tier_class(body.get("service_tier"))
+    except ValueError as e:
+        raise invalid(str(e), "service_tier") from None
     limit = body.get("max_completion_tokens") if endpoint == "chat/completions" else None
     if limit is None:
         limit = body.get("max_tokens")
@@ -107,6 +114,7 @@ def parse_openai(body: Any, endpoint: Endpoint, served: list[str]) -> OpenAIRequ
         resumable=stream and resumable(body, endpoint),
         max_tokens=limit if _is_int(limit) else None,
         routing_key=routing_key(body, endpoint),
+        service_tier=tier,
     )
 
 

@@ -40,6 +40,7 @@ from proxy.health_checker import HealthChecker
 from proxy.http_guard import (
     BODY_GUARD,
     TENANT,
+    TRAFFIC_CLASS,
     AccessLogger,
     BodyGuard,
     GuardedAppRunner,
@@ -250,8 +251,10 @@ class ProxyServer:
             )
             unit = request.get(REQUEST_UNIT, "")
             tenant = request.get(TENANT, "")
+            cls = request.get(TRAFFIC_CLASS)
             m = self.metrics
-            m.child(m.requests, endpoint, str(resp.status), unit, tenant).inc()
+            label = "" if cls is None else cls.label
+            m.child(m.requests, endpoint, str(resp.status), unit, tenant, label).inc()
             return resp
 
         @web.middleware
@@ -261,6 +264,7 @@ class ProxyServer:
                 tenant = keys.tenant_of_header(request.headers.get("Authorization"))
                 if tenant is not None:
                     request[TENANT] = tenant
+                    request[TRAFFIC_CLASS] = keys.class_of(tenant)
                 elif request.path not in PUBLIC_PATHS and not (
                     request.path == "/metrics" and self.is_admin(request)
                 ):

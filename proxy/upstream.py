@@ -92,16 +92,24 @@ class GenerationDelta:
 
 
 def openai_envelope(
-    endpoint: str, body: bytes, token_ids: bool, resume: dict[str, list[int]] | None = None
+    endpoint: str,
+    body: bytes,
+    token_ids: bool,
+    resume: dict[str, list[int]] | None = None,
+    priority: int = 0,
 ) -> bytes:
     """The ``openai_request`` input: ``{"endpoint", "token_ids", "resume", "body"}``
     (UTF-8 JSON). ``body`` is the client's JSON as it arrived (the front end has parsed
     it, so it is valid JSON), spliced in rather than re-encoded: the proxy forwards
     the body untouched and pays no encoding per request. ``resume``:
-    ``{"prompt_token_ids", "output_token_ids"}`` (a migrated stream's continuation)."""
+    ``{"prompt_token_ids", "output_token_ids"}`` (a migrated stream's continuation).
+    ``priority``: vLLM's request priority (the traffic class; the leader uses it
+    instead of any ``priority`` in the client's body)."""
     head = b'{"endpoint":' + json.dumps(endpoint).encode()
     head += b',"token_ids":' + (b"true" if token_ids else b"false")
     head += b',"resume":' + (b"null" if resume is None else json.dumps(resume).encode())
+    if priority:
+        head += b',"priority":%d' % priority
     return head + b',"body":' + body + b"}"
 
 

@@ -10,7 +10,10 @@ Wire (UTF-8 JSON, one string in a TYPE_STRING tensor)::
     {"endpoint": "chat/completions" | "completions" | "tokenize" | "detokenize" | "version",
      "body": {...},                      # the client's JSON body
      "token_ids": false,                 # attach prompt/generated token ids (migration)
-     "resume": null | {"prompt_token_ids": [...], "output_token_ids": [...]}}
+     "resume": null | {"prompt_token_ids": [...], "output_token_ids": [...]},
+     "priority": 0}                      # vLLM's request priority: the traffic class
+                                         # (0 real-time, 1 near-real-time, 2 batch);
+                                         # it overrides any "priority" in the body
 
 A malformed envelope is the proxy's bug, not the client's: it is a Triton
 INVALID_ARG error (``RequestError``), never an OpenAI 400.
@@ -44,6 +47,7 @@ class OpenAIEnvelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     body: dict[str, Any] = msgspec.field(default_factory=dict)
     token_ids: bool = False
     resume: Resume | None = None
+    priority: Annotated[int, msgspec.Meta(ge=0, lt=16)] = 0
 
 
 def parse_envelope(raw: bytes | str) -> OpenAIEnvelope:

@@ -99,6 +99,7 @@ class EngineTap:
 
     __slots__ = (
         "resume",
+        "priority",
         "prompt_token_ids",
         "_observed",
         "_carried",
@@ -108,8 +109,11 @@ class EngineTap:
         "fault",
     )
 
-    def __init__(self, resume: Resume | None = None) -> None:
+    def __init__(self, resume: Resume | None = None, priority: int = 0) -> None:
         self.resume = resume
+        # The proxy's (the traffic class), never the client's body's: a client must not
+        # schedule itself ahead of others by sending "priority".
+        self.priority = priority
         self.prompt_token_ids: list[int] | None = None  # as rendered (before a resume)
         # Choice 0's generated ids: seen by the tee, then carried by an event that was
         # handed out (``carry``), then taken for a response. An output that makes no
@@ -161,6 +165,7 @@ class TeeEngineClient:
         if tap is None:
             outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         else:
+            kwargs["priority"] = tap.priority
             if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 tap.prompt_token_ids = list(prompt["prompt_token_ids"])
             if tap.resume is not None:
@@ -267,7 +272,7 @@ class OpenAIServing:
     async def handle(self, env: OpenAIEnvelope) -> OpenAIResult:
         """Must run in the request's own task: the tap is set in its context, and the
         stream has to be iterated there too (cancelling that task aborts in vLLM)."""
-        tap = EngineTap(env.resume)
+        tap = EngineTap(env.resume, env.priority)
         _TAP.set(tap)
         if env.endpoint == "version":
             return OpenAIResult(200, tap, dumps({"version": VLLM_VERSION}))

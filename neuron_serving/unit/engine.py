@@ -76,6 +76,11 @@ def engine_kwargs(
         additional_config=additional,
         enable_prefix_caching=enable_prefix_caching,
         seed=seed,
+        # Traffic classes (proxy/traffic_class.py): every request carries its class as
+        # vLLM's request priority, so a real-time request admitted behind batch work is
+        # scheduled first (and batch sequences are preempted first when KV is short).
+        # With every priority 0 (one class) this is first come, first served.
+        scheduling_policy="priority",
         **device,
     )
     if max_model_len is not None:

@@ -3,7 +3,8 @@ vLLM (`neuron-serving leader`, TP=1), driven by the official `openai` client.
 
 One leader for the module (leader start-up is 35-60 s here) and one proxy per upstream
 transport in front of it: every test runs through a proxy that reaches the leader over
-gRPC ``ModelStreamInfer`` and through one that uses HTTP ``generate_stream``. Greedy
+its OpenAI channel (the default), one over gRPC ``ModelStreamInfer`` and one over HTTP
+``generate_stream`` (the last two with ``openai_channel: false``). Greedy
 decoding with ``ignore_eos`` makes outputs comparable across paths: what the proxy
 returns must equal what the leader's own Triton generate endpoint returns.
 """
@@ -11,6 +12,7 @@ returns must equal what the leader's own Triton generate endpoint returns.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +39,7 @@ def leader(demo_model: Path, tmp_path_factory) -> Iterator[LeaderEndpoints]:
         yield ldr
 
 
-@pytest.fixture(scope="module", params=["grpc", "http"])
+@pytest.fixture(scope="module", params=["channel", "grpc", "http"])
 def stack(
     request, leader: LeaderEndpoints, demo_model: Path, tmp_path_factory
 ) -> Iterator[tuple[LeaderEndpoints, str]]:
@@ -45,11 +47,28 @@ def stack(
     keys = tmp / "api-keys.yaml"
     keys.write_text(f'tenants:\n  e2e:\n    keys: ["{API_KEY}"]\n')
     keys.chmod(0o600)
+    channel = request.param == "channel"
     config = proxy_config(
-        [leader], demo_model, upstream_protocol=request.param, api_keys_file=str(keys)
-    )
+        [leader], demo_model, api_keys_file=str(keys), openai_channel=channel,
+        upstream_protocol="grpc" if channel else request.param,
+    )  # fmt: skip
     with running_proxy(config, tmp, name=f"proxy-{request.param}") as base:
+        _wait_upstream(base, request.param)
         yield leader, base
+
+
+def _wait_upstream(base: str, wanted: str, timeout_s: float = 30.0) -> None:
+    """The arm's proxy carries the unit's calls over ``wanted`` (the channel connects
+    in the background once the unit is routable)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        req = urllib.request.Request(f"{base}/status", headers=AUTH)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            upstream = [u["upstream"] for u in json.loads(r.read())["units"]]
+        if upstream == [wanted]:
+            return
+        assert time.monotonic() < deadline, f"the proxy uses {upstream}, not {wanted}"
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

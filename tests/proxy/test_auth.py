@@ -88,9 +88,10 @@ async def test_keys_are_required_and_tenants_recorded(fleet, tmp_path):
     async with s.get(url(proxy, "/metrics"), headers={"Authorization": f"Bearer {KEY_A}"}) as r:
         text = await r.text()
     ep = 'endpoint="/v1/completions"'
-    assert f'proxy_requests_total{{code="200",{ep},tenant="a",unit="u0"}} 1.0' in text
-    assert f'proxy_requests_total{{code="200",{ep},tenant="default",unit="u0"}} 1.0' in text
-    assert f'proxy_requests_total{{code="401",{ep},tenant="",unit=""}} 3.0' in text
+    rt = 'class="real-time",'
+    assert f'proxy_requests_total{{{rt}code="200",{ep},tenant="a",unit="u0"}} 1.0' in text
+    assert f'proxy_requests_total{{{rt}code="200",{ep},tenant="default",unit="u0"}} 1.0' in text
+    assert f'proxy_requests_total{{class="",code="401",{ep},tenant="",unit=""}} 3.0' in text
     async with s.get(url(proxy, "/metrics")) as r:
         assert r.status == 401
     async with s.get(

@@ -181,12 +181,14 @@ async def test_request_counts_and_ttft_are_labelled_by_unit(fleet):
     async with s.get(url(proxy, "/metrics")) as r:
         text = await r.text()
     ep = 'endpoint="/v1/completions"'
-    assert f'proxy_requests_total{{code="200",{ep},tenant="",unit="u0"}} 2.0' in text
-    assert f'proxy_requests_total{{code="200",{ep},tenant="",unit="u1"}} 2.0' in text
-    assert f'proxy_requests_total{{code="404",{ep},tenant="",unit=""}} 1.0' in text
-    assert f'proxy_requests_total{{code="400",{ep},tenant="",unit="u1"}} 1.0' in text
+    rt = 'class="real-time",'  # no keys: every request is real-time
+    assert f'proxy_requests_total{{{rt}code="200",{ep},tenant="",unit="u0"}} 2.0' in text
+    assert f'proxy_requests_total{{{rt}code="200",{ep},tenant="",unit="u1"}} 2.0' in text
+    # An unknown model is refused before the class is known.
+    assert f'proxy_requests_total{{class="",code="404",{ep},tenant="",unit=""}} 1.0' in text
+    assert f'proxy_requests_total{{{rt}code="400",{ep},tenant="",unit="u1"}} 1.0' in text
     served = 'endpoint="/v2/models/{model}/generate_stream"'
-    assert f'proxy_requests_total{{code="200",{served},tenant="",unit="u0"}} 1.0' in text
+    assert f'proxy_requests_total{{{rt}code="200",{served},tenant="",unit="u0"}} 1.0' in text
     assert 'proxy_time_to_first_token_seconds_count{unit="u0"} 3.0' in text
     assert 'proxy_time_to_first_token_seconds_count{unit="u1"} 2.0' in text
     assert "proxy_inter_token_latency_seconds_count" in text

@@ -98,6 +98,7 @@ class Engine:
         self.aborted: list[str] = []
         self.dead = False
         self.step_s = 0.002
+        self.priorities: list[int] = []  # the priority of each generate() call
         # True: tokens are produced whether or not the consumer keeps up, and DELTA
         # outputs not yet taken are merged, as vLLM's RequestOutputCollector does.
         self.collect = False
@@ -124,8 +125,12 @@ class Engine:
         if self.dead:
             raise RuntimeError("EngineCore died")
 
-    async def generate(self, prompt: dict, params: Any, request_id: str):
+    async def generate(self, prompt: dict, params: Any, request_id: str, **kwargs: Any):
+        """AsyncLLM.generate's signature; of its keywords the backend sends only
+        ``priority`` (the traffic class, through the tee)."""
         from vllm.sampling_params import RequestOutputKind
+
+        self.priorities.append(kwargs.get("priority", 0))
 
         if self.collect and params.output_kind == RequestOutputKind.DELTA:
             async for out in self._collected(params.max_tokens, request_id):
@@ -470,14 +475,18 @@ class FakeOpenAI:
 
         from neuron_serving.triton import openai_serving as s
 
-        tap = s.EngineTap(env.resume)
+        tap = s.EngineTap(env.resume, env.priority)
         s._TAP.set(tap)
         if "max_tokens" not in env.body:
             return s.OpenAIResult(400, tap, b'{"error":{"message":"max_tokens","code":400}}')
         stream = env.body.get("stream", False)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         params = SimpleNamespace(max_tokens=env.body["max_tokens"], output_kind=kind, min_tokens=0)
-        outputs = self.engine.generate({"prompt_token_ids": [7, 8, 9]}, params, "r")
+        # As vLLM's serving layer: the body's priority as a keyword (the tee replaces it).
+        priority = env.body.get("priority", 0)
+        outputs = self.engine.generate(
+            {"prompt_token_ids": [7, 8, 9]}, params, "r", priority=priority
+        )
         if not stream:
             async for out in outputs:
                 text = out.outputs[0].text
@@ -511,6 +520,17 @@ def openai_request(sender: Sender, body: dict, **envelope: Any) -> Request:
 
 def body_of(r: InferenceResponse) -> str:
     return r.outputs["openai_body"][0].decode()
+
+
+def test_openai_priority_is_the_envelopes_not_the_bodys(openai_backend) -> None:
+    """The traffic class: the engine gets the envelope's priority for every call, and
+    a client's own ``priority`` field changes nothing."""
+    for envelope_priority in (2, 0):
+        s = Sender()
+        body = {"max_tokens": 2, "priority": -50}
+        openai_backend.execute([openai_request(s, body, priority=envelope_priority)])
+        assert wait_final(s).error is None
+    assert openai_backend.engine.priorities[-2:] == [2, 0]  # after the warm-up canary
 
 
 def test_openai_non_streaming_is_one_final_with_status_body_and_ids(openai_backend) -> None:

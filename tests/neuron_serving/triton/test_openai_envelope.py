@@ -31,6 +31,7 @@ def test_full_envelope() -> None:
 def test_defaults() -> None:
     env = parse_envelope('{"endpoint": "version"}')
     assert env.body == {} and env.token_ids is False and env.resume is None
+    assert env.priority == 0  # real-time
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,9 @@ def test_defaults() -> None:
         ('{"endpoint": "completions", "body": [1]}', "body"),
         ('{"endpoint": "completions", "extra": 1}', "extra"),
         ('{"endpoint": "completions", "token_ids": "yes"}', "token_ids"),
+        ('{"endpoint": "completions", "priority": -1}', "priority"),
+        ('{"endpoint": "completions", "priority": 99}', "priority"),
+        ('{"endpoint": "completions", "priority": "urgent"}', "priority"),
         (
             '{"endpoint": "completions", "resume": {"prompt_token_ids": [], "output_token_ids": []}}',
             "prompt_token_ids",

@@ -45,6 +45,9 @@ def served(demo_model):
         "kv_cache_memory_bytes": 64 << 20,
         "disable_log_stats": True,
         "seed": 0,
+        # As every leader runs (unit/engine.py): the traffic class is the priority.
+        "scheduling_policy": "priority",
+        "max_num_seqs": 2,  # so that requests wait, and the priority decides
     }
     thread = EngineThread(kwargs, start_timeout_s=120.0)
     try:
@@ -232,3 +235,66 @@ def test_resume_continues_token_exactly(served) -> None:
 def test_version(served) -> None:
     status, body, _, _ = call(served, "version", {})
     assert status == 200 and set(json.loads(body)) == {"version"}
+
+
+def test_the_envelopes_priority_reaches_the_engine_not_the_clients() -> None:
+    """The traffic class: what vLLM's serving layer passes as ``priority`` (the
+    client's body field) is replaced by the envelope's, the proxy's. A recording
+    engine stands in for AsyncLLM: this is about the keyword the tee forwards."""
+    import asyncio
+
+    from neuron_serving.triton.openai_serving import _TAP, EngineTap, TeeEngineClient
+
+    class RecordingEngine:
+        def __init__(self) -> None:
+            self.kwargs: list[dict] = []
+
+        async def generate(self, prompt, sampling_params, request_id, **kwargs):
+            self.kwargs.append(kwargs)
+            return
+            yield  # an async generator with nothing to say
+
+    class Params:
+        output_kind = None
+        max_tokens = 4
+        min_tokens = 0
+
+    async def call(tap: EngineTap | None) -> None:
+        _TAP.set(tap)
+        gen = TeeEngineClient(engine).generate({"prompt_token_ids": [1, 2]}, Params(), "r",
+                                               priority=-100)  # fmt: skip
+        assert [o async for o in gen] == []
+
+    engine = RecordingEngine()
+    asyncio.run(call(EngineTap(priority=2)))
+    asyncio.run(call(EngineTap()))
+    asyncio.run(call(None))  # not an OpenAI request of ours: untouched
+    assert [k["priority"] for k in engine.kwargs] == [2, 0, -100]
+    env = OpenAIEnvelope("completions", {"prompt": "x"}, priority=1)
+    assert env.priority == 1
+
+
+def test_a_real_time_request_overtakes_a_batch_backlog(served) -> None:
+    """The class reaches the scheduler: four batch requests (priority 2) fill the
+    engine (two running, two waiting) before one real-time request (priority 0)
+    arrives; it finishes first. First come, first served, it would finish third."""
+    import asyncio
+
+    thread, serving = served
+    body = {"model": SERVED, "prompt": "Catalogue item", "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    done: list[str] = []
+
+    async def one(name: str, priority: int, max_tokens: int) -> None:
+        env = OpenAIEnvelope("completions", {**body, "max_tokens": max_tokens}, priority=priority)
+        result = await serving.handle(env)
+        assert result.status == 200, result.body
+        done.append(name)
+
+    async def run() -> None:
+        batch = [asyncio.ensure_future(one(f"batch{i}", 2, 48)) for i in range(4)]
+        await asyncio.sleep(0.5)  # the backlog is in the engine
+        await asyncio.gather(one("real-time", 0, 8), *batch)
+
+    thread.call(run(), TIMEOUT_S)
+    assert done[0] == "real-time", done

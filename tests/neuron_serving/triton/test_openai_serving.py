@@ -275,14 +275,15 @@ def test_the_envelopes_priority_reaches_the_engine_not_the_clients() -> None:
 
 
 def test_a_real_time_request_overtakes_a_batch_backlog(served) -> None:
-    """The class reaches the scheduler: four batch requests (priority 2) fill the
-    engine (two running, two waiting) before one real-time request (priority 0)
-    arrives; it finishes first. First come, first served, it would finish third."""
+    """The class reaches the scheduler: four batch requests (priority 2) fill an
+    engine of two sequences (two running, two waiting) before one real-time request
+    (priority 0) arrives. It is scheduled before the two batch requests that were
+    waiting ahead of it, so it finishes before them; first come, first served, it
+    would finish last."""
     import asyncio
 
     thread, serving = served
-    body = {"model": SERVED, "prompt": "Catalogue item", "max_tokens": 48,
-            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    body = {"model": SERVED, "prompt": "Catalogue item", "temperature": 0, "ignore_eos": True}
     done: list[str] = []
 
     async def one(name: str, priority: int, max_tokens: int) -> None:
@@ -292,9 +293,10 @@ def test_a_real_time_request_overtakes_a_batch_backlog(served) -> None:
         done.append(name)
 
     async def run() -> None:
-        batch = [asyncio.ensure_future(one(f"batch{i}", 2, 48)) for i in range(4)]
-        await asyncio.sleep(0.5)  # the backlog is in the engine
+        batch = [asyncio.ensure_future(one(f"batch{i}", 2, 300)) for i in range(4)]
+        await asyncio.sleep(0.3)  # the backlog is in the engine: 2 running, 2 waiting
+        assert not done, "the backlog finished before the real-time request came"
         await asyncio.gather(one("real-time", 0, 8), *batch)
 
     thread.call(run(), TIMEOUT_S)
-    assert done[0] == "real-time", done
+    assert done.index("real-time") < min(done.index("batch2"), done.index("batch3")), done

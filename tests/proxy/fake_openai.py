@@ -19,6 +19,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from neuron_serving.openai_channel import Event
+
 WORDS = ["red", "green", "blue", "shoe", "cart", "price", "size", "brand", "sale", "ship", "end"]
 WORD_ID = 1000
 
@@ -225,15 +227,9 @@ class Chunks:
         return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-@dataclass
-class FakeOpenAIResponse:
-    """One leader response of the contract (None: the output is not sent)."""
-
-    body: bytes
-    status: int | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    model_version: str | None = None
+def FakeOpenAIResponse(body: bytes, *args: Any, **kwargs: Any) -> Event:  # noqa: N802
+    """One leader response of the contract (None: the output is not sent): the
+    channel's ``Event``, which names the outputs of the Triton model's OpenAI path
+    (body, status, finish_reason, token_ids, prompt_token_ids, counts, version), with
+    the call id left 0 (the channel fake sets it)."""
+    return Event(0, body, *args, **kwargs)

@@ -299,10 +299,7 @@ class FakeTriton:
     async def _channel_answer(self, call: ChannelCall, message: oc.Open | oc.Generate) -> None:
         """The same model as the other protocols, as channel events."""
         if isinstance(message, oc.Open):
-            async for r in self.openai(message.envelope.decode()):
-                event = oc.Event(0, r.body, r.status, r.finish_reason, r.token_ids,
-                                 r.prompt_token_ids, r.prompt_tokens, r.completion_tokens,
-                                 r.model_version)  # fmt: skip
+            async for event in self.openai(message.envelope.decode()):
                 sent = call.send(event, event.final)
                 if sent is not None:
                     await sent

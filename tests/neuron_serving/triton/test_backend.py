@@ -213,7 +213,20 @@ class LoopThread:
         return self.submit(coro).result(timeout)
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        """As EngineThread stops: cancel what still runs on the loop (the health
+        monitor, requests) and wait for it, then stop. A task left pending is logged
+        as "Task was destroyed but it is pending!" whenever the garbage collector
+        finds it, which can be in the middle of a later test that watches the log."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout=5)
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 
 

@@ -115,6 +115,13 @@ def test_duplicate_rank_rejected(leader):
     lead = leader(world_size=3)
     first = lead.follower(1)
     first.join()
+    # The follower's join() returns once it has sent its Joined ack; the leader records
+    # the link when it reads that ack. Wait for it, or the duplicate may come first
+    # (seen on a loaded 2-core CI host).
+    deadline = time.monotonic() + 10
+    while 1 not in lead.server.links:
+        assert time.monotonic() < deadline, "the leader never recorded rank 1"
+        time.sleep(0.01)
     with pytest.raises(FollowerRejected, match="rank: rank 1 already joined"):
         lead.follower(1).join()
 

@@ -46,7 +46,10 @@ def resolve_secret(
         return _checked(kind, env_value.strip(), env_name)
     path = Path(explicit_file or default_file).expanduser()
     if explicit_file is None and not path.exists():
-        _create(path)
+        try:
+            _create(path)
+        except OSError as e:  # e.g. a read-only home in a container
+            raise SecretError(f"cannot create {kind} file {path}: {e.strerror or e}") from e
     try:
         token = path.read_text().strip()
     except OSError as e:

@@ -3,8 +3,9 @@ vLLM (`neuron-serving leader`, TP=1), driven by the official `openai` client.
 
 One leader for the module (leader start-up is 35-60 s here) and one proxy per upstream
 transport in front of it: every test runs through a proxy that reaches the leader over
-its OpenAI channel (the default), one over gRPC ``ModelStreamInfer`` and one over HTTP
-``generate_stream`` (the last two with ``openai_channel: false``). Greedy
+its OpenAI channel (the default) and one over gRPC ``ModelStreamInfer`` with
+``openai_channel: false`` (the channel's fallback). The HTTP ``generate_stream``
+transport is tested against fake leaders (tests/proxy) and measured in ``bench cpu``. Greedy
 decoding with ``ignore_eos`` makes outputs comparable across paths: what the proxy
 returns must equal what the leader's own Triton generate endpoint returns.
 """
@@ -39,7 +40,7 @@ def leader(demo_model: Path, tmp_path_factory) -> Iterator[LeaderEndpoints]:
         yield ldr
 
 
-@pytest.fixture(scope="module", params=["channel", "grpc", "http"])
+@pytest.fixture(scope="module", params=["channel", "grpc"])
 def stack(
     request, leader: LeaderEndpoints, demo_model: Path, tmp_path_factory
 ) -> Iterator[tuple[LeaderEndpoints, str]]:

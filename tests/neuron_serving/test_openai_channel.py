@@ -93,3 +93,17 @@ def test_the_token_comes_from_the_environment_or_a_private_file(tmp_path, monkey
     (tmp_path / "short").write_text("short\n")
     with pytest.raises(Exception, match="channel token .* shorter than"):
         oc.resolve_token()
+
+
+def test_an_uncreatable_default_token_file_is_a_clear_error(tmp_path, monkeypatch) -> None:
+    """No token anywhere and no writable home (a read-only container): a SecretError
+    naming the file, which the proxy and the leader turn into "channel off"."""
+    from neuron_serving.secret_file import SecretError
+
+    home = tmp_path / "not-a-directory"
+    home.write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("NEURON_SERVING_CHANNEL_TOKEN", raising=False)
+    monkeypatch.delenv("NEURON_SERVING_CHANNEL_TOKEN_FILE", raising=False)
+    with pytest.raises(SecretError, match="cannot create channel token file .*channel-token"):
+        oc.resolve_token()

@@ -294,7 +294,11 @@ def test_a_real_time_request_overtakes_a_batch_backlog(served) -> None:
 
     async def run() -> None:
         batch = [asyncio.ensure_future(one(f"batch{i}", 2, 300)) for i in range(4)]
-        await asyncio.sleep(0.3)  # the backlog is in the engine: 2 running, 2 waiting
+        # Only once all four are in the engine (2 running, 2 waiting): a real-time
+        # request that got there first would finish early without any priority.
+        async with asyncio.timeout(TIMEOUT_S):
+            while thread.engine.get_num_unfinished_requests() < 4:
+                await asyncio.sleep(0.01)
         assert not done, "the backlog finished before the real-time request came"
         await asyncio.gather(one("real-time", 0, 8), *batch)
 

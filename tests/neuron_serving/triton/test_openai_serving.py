@@ -215,19 +215,22 @@ def stream_chat(served, max_tokens: int, **envelope):
 def test_resume_continues_token_exactly(served) -> None:
     first, tap, ids = stream_chat(served, 24)
     assert len(ids) == 24 and [i for d, _ in first for i in d] == ids
-    # The text the first run had streamed once its 10th token was out: the 10th token
-    # must end a chunk (the in-process puller keeps up, so each token is its own).
+    # Resume where a migration would: at the end of the first chunk that holds the
+    # 10th token (the text streamed so far is whole chunks). Usually that is token 10;
+    # a puller that fell behind on a loaded host merges tokens into one chunk (seen in
+    # CI), which moves the cut a little.
     counts = [len(d) for d, _ in first]
     cut = next(k for k in range(len(first) + 1) if sum(counts[:k]) >= 10)
-    assert sum(counts[:cut]) == 10, counts
+    done = sum(counts[:cut])
+    assert 10 <= done < 24, counts
     head = "".join(t for _, t in first[:cut])
     text = "".join(t for _, t in first)
 
-    resume = Resume(prompt_token_ids=tap.prompt_token_ids, output_token_ids=ids[:10])
+    resume = Resume(prompt_token_ids=tap.prompt_token_ids, output_token_ids=ids[:done])
     rest, rest_tap, rest_ids = stream_chat(served, 24, resume=resume)
-    assert rest_ids == ids[10:], "generated ids differ from the undisturbed run"
+    assert rest_ids == ids[done:], "generated ids differ from the undisturbed run"
     assert rest_tap.prompt_token_ids == tap.prompt_token_ids  # as rendered, before resume
-    assert rest_tap.finish_reason == "length" and rest_tap.completion_tokens == 14
+    assert rest_tap.finish_reason == "length" and rest_tap.completion_tokens == 24 - done
     rest_text = "".join(t for _, t in rest)
     assert head + rest_text == text, (head, rest_text, text)
 

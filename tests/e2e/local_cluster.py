@@ -115,7 +115,11 @@ def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | Non
                 pytest.fail(f"cluster not ready in {START_TIMEOUT_S:.0f} s:\n{c.log_tail()}")
             time.sleep(1.0)
         c.api_key = (run_dir / "api-key").read_text().strip()
-        wait_for(lambda: c.routable("unit-0") and c.routable("unit-1"), 30, what="routable")
+        try:
+            wait_for(lambda: c.routable("unit-0") and c.routable("unit-1"), 60, what="routable")
+        except TimeoutError:
+            status = get_json(f"{c.url}/status", 5.0, token=c.api_key)
+            pytest.fail(f"units not routable 60 s after `up` said ready: {status}\n{c.log_tail()}")
         print(f"cluster ready after {time.monotonic() - started:.1f} s")
         print(c.log_tail())
         for u in ("unit-0", "unit-1"):

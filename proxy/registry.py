@@ -41,6 +41,19 @@ class NodeHealth:
     probe_failures_total: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """A unit's own view of its load: its leader's vLLM scheduler stats, as the
+    leader last pushed them over its OpenAI channel (``openai_channel.Load``).
+    Counts every request the engine holds, whichever proxy sent it."""
+
+    running: int  # sequences in the running batch
+    waiting: int  # requests queued in the engine, not yet scheduled
+    kv_usage: float  # fraction of KV cache blocks in use, 0..1
+    max_num_seqs: int  # the engine's running-batch bound (vLLM's max_num_seqs)
+    at: float  # time.monotonic() when the proxy received it
+
+
 @dataclass(slots=True)
 class UnitState:
     spec: UnitSpec
@@ -53,6 +66,9 @@ class UnitState:
     model_version: str = ""
     draining: bool = False
     in_flight: int = 0
+    # The leader's last load report; None while its channel is not connected (then
+    # flow control has only the proxy's own in-flight count).
+    engine_load: EngineLoad | None = None
     # Outlier detection (written only by proxy.outlier).
     consecutive_errors: int = 0
     times_ejected: int = 0

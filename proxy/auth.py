@@ -8,6 +8,8 @@ The keys file is YAML::
         key_sha256: ["<hex sha256 of a key>", ...]
         traffic_class: near-real-time   # the most urgent class its requests may use
                                         # (real-time, the default; near-real-time; batch)
+        weight: 2                       # its share of dispatches within a class
+                                        # against other tenants waiting (default 1)
 
 Only sha256 digests are kept in memory. A presented key is hashed and compared
 with every configured digest by ``hmac.compare_digest`` (all of them, match or
@@ -53,6 +55,7 @@ class TenantSpec:
     keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     key_sha256: tuple[str, ...] = ()
     traffic_class: str = "real-time"
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("keys", "key_sha256"):
@@ -71,6 +74,12 @@ class TenantSpec:
         if not isinstance(self.traffic_class, str):
             raise ValueError("traffic_class must be a string")
         TrafficClass.parse(self.traffic_class)
+        if (
+            not isinstance(self.weight, int | float)
+            or isinstance(self.weight, bool)
+            or not 0 < self.weight <= 1000
+        ):
+            raise ValueError("weight must be a number in (0, 1000]")
 
     def digests(self) -> list[bytes]:
         return [key_digest(k) for k in self.keys] + [bytes.fromhex(h) for h in self.key_sha256]
@@ -82,9 +91,11 @@ class ApiKeys:
     def __init__(self, tenants: dict[str, TenantSpec] | None = None) -> None:
         self._entries: list[tuple[bytes, str]] = []
         self._classes: dict[str, TrafficClass] = {}
+        self._weights: dict[str, float] = {}
         for name, spec in (tenants or {}).items():
             self._entries += [(d, name) for d in spec.digests()]
             self._classes[name] = TrafficClass.parse(spec.traffic_class)
+            self._weights[name] = float(spec.weight)
 
     @property
     def enabled(self) -> bool:
@@ -102,6 +113,10 @@ class ApiKeys:
         """The most urgent class ``tenant`` may use: real-time unless its entry in the
         keys file says otherwise (and for --api-key's tenant, or no key at all)."""
         return self._classes.get(tenant or "", TrafficClass.REAL_TIME)
+
+    def weight_of(self, tenant: str) -> float:
+        """The tenant's share of dispatches within a class (flow control); 1 by default."""
+        return self._weights.get(tenant, 1.0)
 
     def tenant_of(self, key: str) -> str | None:
         digest = key_digest(key)

@@ -111,17 +111,85 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionConfig:
-    max_concurrent: int = 256  # requests streaming upstream at once
-    queue_size: int = 512  # requests waiting for a slot; beyond it: 429
-    queue_timeout_s: float = 30.0  # a queued request older than this gets 429
+class ClassConfig:
+    """Flow control of one traffic class (``proxy/flow_control.py``)."""
+
+    queue_size: int  # waiting requests of the class; beyond it: 429
+    queue_timeout_s: float  # a request that cannot start within this: 429 + Retry-After
+    # After waiting this long a request ranks one class higher (again after each
+    # further aging_s), so a lower class cannot starve forever; 0 = never.
+    aging_s: float = 0.0
+    # The share of a unit's slots (its max_num_seqs) this class may fill: the rest is
+    # kept for more urgent classes, which then start at once on a unit running it.
+    unit_share: float = 1.0
     retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.queue_size >= 0, "queue_size must be >= 0")
+        _check(
+            self.queue_timeout_s > 0 and math.isfinite(self.queue_timeout_s),
+            "queue_timeout_s must be a positive number",
+        )
+        _check(self.aging_s >= 0 and math.isfinite(self.aging_s), "aging_s must be >= 0")
+        _check(0 < self.unit_share <= 1, "unit_share must be in (0, 1]")
+        _check(self.retry_after_s >= 1, "retry_after_s must be >= 1")
+
+
+# Real-time waits seconds at most; near-real-time ages into real-time after 10 s;
+# batch waits as long as a request may live and leaves a quarter of every unit to
+# the other classes.
+CLASS_DEFAULTS: dict[str, ClassConfig] = {
+    "real-time": ClassConfig(queue_size=512, queue_timeout_s=30.0),
+    "near-real-time": ClassConfig(
+        queue_size=1024, queue_timeout_s=120.0, aging_s=10.0, retry_after_s=5
+    ),
+    "batch": ClassConfig(queue_size=4096, queue_timeout_s=600.0, unit_share=0.75, retry_after_s=30),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Flow control: which request starts next, and on which unit's room."""
+
+    max_concurrent: int = 256  # requests streaming upstream at once, all units
+    # Waiting requests of all classes together; past it the lowest class is shed first.
+    queue_size: int = 4096
+    # A unit's room: this many requests at once; 0 = its engine's max_num_seqs as its
+    # leader reports it (unbounded while it has not reported).
+    unit_max_in_flight: int = 0
+    # A unit whose KV cache is at least this full takes only real-time requests.
+    unit_max_kv_usage: float = 0.95
+    # An engine report older than this is not trusted (the proxy's count alone).
+    load_max_age_s: float = 5.0
+    # Per class, over CLASS_DEFAULTS: {"batch": {"unit_share": 0.5}, ...}; after
+    # construction, every class's ClassConfig.
+    classes: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check(self.max_concurrent >= 1, "admission.max_concurrent must be >= 1")
         _check(self.queue_size >= 0, "admission.queue_size must be >= 0")
-        _check(self.queue_timeout_s > 0, "admission.queue_timeout_s must be > 0")
-        _check(self.retry_after_s >= 1, "admission.retry_after_s must be >= 1")
+        _check(self.unit_max_in_flight >= 0, "admission.unit_max_in_flight must be >= 0")
+        _check(0 < self.unit_max_kv_usage <= 1, "admission.unit_max_kv_usage must be in (0, 1]")
+        _check(self.load_max_age_s > 0, "admission.load_max_age_s must be > 0")
+        _check(isinstance(self.classes, dict), "admission.classes must be a mapping")
+        built = dict(CLASS_DEFAULTS)  # every class, so the effective values show
+        for name, raw in self.classes.items():
+            _check(name in CLASS_DEFAULTS, f"admission.classes: unknown class {name!r}")
+            if isinstance(raw, ClassConfig):
+                built[name] = raw
+                continue
+            _check(isinstance(raw, dict), f"admission.classes.{name}: expected a mapping")
+            known = {f.name for f in dataclasses.fields(ClassConfig)}
+            unknown = set(raw) - known
+            _check(not unknown, f"admission.classes.{name}: unknown keys {sorted(unknown)}")
+            try:
+                built[name] = dataclasses.replace(CLASS_DEFAULTS[name], **raw)
+            except ValueError as e:
+                raise ValueError(f"admission.classes.{name}: {e}") from None
+        object.__setattr__(self, "classes", built)
+
+    def class_config(self, name: str) -> ClassConfig:
+        return self.classes[name]
 
 
 @dataclass(frozen=True, slots=True)

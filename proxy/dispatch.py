@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +101,12 @@ class Job:
     model: str
     deadline: float  # loop.time()
     session_id: str | None = None
-    # vLLM's request priority on the OpenAI route (proxy/traffic_class.py).
+    # vLLM's request priority on the OpenAI route (proxy/traffic_class.py), and the
+    # class's queue in flow control (proxy/flow_control.py), fair between tenants.
     traffic_class: TrafficClass = TrafficClass.REAL_TIME
+    tenant: str = ""
+    # The unit flow control placed the first attempt on (already counted there).
+    first_unit: UnitState | None = None
     # Pinned checkpoint version (None: any); fixed to the serving unit's version
     # once the first token has been produced.
     version: str | None = None
@@ -162,7 +166,31 @@ class Dispatcher:
         self.retries_in_flight = 0
         self._rng = random.Random()
 
-    def pick(self, job: GenerationJob | OpenAIJob, tried: set[str]) -> UnitState:
+    def place(
+        self, job: GenerationJob | OpenAIJob, room: Callable[[UnitState], bool]
+    ) -> UnitState | None:
+        """Flow control's placer: the job's first unit, among the eligible units with
+        ``room``, counted as its first attempt; None when none has room."""
+        unit = self.pick(job, set(), room)
+        if unit is not None:
+            job.first_unit = unit
+            self._count_attempt(job, unit)
+        return unit
+
+    def release_first(self, job: GenerationJob | OpenAIJob) -> None:
+        """A placed first attempt that never began (the client left): uncount it."""
+        unit, job.first_unit = job.first_unit, None
+        if unit is not None:
+            self._end_attempt(unit, False)
+
+    def pick(
+        self,
+        job: GenerationJob | OpenAIJob,
+        tried: set[str],
+        room: Callable[[UnitState], bool] | None = None,
+    ) -> UnitState | None:
+        """The job's next unit: the routing policy's choice among the eligible units
+        (with ``room``, when given: None if none has). Raises NoRoutableUnit."""
         units = self.registry.for_model(job.model)
         if job.version is not None:
             units = [u for u in units if u.model_version == job.version]
@@ -173,6 +201,10 @@ class Dispatcher:
             raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at}{why}")
         # Prefer units this job has not failed on; fall back to all (one unit, a blip).
         fresh = [u for u in eligible.units if u.unit_id not in tried] or eligible.units
+        if room is not None:
+            fresh = [u for u in fresh if room(u)]
+            if not fresh:
+                return None
         decision = self.policy.choose(
             RouteRequest(job.model, job.routing_key, job.session_id), fresh
         )
@@ -348,16 +380,23 @@ class Dispatcher:
     ) -> tuple[UnitState, bool]:
         """Pick the attempt's unit (after backing off, outside any unit's in-flight,
         when ``backoff`` failures came before) and count the attempt."""
+        unit, job.first_unit = job.first_unit, None
+        if unit is not None:  # placed by flow control, counted then
+            return unit, False
         if backoff:
             await self._backoff(backoff, job.deadline)
         unit = self.pick(job, tried)
+        assert unit is not None
+        return unit, self._count_attempt(job, unit)
+
+    def _count_attempt(self, job: GenerationJob | OpenAIJob, unit: UnitState) -> bool:
         job.units.append(unit.unit_id)
         job.attempts += 1
         is_retry = job.attempts > 1
         unit.in_flight += 1
         unit.requests_total += 1
         self.retries_in_flight += is_retry
-        return unit, is_retry
+        return is_retry
 
     def _end_attempt(self, unit: UnitState, is_retry: bool) -> None:
         unit.in_flight -= 1

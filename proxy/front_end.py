@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from proxy.admission import Overloaded
 from proxy.dispatch import NoRoutableUnit
 from proxy.errors import APIError, invalid, server_error
+from proxy.flow_control import Overloaded
 from proxy.http_guard import read_body
 from proxy.upstream import UpstreamError
 
@@ -66,11 +66,11 @@ def as_api_error(e: Exception) -> APIError:
         return e
     if isinstance(e, Overloaded):
         return APIError(
-            429,
+            e.status,
             str(e),
-            "requests",
+            "requests" if e.status == 429 else "server_error",
             None,
-            "rate_limit_exceeded",
+            e.code,
             {"Retry-After": str(e.retry_after_s)},
         )
     if isinstance(e, NoRoutableUnit):

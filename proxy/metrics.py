@@ -147,6 +147,31 @@ class ProxyMetrics:
         )
         self.queued = Gauge("proxy_admission_queued", "Requests waiting for admission", registry=r)
         self.active = Gauge("proxy_admission_active", "Requests admitted and running", registry=r)
+        # Flow control per traffic class (proxy/flow_control.py).
+        self.flow_queued = Gauge(
+            "proxy_class_queued", "Requests waiting in the class's queue", ["class"], registry=r
+        )
+        self.flow_active = Gauge(
+            "proxy_class_active", "Requests of the class started and running", ["class"], registry=r
+        )
+        self.flow_wait = Histogram(
+            "proxy_class_queue_wait_seconds",
+            "Time from a request's arrival to its start on a unit, by class",
+            ["class"],
+            buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.flow_dispatched = Counter(
+            "proxy_class_dispatched", "Requests started on a unit, by class", ["class"], registry=r
+        )
+        self.flow_rejected = Counter(
+            "proxy_class_rejected",
+            "Requests that could not start, by class and reason (queue_full: 429 on "
+            "arrival; deadline: 429, no room within the class's queue_timeout_s; shed: "
+            "503, dropped for a more urgent request)",
+            ["class", "reason"],
+            registry=r,
+        )
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: prometheus_client validates the values and
@@ -178,6 +203,7 @@ class ProxyMetrics:
         queued: int,
         active: int,
         upstream_of: Callable[[UnitSpec], str] | None = None,
+        classes: dict[str, dict[str, int]] | None = None,
     ) -> None:
         # Units come and go: rebuild the per-unit series so removed units disappear.
         for g in (
@@ -202,6 +228,9 @@ class ProxyMetrics:
                 self.node_healthy.labels(u.unit_id, n.node_id).set(n.healthy)
         self.queued.set(queued)
         self.active.set(active)
+        for name, c in (classes or {}).items():
+            self.flow_queued.labels(name).set(c["queued"])
+            self.flow_active.labels(name).set(c["active"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

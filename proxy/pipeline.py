@@ -6,7 +6,8 @@ responses (a ``Render``); everything between is here, the same for both:
     Pipeline.job_fields    deadline, session header, pinned version
     Pipeline.check_length  the prompt's tokens + max_tokens within max_model_len
                            (Triton's route; vLLM checks the OpenAI API on the leader)
-    Pipeline.serve         an admission slot -> the dispatcher (``relay`` for an
+    Pipeline.serve         flow control's slot (flow_control.py: the request's turn
+                           in its class's queue, and its unit) -> the dispatcher (``relay`` for an
                            OpenAIJob, ``generate`` for a GenerationJob) -> the first
                            response (TTFT) -> one response, or an SSE stream written as
                            the responses come (each write bounded by
@@ -30,7 +31,6 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from proxy.admission import AdmissionController, Overloaded
 from proxy.config import ProxyConfig
 from proxy.dispatch import (
     Dispatcher,
@@ -41,8 +41,9 @@ from proxy.dispatch import (
     version_headers,
 )
 from proxy.errors import invalid
+from proxy.flow_control import FlowController, Overloaded
 from proxy.front_end import as_api_error, text_header
-from proxy.http_guard import TRAFFIC_CLASS, write_bounded
+from proxy.http_guard import TENANT, TRAFFIC_CLASS, write_bounded
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.registry import Registry
 from proxy.tokenizer import ModelTokenizer
@@ -64,7 +65,7 @@ class FrontEndDeps:
 
     config: ProxyConfig
     registry: Registry
-    admission: AdmissionController
+    admission: FlowController
     dispatcher: Dispatcher
     metrics: ProxyMetrics
 
@@ -120,6 +121,7 @@ class Pipeline:
             "session_id": text_header(request, config.routing.session_header),
             "version": pinned_version(self.deps.registry, model, request.headers),
             "traffic_class": cls,
+            "tenant": request.get(TENANT, ""),
         }
 
     def tokenizer(self, model: str) -> ModelTokenizer:
@@ -156,7 +158,7 @@ class Pipeline:
         deps = self.deps
         loop = asyncio.get_running_loop()
         try:
-            async with deps.admission.slot():
+            async with deps.admission.slot(job):
                 if isinstance(job, OpenAIJob):
                     gen = deps.dispatcher.relay(job)
                 else:

@@ -28,13 +28,13 @@ from neuron_serving.openai_channel import CONFIG_PARAMETER as CHANNEL_PARAMETER
 from neuron_serving.openai_channel import resolve_token as resolve_channel_token
 from neuron_serving.secret_file import SecretError
 from proxy.admin import make_admin_app
-from proxy.admission import AdmissionController
 from proxy.auth import ApiKeys, load_api_keys
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import ProxyConfig
 from proxy.dashboard import routes as dashboard_routes
 from proxy.dispatch import Dispatcher
 from proxy.errors import APIError
+from proxy.flow_control import FlowController
 from proxy.grpc_upstream import TritonUpstream
 from proxy.health_checker import HealthChecker
 from proxy.http_guard import (
@@ -107,7 +107,6 @@ class ProxyServer:
         self.metrics = ProxyMetrics()
         self.clients = TritonClientPool()
         self.outlier = OutlierDetector(config.outlier)
-        self.admission = AdmissionController(config.admission)
         self.transport = UnitTransport(
             TritonUpstream(self.clients, config.timeouts),
             TritonHttpUpstream(config.timeouts) if config.upstream_protocol == "http" else None,
@@ -123,6 +122,9 @@ class ProxyServer:
         envs_key = envs.NEURON_SERVING_API_KEY
         # Loaded here, not at start: a bad keys file fails construction, before any port.
         self.api_keys: ApiKeys = load_api_keys(config.api_keys_file, config.api_key or envs_key)
+        self.admission = FlowController(config.admission, self.metrics, self.api_keys.weight_of)
+        self.admission.place = self.dispatcher.place
+        self.admission.release_unit = self.dispatcher.release_first
         self._admin_token: str | None = None
         self._exposure_checked = False
         self.body_guard = BodyGuard(
@@ -220,6 +222,7 @@ class ProxyServer:
             queued=self.admission.queued,
             active=self.admission.active,
             panic_models=panic,
+            classes=self.admission.snapshot(),
             redact=not self.is_trusted(request),
             upstream_of=self.transport.name_for,
         )
@@ -232,6 +235,7 @@ class ProxyServer:
             self.admission.queued,
             self.admission.active,
             self.transport.name_for,
+            self.admission.snapshot(),
         )
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 

@@ -58,6 +58,16 @@ def _unit(
         "upstream": upstream_of(u.spec) if upstream_of is not None else "",
         "draining": u.draining,
         "healthy": u.nodes_healthy(),
+        # The leader's own load report (flow control's room), or null without one.
+        "engine_load": None
+        if u.engine_load is None
+        else {
+            "running": u.engine_load.running,
+            "waiting": u.engine_load.waiting,
+            "kv_usage": round(u.engine_load.kv_usage, 4),
+            "max_num_seqs": u.engine_load.max_num_seqs,
+            "age_s": round(now - u.engine_load.at, 3),
+        },
         "in_flight": u.in_flight,
         "requests_total": u.requests_total,
         "errors_total": u.errors_total,
@@ -86,6 +96,7 @@ def build_status(
     queued: int,
     active: int,
     panic_models: list[str],
+    classes: dict[str, dict[str, int]] | None = None,
     redact: bool = False,
     upstream_of: Callable[[UnitSpec], str] | None = None,
 ) -> dict[str, Any]:
@@ -103,7 +114,7 @@ def build_status(
     return {
         "time": time.time(),
         "routing_policy": policy,
-        "admission": {"active": active, "queued": queued},
+        "admission": {"active": active, "queued": queued, "classes": classes or {}},
         "panic_models": panic_models,
         "redacted": redact,
         "units": units,

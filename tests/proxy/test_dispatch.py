@@ -135,7 +135,12 @@ async def test_admission_queue_full_is_429_with_retry_after(fleet):
     a = await fleet.unit("u0")
     a.behavior.token_delay_s = 0.05
     proxy = await fleet.proxy(
-        [a], admission={"max_concurrent": 1, "queue_size": 0, "retry_after_s": 2}
+        [a],
+        admission={
+            "max_concurrent": 1,
+            "queue_size": 0,
+            "classes": {"real-time": {"retry_after_s": 2}},
+        },
     )
     s = fleet.session()
     slow = {"model": "llm", "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "stream": True}

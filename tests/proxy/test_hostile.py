@@ -153,7 +153,10 @@ def hostile(tmp_path_factory) -> Iterator[Hostile]:
         "api_keys_file": str(keys),
         "admin_token_file": str(token),
         "limits": LIMITS,
-        "admission": {"max_concurrent": MAX_CONCURRENT, "queue_size": 2, "queue_timeout_s": 1.0},
+        "admission": {
+            "max_concurrent": MAX_CONCURRENT,
+            "classes": {"real-time": {"queue_size": 2, "queue_timeout_s": 1.0}},
+        },
         "routing": {"policy": "session_affinity"},
         "health": {"interval_s": 0.1, "timeout_s": 0.1},
         "models": [{"name": "llm", "max_model_len": 4096}, {"name": "cold"}, {"name": "bulky"}],

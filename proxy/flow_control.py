@@ -1,0 +1,380 @@
+"""Flow control: which waiting request starts next, and only when a unit has room.
+
+One queue per traffic class (``traffic_class.py``), and within a class one FIFO
+per tenant::
+
+    arrive ── nothing of its class or a more urgent one waiting, and a unit has room
+          │       -> starts at once (the common case: no task switch, no queue)
+          └── else waits in its class, under its tenant
+    pump (after every release and arrival; every TICK_S while anything waits):
+        classes in rank order: the class's value, minus one for each ``aging_s``
+        its oldest request has waited (equal ranks: the older request first)
+        within a class, tenants by stride scheduling: the tenant with the lowest
+        pass goes next, and a dispatch adds 1/weight to its pass (each tenant with
+        waiting work gets its weighted share of dispatches; a tenant that was idle
+        joins at the class's current pass, with no credit saved up)
+        the head request of that tenant starts if the dispatcher finds a unit with
+        room for its class; else the next tenant, then the next class
+    a request that cannot start within its class's ``queue_timeout_s`` -> 429
+    its class queue full -> 429; every queue together full -> the newest request of
+        the least urgent class below the arrival is shed (503), else the arrival 429s
+
+Late binding: a request is given its unit when it leaves the queue, and only a
+unit with room for its class takes it, so work that cannot start yet waits here,
+where a more urgent request can still pass it, not in a unit's engine queue. A
+unit has room for class c while
+
+    load < unit_share(c) x limit,   load  = max(the proxy's in-flight count there,
+                                                the engine's running + waiting)
+                                    limit = admission.unit_max_in_flight, or the
+                                            engine's max_num_seqs
+
+from the leader's own vLLM scheduler stats (``registry.EngineLoad``, pushed over
+its OpenAI channel; counts other proxies' requests too). A report older than
+``load_max_age_s`` is not trusted; with none the proxy's count is the load, and
+with no limit known a unit always has room (the global ``max_concurrent`` still
+bounds). A unit whose KV cache is at least ``unit_max_kv_usage`` full takes only
+real-time requests: vLLM preempts lower-priority sequences for them.
+
+Retries and migrations of a started request do not queue again: they hold their
+place (dispatch.py picks their unit without the room rule).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from proxy.config import AdmissionConfig, ClassConfig
+from proxy.metrics import ProxyMetrics
+from proxy.registry import UnitState
+from proxy.traffic_class import TrafficClass
+
+# While anything waits, the queues are looked at this often even if nothing was
+# released: load reports arrive, requests age and deadlines pass.
+TICK_S = 0.05
+CLASSES = tuple(TrafficClass)
+
+
+class Overloaded(Exception):
+    """A request that cannot start: 429 (queue full, deadline) or 503 (shed)."""
+
+    def __init__(self, message: str, retry_after_s: int, status: int = 429, code: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.status = status
+        self.code = code or "rate_limit_exceeded"
+
+
+class FlowJob:
+    """What flow control needs of a job (``dispatch.Job``): its class and tenant."""
+
+    traffic_class: TrafficClass
+    tenant: str
+
+
+# Picks a unit with room for the job (``room`` filters the eligible units) and
+# counts the job's first attempt on it; None when no eligible unit has room. Raises
+# NoRoutableUnit when the job's model has no eligible unit at all.
+Placer = Callable[[object, Callable[[UnitState], bool]], UnitState | None]
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    job: object
+    cls: TrafficClass
+    tenant: str
+    since: float  # loop.time() it arrived
+    future: asyncio.Future[UnitState]
+    gone: bool = False  # expired, shed or abandoned; skipped when met
+
+
+@dataclass(slots=True)
+class _Tenant:
+    queue: deque[_Waiter] = field(default_factory=deque)
+    pass_: float = 0.0
+
+    def head(self) -> _Waiter | None:
+        q = self.queue
+        while q and q[0].gone:
+            q.popleft()
+        return q[0] if q else None
+
+    def tail(self) -> _Waiter | None:
+        q = self.queue
+        while q and q[-1].gone:
+            q.pop()
+        return q[-1] if q else None
+
+
+@dataclass(slots=True)
+class _ClassQueue:
+    cfg: ClassConfig
+    tenants: dict[str, _Tenant] = field(default_factory=dict)
+    waiting: int = 0
+    vtime: float = 0.0  # the pass of the last dispatch: where an idle tenant rejoins
+    active: int = 0
+    dispatched: int = 0
+    expired: int = 0
+    shed: int = 0
+    refused: int = 0
+
+
+class FlowController:
+    def __init__(
+        self,
+        cfg: AdmissionConfig,
+        metrics: ProxyMetrics | None = None,
+        weight_of: Callable[[str], float] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.weight_of = weight_of or (lambda _tenant: 1.0)
+        self.place: Placer | None = None  # set by the server (the dispatcher's placer)
+        self.release_unit: Callable[[object], None] | None = None
+        self._classes = {c: _ClassQueue(cfg.class_config(c.label)) for c in CLASSES}
+        self.active = 0
+        self._ticker: asyncio.Task[None] | None = None
+        self._pump_scheduled = False
+
+    # ---- what the rest of the proxy reads -------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return sum(q.waiting for q in self._classes.values())
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Per class: waiting, active, and the counters since start (for /status)."""
+        return {
+            c.label: {
+                "queued": q.waiting,
+                "active": q.active,
+                "dispatched": q.dispatched,
+                "deadline_misses": q.expired,
+                "shed": q.shed,
+                "refused": q.refused,
+            }
+            for c, q in self._classes.items()
+        }
+
+    # ---- room -------------------------------------------------------------------------------
+
+    def has_room(self, unit: UnitState, cls: TrafficClass) -> bool:
+        load = unit.in_flight
+        limit = self.cfg.unit_max_in_flight
+        report = unit.engine_load
+        if report is not None and time.monotonic() - report.at <= self.cfg.load_max_age_s:
+            load = max(load, report.running + report.waiting)
+            limit = limit or report.max_num_seqs
+            if cls != TrafficClass.REAL_TIME and report.kv_usage >= self.cfg.unit_max_kv_usage:
+                return False
+        if not limit:
+            return True
+        return load < max(1, math.floor(self._classes[cls].cfg.unit_share * limit))
+
+    # ---- admission ----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def slot(self, job: FlowJob) -> AsyncIterator[None]:
+        """Wait for the job's turn and a unit with room; the job's first attempt is
+        then counted on that unit (the dispatcher starts there). Raises Overloaded."""
+        cls, tenant = job.traffic_class, job.tenant
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        unit = None
+        if not self._waiting_at_or_above(cls) and self.active < self.cfg.max_concurrent:
+            unit = self._try_place(job, cls)
+            if unit is not None:
+                self._started(cls)
+        if unit is None:
+            unit = await self._wait(job, cls, tenant, start)
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.flow_wait, cls.label).observe(loop.time() - start)
+        try:
+            yield
+        finally:
+            self._finished(job, cls)
+
+    def _started(self, cls: TrafficClass) -> None:
+        """A request was given its unit: it counts against ``max_concurrent`` from now."""
+        q = self._classes[cls]
+        self.active += 1
+        q.active += 1
+        q.dispatched += 1
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.flow_dispatched, cls.label).inc()
+
+    def _finished(self, job: object, cls: TrafficClass) -> None:
+        self.active -= 1
+        self._classes[cls].active -= 1
+        if self.release_unit is not None:
+            self.release_unit(job)  # its first attempt, if it never began
+        self._schedule_pump()
+
+    def _waiting_at_or_above(self, cls: TrafficClass) -> bool:
+        return any(self._classes[c].waiting for c in CLASSES if c <= cls)
+
+    def _try_place(self, job: object, cls: TrafficClass) -> UnitState | None:
+        assert self.place is not None, "no placer"
+        return self.place(job, lambda u: self.has_room(u, cls))
+
+    async def _wait(self, job: FlowJob, cls: TrafficClass, tenant: str, start: float) -> UnitState:
+        q = self._classes[cls]
+        cfg = q.cfg
+        if q.waiting >= cfg.queue_size:
+            self._reject(cls, "queue_full")
+            raise Overloaded(
+                f"server overloaded: {q.waiting} {cls.label} requests already waiting; retry later",
+                cfg.retry_after_s,
+            )
+        if self.queued >= self.cfg.queue_size and not self._shed_below(cls):
+            self._reject(cls, "queue_full")
+            raise Overloaded(
+                f"server overloaded: {self.queued} requests waiting; retry later",
+                cfg.retry_after_s,
+            )
+        loop = asyncio.get_running_loop()
+        w = _Waiter(job, cls, tenant, start, loop.create_future())
+        t = q.tenants.get(tenant)
+        if t is None:
+            t = q.tenants[tenant] = _Tenant()
+        if t.head() is None:  # joins now: no credit for the time it was idle
+            t.pass_ = max(t.pass_, q.vtime)
+        t.queue.append(w)
+        q.waiting += 1
+        self._ensure_ticker()
+        self._schedule_pump()
+        try:
+            async with asyncio.timeout_at(start + cfg.queue_timeout_s):
+                return await w.future
+        except TimeoutError:
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                return w.future.result()  # placed in the same iteration as the timeout
+            self._forget(w)
+            q.expired += 1
+            self._reject(cls, "deadline")
+            raise Overloaded(
+                f"server overloaded: no capacity for a {cls.label} request within "
+                f"{cfg.queue_timeout_s:g}s",
+                cfg.retry_after_s,
+            ) from None
+        except BaseException:
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                self._finished(job, cls)  # placed, then the client left before it began
+            self._forget(w)
+            raise
+
+    def _forget(self, w: _Waiter) -> None:
+        if not w.gone:
+            w.gone = True
+            self._classes[w.cls].waiting -= 1
+
+    def _shed_below(self, cls: TrafficClass) -> bool:
+        """Shed the newest waiting request of the least urgent class below ``cls``."""
+        for c in reversed(CLASSES):
+            if c <= cls:
+                return False
+            q = self._classes[c]
+            if not q.waiting:
+                continue
+            newest = max(
+                (w for t in q.tenants.values() if (w := t.tail()) is not None),
+                key=lambda w: w.since,
+            )
+            self._forget(newest)
+            q.shed += 1
+            self._reject(c, "shed")
+            newest.future.set_exception(
+                Overloaded(
+                    f"shed: {c.label} request dropped to make room for more urgent traffic; "
+                    "retry later",
+                    q.cfg.retry_after_s,
+                    status=503,
+                    code="shed",
+                )
+            )
+            return True
+        return False
+
+    def _reject(self, cls: TrafficClass, reason: str) -> None:
+        if reason == "queue_full":
+            self._classes[cls].refused += 1
+        if self.metrics is not None:
+            self.metrics.child(self.metrics.flow_rejected, cls.label, reason).inc()
+
+    # ---- the pump ---------------------------------------------------------------------------
+
+    def _schedule_pump(self) -> None:
+        """Pump once, soon: releases within one loop iteration coalesce."""
+        if not self._pump_scheduled and self.queued:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _ensure_ticker(self) -> None:
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while self.queued:
+            await asyncio.sleep(TICK_S)
+            self._pump_scheduled = True
+            self._pump()
+        self._ticker = None
+
+    def _pump(self) -> None:
+        self._pump_scheduled = False
+        while self.queued and self.active < self.cfg.max_concurrent:
+            if not self._place_one():
+                return
+
+    def _ranked(self, now: float) -> list[TrafficClass]:
+        """Classes with waiting work, in the order they are served now (aging)."""
+        ranked = []
+        for c, q in self._classes.items():
+            if not q.waiting:
+                continue
+            oldest = min(w.since for t in q.tenants.values() if (w := t.head()) is not None)
+            rank = float(c)
+            if q.cfg.aging_s and c:
+                rank = max(0.0, c - math.floor((now - oldest) / q.cfg.aging_s))
+            # Equal ranks (only by aging): the older request first, so an aged class
+            # takes its turns against a busy more urgent one instead of starving.
+            ranked.append((rank, oldest, c))
+        return [c for _, _, c in sorted(ranked)]
+
+    def _place_one(self) -> bool:
+        """Start the next request that can start; False when none can."""
+        now = asyncio.get_running_loop().time()
+        for c in self._ranked(now):
+            q = self._classes[c]
+            tenants = sorted(
+                ((t.pass_, name, t) for name, t in q.tenants.items() if t.head() is not None),
+                key=lambda x: (x[0], x[1]),
+            )
+            for _pass, name, t in tenants:
+                w = t.head()
+                assert w is not None
+                try:
+                    unit = self._try_place(w.job, c)
+                except Exception as e:  # no routable unit for its model: fail it now
+                    self._forget(w)
+                    w.future.set_exception(e)
+                    return True
+                if unit is None:
+                    continue
+                t.queue.popleft()
+                self._forget(w)
+                q.vtime = t.pass_
+                t.pass_ += 1.0 / max(1e-6, self.weight_of(name))
+                if not t.queue:
+                    del q.tenants[name]  # its pass survives only while it has work
+                    q.vtime = max(q.vtime, _pass)
+                self._started(c)
+                w.future.set_result(unit)
+                return True
+        return False

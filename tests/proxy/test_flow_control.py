@@ -1,0 +1,327 @@
+"""Flow control against the real dispatcher's placement (registry, outlier detector,
+routing policy), with units whose room is set by hand: which request starts when."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import pytest
+
+from proxy.config import AdmissionConfig, OutlierConfig, RetryConfig, RoutingConfig, UnitSpec
+from proxy.dispatch import Dispatcher, GenerationJob, NoRoutableUnit
+from proxy.flow_control import FlowController, Overloaded
+from proxy.metrics import ProxyMetrics
+from proxy.outlier import OutlierDetector
+from proxy.registry import EngineLoad, Registry
+from proxy.routing import make_policy
+from proxy.traffic_class import TrafficClass
+
+RT, NRT, BATCH = TrafficClass.REAL_TIME, TrafficClass.NEAR_REAL_TIME, TrafficClass.BATCH
+
+
+class Fleet:
+    def __init__(self, units: int = 1, weights: dict[str, float] | None = None, **admission):
+        self.registry = Registry()
+        for i in range(units):
+            u = self.registry.add(UnitSpec(unit_id=f"u{i}", leader_grpc=f"127.0.0.1:{i + 1}"))
+            for n in u.nodes:
+                n.healthy, n.initial = True, False
+        self.metrics = ProxyMetrics()
+        self.dispatcher = Dispatcher(
+            self.registry,
+            OutlierDetector(OutlierConfig()),
+            make_policy(RoutingConfig(policy="least_loaded")),
+            None,  # type: ignore[arg-type]  # placement never calls upstream
+            RetryConfig(),
+            self.metrics,
+        )
+        w = weights or {}
+        self.flow = FlowController(
+            AdmissionConfig(**admission), self.metrics, lambda t: w.get(t, 1.0)
+        )
+        self.flow.place = self.dispatcher.place
+        self.flow.release_unit = self.dispatcher.release_first
+        self.started: list[str] = []
+
+    def job(self, cls: TrafficClass = RT, tenant: str = "t") -> GenerationJob:
+        return GenerationJob(
+            model="llm", deadline=1e12, prompt="p", max_tokens=1, sampling={},
+            traffic_class=cls, tenant=tenant,
+        )  # fmt: skip
+
+    async def hold(self, name: str, job: GenerationJob, release: asyncio.Event) -> None:
+        """Take a slot, note the start, hold the unit until ``release``, then end the
+        job's attempt as the dispatcher would."""
+        async with self.flow.slot(job):
+            self.started.append(name)
+            unit = job.first_unit
+            assert unit is not None and unit.in_flight >= 1
+            job.first_unit = None
+            try:
+                await release.wait()
+            finally:
+                unit.in_flight -= 1
+
+    def in_flight(self) -> int:
+        return sum(u.in_flight for u in self.registry.units.values())
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def drain_one_by_one(fleet: Fleet, names_jobs, wait_s: float = 0.0):
+    """Start every job behind one blocker on a one-slot unit; release one at a time;
+    return the order they started in."""
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT, "x"), gate))
+    await settle()
+    events = {}
+    tasks = []
+    for name, job in names_jobs:
+        events[name] = asyncio.Event()
+        tasks.append(asyncio.create_task(fleet.hold(name, job, events[name])))
+        await settle()
+    if wait_s:
+        await asyncio.sleep(wait_s)
+    gate.set()
+    await blocker
+    while len(fleet.started) < len(names_jobs) + 1:
+        await settle()
+        await asyncio.sleep(0.001)
+        last = fleet.started[-1]
+        if last in events and not events[last].is_set():
+            events[last].set()
+    for e in events.values():
+        e.set()
+    await asyncio.gather(*tasks)
+    return fleet.started[1:]
+
+
+async def test_strict_priority_between_classes():
+    fleet = Fleet(unit_max_in_flight=1)
+    order = await drain_one_by_one(
+        fleet,
+        [("b1", fleet.job(BATCH)), ("n1", fleet.job(NRT)), ("b2", fleet.job(BATCH)),
+         ("r1", fleet.job(RT)), ("n2", fleet.job(NRT)), ("r2", fleet.job(RT))],
+    )  # fmt: skip
+    assert order == ["r1", "r2", "n1", "n2", "b1", "b2"]
+    assert fleet.in_flight() == 0 and fleet.flow.active == 0 and fleet.flow.queued == 0
+
+
+async def test_aging_lets_a_waiting_class_take_its_turn():
+    fleet = Fleet(unit_max_in_flight=1, classes={"near-real-time": {"aging_s": 0.05}})
+    # n1 waits past its aging time before the real-time requests arrive: it has
+    # ranked as real-time since, and is older than them.
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT, "x"), gate))
+    await settle()
+    ev = {n: asyncio.Event() for n in ("n1", "r1", "r2")}
+    tasks = [asyncio.create_task(fleet.hold("n1", fleet.job(NRT), ev["n1"]))]
+    await asyncio.sleep(0.12)
+    tasks += [asyncio.create_task(fleet.hold(n, fleet.job(RT), ev[n])) for n in ("r1", "r2")]
+    await settle()
+    gate.set()
+    for n in ("n1", "r1", "r2"):
+        while n not in fleet.started:
+            await asyncio.sleep(0.001)
+        ev[n].set()
+    await asyncio.gather(blocker, *tasks)
+    assert fleet.started == ["blocker", "n1", "r1", "r2"]
+
+
+async def test_without_aging_a_lower_class_waits_behind_a_busy_higher_one():
+    fleet = Fleet(unit_max_in_flight=1)
+    order = await drain_one_by_one(
+        fleet, [("b1", fleet.job(BATCH)), ("r1", fleet.job(RT)), ("r2", fleet.job(RT))], 0.1
+    )
+    assert order == ["r1", "r2", "b1"]
+
+
+@pytest.mark.parametrize("weights,expected_share", [({}, 0.5), ({"a": 2.0}, 2 / 3)])
+async def test_tenants_of_a_class_share_dispatches_by_weight(weights, expected_share):
+    fleet = Fleet(weights=weights, unit_max_in_flight=1)
+    # Tenant a floods first; b arrives later with as much: b must not wait behind
+    # all of a's work, and dispatches split by weight while both wait.
+    jobs = [(f"a{i}", fleet.job(BATCH, "a")) for i in range(60)]
+    jobs += [(f"b{i}", fleet.job(BATCH, "b")) for i in range(60)]
+    order = await drain_one_by_one(fleet, jobs)
+    first = order[:60]
+    share_a = sum(n.startswith("a") for n in first) / len(first)
+    assert abs(share_a - expected_share) <= 0.1 * expected_share, (share_a, first)
+
+
+async def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
+    fleet = Fleet(unit_max_in_flight=1)
+    # a dispatched a lot with nobody else waiting; b then joins with a backlog: the
+    # two alternate from then on, b does not get a burst for a's past.
+    order = await drain_one_by_one(fleet, [(f"a{i}", fleet.job(BATCH, "a")) for i in range(10)])
+    fleet.started.clear()
+    jobs = [(f"a{i}", fleet.job(BATCH, "a")) for i in range(10)]
+    jobs += [(f"b{i}", fleet.job(BATCH, "b")) for i in range(10)]
+    order = await drain_one_by_one(fleet, jobs)
+    run = max(len(s) for s in "".join(n[0] for n in order[:12]).replace("ab", "a b").split())
+    assert run <= 2, order
+
+
+async def test_a_request_that_cannot_start_in_time_gets_429_with_retry_after():
+    fleet = Fleet(
+        unit_max_in_flight=1,
+        classes={"near-real-time": {"queue_timeout_s": 0.1, "retry_after_s": 7}},
+    )
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT), gate))
+    await settle()
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded) as e:
+        await fleet.hold("late", fleet.job(NRT), asyncio.Event())
+    assert time.monotonic() - t0 >= 0.1
+    assert e.value.status == 429 and e.value.retry_after_s == 7
+    assert "near-real-time" in str(e.value) and "0.1s" in str(e.value)
+    assert fleet.flow.snapshot()["near-real-time"]["deadline_misses"] == 1
+    assert fleet.flow.queued == 0
+    gate.set()
+    await blocker
+    assert fleet.in_flight() == 0
+
+
+async def test_shedding_takes_the_lowest_class_first():
+    fleet = Fleet(unit_max_in_flight=1, queue_size=3)
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT), gate))
+    await settle()
+    ev = asyncio.Event()
+    b1 = asyncio.create_task(fleet.hold("b1", fleet.job(BATCH), ev))
+    n1 = asyncio.create_task(fleet.hold("n1", fleet.job(NRT), ev))
+    await settle()
+    b2 = asyncio.create_task(fleet.hold("b2", fleet.job(BATCH), ev))
+    await settle()
+    assert fleet.flow.queued == 3
+    # Full: a real-time arrival sheds the newest batch request (b2), then the other,
+    # then near-real-time; with only real-time left waiting, the arrival is refused.
+    rts = []
+    for _ in range(3):
+        rts.append(asyncio.create_task(fleet.hold("r", fleet.job(RT), ev)))
+        await settle()
+    with pytest.raises(Overloaded) as shed:
+        await b2
+    assert shed.value.status == 503 and shed.value.code == "shed"
+    assert shed.value.retry_after_s == 30
+    for t in (b1, n1):
+        with pytest.raises(Overloaded):
+            await t
+    with pytest.raises(Overloaded) as refused:
+        await fleet.hold("r4", fleet.job(RT), ev)
+    assert refused.value.status == 429
+    snap = fleet.flow.snapshot()
+    assert snap["batch"]["shed"] == 2 and snap["near-real-time"]["shed"] == 1
+    assert snap["real-time"]["refused"] == 1
+    gate.set()
+    ev.set()
+    await asyncio.gather(blocker, *rts)
+    assert fleet.started.count("r") == 3 and fleet.in_flight() == 0
+
+
+async def test_a_full_class_queue_refuses_arrivals_of_that_class_only():
+    fleet = Fleet(unit_max_in_flight=1, classes={"batch": {"queue_size": 1}})
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT), gate))
+    await settle()
+    b1 = asyncio.create_task(fleet.hold("b1", fleet.job(BATCH), gate))
+    await settle()
+    with pytest.raises(Overloaded) as e:
+        await fleet.hold("b2", fleet.job(BATCH), gate)
+    assert e.value.status == 429 and "batch" in str(e.value)
+    r = asyncio.create_task(fleet.hold("r1", fleet.job(RT), gate))
+    await settle()
+    gate.set()
+    await asyncio.gather(blocker, b1, r)
+    assert fleet.started == ["blocker", "r1", "b1"]
+
+
+async def test_room_follows_the_engines_own_load_report():
+    fleet = Fleet(units=2)
+    u0, u1 = fleet.registry.get("u0"), fleet.registry.get("u1")
+    now = time.monotonic()
+    # u0's engine is full with another proxy's work; u1 has room for batch up to
+    # 0.75 x 8 = 6.
+    u0.engine_load = EngineLoad(running=8, waiting=2, kv_usage=0.5, max_num_seqs=8, at=now)
+    u1.engine_load = EngineLoad(running=5, waiting=0, kv_usage=0.5, max_num_seqs=8, at=now)
+    flow = fleet.flow
+    assert not flow.has_room(u0, RT) and not flow.has_room(u0, BATCH)
+    assert flow.has_room(u1, RT) and flow.has_room(u1, BATCH)
+    u1.engine_load = dataclasses.replace(u1.engine_load, running=6)
+    assert flow.has_room(u1, RT) and flow.has_room(u1, NRT) and not flow.has_room(u1, BATCH)
+    # A KV cache nearly full takes real-time only (vLLM preempts lower priorities).
+    u1.engine_load = dataclasses.replace(u1.engine_load, running=1, kv_usage=0.97)
+    assert flow.has_room(u1, RT) and not flow.has_room(u1, NRT)
+    # The proxy's own count wins when it is higher (a report not yet caught up).
+    u1.engine_load = dataclasses.replace(u1.engine_load, running=0, kv_usage=0.1)
+    u1.in_flight = 8
+    assert not flow.has_room(u1, RT)
+    # A stale report is not trusted: no limit known, room.
+    u1.in_flight = 0
+    u0.engine_load = dataclasses.replace(u0.engine_load, at=now - 60)
+    assert flow.has_room(u0, BATCH)
+
+
+async def test_batch_is_placed_only_where_it_fits_and_waits_otherwise():
+    fleet = Fleet(units=2, unit_max_in_flight=4)  # batch: 3 per unit
+    gate = asyncio.Event()
+    tasks = [asyncio.create_task(fleet.hold(f"b{i}", fleet.job(BATCH), gate)) for i in range(8)]
+    await settle()
+    assert len(fleet.started) == 6 and fleet.flow.queued == 2
+    # Real-time still starts at once: the units' last slot was kept for it.
+    r = asyncio.create_task(fleet.hold("r", fleet.job(RT), gate))
+    await settle()
+    assert "r" in fleet.started
+    gate.set()
+    await asyncio.gather(*tasks, r)
+    assert len(fleet.started) == 9 and fleet.in_flight() == 0
+
+
+async def test_a_client_that_leaves_while_waiting_or_after_placement_frees_everything():
+    fleet = Fleet(unit_max_in_flight=1)
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT), gate))
+    await settle()
+    waiting = asyncio.create_task(fleet.hold("w", fleet.job(BATCH), asyncio.Event()))
+    await settle()
+    assert fleet.flow.queued == 1
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert fleet.flow.queued == 0
+    gate.set()
+    await blocker
+    # Placed, but the slot is left before the first attempt begins: uncounted.
+    job = fleet.job(RT)
+    async with fleet.flow.slot(job):
+        assert job.first_unit is not None and job.first_unit.in_flight == 1
+    assert fleet.in_flight() == 0 and fleet.flow.active == 0
+
+
+async def test_no_routable_unit_fails_at_once_not_after_the_queue_deadline():
+    fleet = Fleet(units=1)
+    fleet.registry.get("u0").draining = True
+    with pytest.raises(NoRoutableUnit):
+        async with fleet.flow.slot(fleet.job(BATCH)):
+            pass
+    assert fleet.flow.queued == 0 and fleet.flow.active == 0
+
+
+def test_class_config_is_checked_and_merged_over_the_defaults():
+    cfg = AdmissionConfig(classes={"batch": {"unit_share": 0.5}})
+    assert cfg.class_config("batch").unit_share == 0.5
+    assert cfg.class_config("batch").queue_size == 4096
+    assert cfg.class_config("real-time").unit_share == 1.0
+    for bad, msg in [
+        ({"premium": {}}, "unknown class"),
+        ({"batch": {"unit_shares": 1}}, "unknown keys"),
+        ({"batch": {"unit_share": 0}}, "unit_share"),
+        ({"batch": {"queue_timeout_s": float("inf")}}, "queue_timeout_s"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            AdmissionConfig(classes=bad)

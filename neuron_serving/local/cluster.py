@@ -3,8 +3,9 @@
     prepare()   run dir (0700), ports free?, unit token + admin token + client API key
                 (0600), proxy.yaml
     start()     proxy group (one process) + one GroupSupervisor per unit, all in parallel
-    wait_ready  until the proxy and every unit were ready once; a unit failing
-                ``max_start_failures`` times before its first ready aborts start-up
+    wait_ready  until the proxy and every unit are ready at the same time (a unit that
+                failed after its first ready is being recreated: not ready yet); a
+                group failing ``max_start_failures`` times during start-up aborts it
     serve()     every second, write_state() keeps supervisor.json fresh for
                 `neuron-serving status`; a failed write (full disk) is reported once
                 and retried on the next tick: the units keep serving
@@ -155,29 +156,32 @@ class ClusterSupervisor:
         self.write_state()
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Block until the proxy and every unit were ready once; returns seconds taken.
+        """Block until the proxy and every unit are ready, all at once; returns seconds
+        taken. "Were ready once" (``ever_ready``) is not enough: a unit that failed
+        after its first ready is being recreated (about 30 s on 2 cores) and is not
+        routable meanwhile, so `up` would say ready with a unit down.
 
-        Raises StartupFailed naming the process and with its log tail when a unit
-        fails ``max_start_failures`` times before its first ready, or on timeout.
+        Raises StartupFailed naming the process and with its log tail when a group
+        fails ``max_start_failures`` times during start-up, or on timeout.
         """
         assert self.started_at is not None and self.proxy is not None
         deadline = time.monotonic() + timeout_s
         groups = [self.proxy, *self.units]
         while time.monotonic() < deadline and not self.stopping.is_set():
-            if all(g.ever_ready.is_set() for g in groups):
+            if all(g.phase == GroupPhase.READY for g in groups):
                 return time.time() - self.started_at
             for g in groups:
-                if not g.ever_ready.is_set() and g.restarts >= self.max_start_failures:
+                if g.restarts >= self.max_start_failures:
                     f = g.failures[-1]
                     raise StartupFailed(
-                        f"{g.group_id} failed {g.restarts} times before becoming ready; "
+                        f"{g.group_id} failed {g.restarts} times during start-up; "
                         f"last: {f.reason}\n--- last lines of its log:\n{f.log_tail}"
                     )
             self.write_state()
             time.sleep(0.5)
         if self.stopping.is_set():
             raise StartupFailed("interrupted during start-up")
-        pending = [g.group_id for g in groups if not g.ever_ready.is_set()]
+        pending = [g.group_id for g in groups if g.phase != GroupPhase.READY]
         raise StartupFailed(f"not ready within {timeout_s:.0f} s: {pending}")
 
     # ---- serving -------------------------------------------------------------------

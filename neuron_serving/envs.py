@@ -115,6 +115,11 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "s3:// prefix of the checkpoint version an ECS node fetches (its rank's shards) into "
         "the model directory before it starts; set by the task definition (spec model_uri).",
     ),
+    "XDG_DATA_HOME": (
+        _str("XDG_DATA_HOME", None),
+        "Base of the proxy's default data directory ($XDG_DATA_HOME/neuron-serving/proxy; "
+        "default ~/.local/share): the Batch API's SQLite store and files.",
+    ),
     "NEURON_SERVING_S3_ENDPOINT_URL": (
         _str("NEURON_SERVING_S3_ENDPOINT_URL", None),
         "S3 endpoint of `checkpoint publish/fetch` (e.g. http://127.0.0.1:9000 for minio or "

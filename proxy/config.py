@@ -192,6 +192,49 @@ class AdmissionConfig:
         return self.classes[name]
 
 
+def default_data_dir() -> str:
+    """$XDG_DATA_HOME/neuron-serving/proxy (~/.local/share/neuron-serving/proxy)."""
+    base = envs.XDG_DATA_HOME or str(Path.home() / ".local" / "share")
+    return str(Path(base) / "neuron-serving" / "proxy")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    """The OpenAI Batch API (``proxy/batch/``): state in SQLite, files local or in S3."""
+
+    enabled: bool = True
+    data_dir: str = ""  # "" = default_data_dir(); holds batch.sqlite3 (and files/)
+    files_url: str = ""  # "" = <data_dir>/files; or s3://BUCKET/PREFIX
+    max_file_bytes: int = 200 * 1000 * 1000  # OpenAI's limit for a batch input file
+    max_lines: int = 50_000  # OpenAI's limit of requests per batch
+    max_files_per_tenant: int = 10_000
+    max_uploads: int = 4  # uploads received at once (each streamed to disk)
+    upload_timeout_s: float = 600.0
+    lines_in_flight: int = 64  # lines this proxy has in flow control at once
+    lease_s: float = 60.0  # a line's lease; renewed while it runs
+    max_attempts: int = 3  # unit faults before a line fails
+    poll_s: float = 1.0  # how often the store is looked at for work with nothing woken
+    replica_id: str = ""  # "" = <hostname>:<port>; distinct per replica sharing a store
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.enabled, bool), "batch.enabled must be a boolean")
+        _check(
+            not self.files_url or self.files_url.startswith("s3://"),
+            "batch.files_url must be empty (local files) or s3://BUCKET[/PREFIX]",
+        )
+        _check(self.max_file_bytes >= 1024, "batch.max_file_bytes must be >= 1024")
+        _check(self.max_lines >= 1, "batch.max_lines must be >= 1")
+        _check(self.max_files_per_tenant >= 1, "batch.max_files_per_tenant must be >= 1")
+        _check(self.max_uploads >= 1, "batch.max_uploads must be >= 1")
+        _check(self.upload_timeout_s > 0, "batch.upload_timeout_s must be > 0")
+        _check(self.lines_in_flight >= 1, "batch.lines_in_flight must be >= 1")
+        _check(self.lease_s >= 1, "batch.lease_s must be >= 1")
+        _check(self.max_attempts >= 1, "batch.max_attempts must be >= 1")
+        _check(self.poll_s > 0, "batch.poll_s must be > 0")
+        if not self.data_dir:
+            object.__setattr__(self, "data_dir", default_data_dir())
+
+
 @dataclass(frozen=True, slots=True)
 class LimitsConfig:
     """Bounds of the client-facing HTTP server against slow or hostile clients.
@@ -344,6 +387,7 @@ class ProxyConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
     models: tuple[ModelSpec, ...] = ()
     units: tuple[UnitSpec, ...] = ()
 
@@ -396,6 +440,7 @@ _SECTIONS = {
     "admission": AdmissionConfig,
     "limits": LimitsConfig,
     "routing": RoutingConfig,
+    "batch": BatchConfig,
 }
 
 

@@ -180,6 +180,23 @@ class Pipeline:
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
             raise as_api_error(e) from None
 
+    async def complete(self, job: OpenAIJob) -> tuple[int, bytes]:
+        """One OpenAI call answered whole, for the proxy itself (the Batch API's
+        lines): flow control's slot, the dispatcher's relay (retries included), the
+        responses' bodies joined. Raises Overloaded, NoRoutableUnit or UpstreamError."""
+        deps = self.deps
+        async with deps.admission.slot(job):
+            gen = deps.dispatcher.relay(job)
+            async with contextlib.aclosing(gen):
+                status, parts = 200, []
+                async for d in gen:
+                    if not parts and d.status is not None:
+                        status = d.status
+                    parts.append(d.body)
+                    if d.final:
+                        break
+        return status, b"".join(parts)
+
     async def _stream(
         self,
         request: web.Request,

@@ -5,6 +5,15 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_data_home(tmp_path_factory):
+    """Default data directories (the proxy's Batch API store) under the session's tmp,
+    never the user's ~/.local/share: processes the tests start inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
     """The demo checkpoint, built once per test session (seed 0)."""

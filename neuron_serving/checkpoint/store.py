@@ -160,20 +160,9 @@ class S3Store:
         on_part: PartCallback | None = None,
         progress: TransferProgress | None = None,
     ) -> S3Store:
-        import boto3
-        from botocore.config import Config
+        from neuron_serving.s3 import s3_client
 
-        from neuron_serving import envs
-
-        endpoint_url = endpoint_url or envs.NEURON_SERVING_S3_ENDPOINT_URL
-        config = Config(
-            retries={"mode": "standard", "max_attempts": 5},
-            connect_timeout=10,
-            read_timeout=60,
-            # Custom endpoints (moto, minio) serve buckets by path, not by host name.
-            s3={"addressing_style": "path"} if endpoint_url else {},
-        )
-        client = boto3.client("s3", endpoint_url=endpoint_url, config=config)
+        client = s3_client(endpoint_url)
         return cls(client, transfer, on_part, progress)
 
     # -- publish ------------------------------------------------------------

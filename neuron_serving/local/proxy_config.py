@@ -98,6 +98,9 @@ def proxy_config(
         # (the default budget allows 3 concurrent retries, which would turn the rest
         # of a killed unit's streams into client-visible errors).
         "retry": {"max_migrations": 3, "budget_pct": 100.0, "min_retry_concurrency": 64},
+        # The Batch API's store and files live with the cluster's run dir; the replica
+        # id is fixed, so a restarted proxy takes its own leased lines back at once.
+        "batch": {"data_dir": str(spec.run_dir / "proxy-data"), "replica_id": "proxy-0"},
         "models": [
             {
                 "name": spec.served_model_name,

@@ -13,6 +13,7 @@ within 3 s of the kill), asserted with tolerance and printed.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from neuron_serving.local.probe import get_json
 from tests.e2e.local_cluster import (
     STREAMS,
     Cluster,
@@ -107,6 +109,65 @@ def test_status_command_shows_restarts(cluster: Cluster) -> None:
     assert units["unit-0"]["health"] == "routable"
     assert "follower-1 exited" in units["unit-0"]["last_failure"]
     assert [n["name"] for n in units["unit-0"]["nodes"]] == ["leader", "follower-1"]
+
+
+def test_a_batch_survives_a_proxy_sigkill_with_every_line_exactly_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """2,000 lines through the official client's files and batches; the proxy is
+    SIGKILLed mid-batch, `up` restarts it, and it finishes the batch from its SQLite
+    store: every line's answer exactly once in the output file."""
+    n = 2000
+    lines = [
+        json.dumps(
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": cluster.model,
+                    "prompt": f"item {i}: ",
+                    "max_tokens": 2,
+                    "temperature": 0,
+                },
+            }
+        )  # fmt: skip
+        for i in range(n)
+    ]
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    c = cluster.client()
+    with path.open("rb") as f:
+        upload = c.files.create(file=f, purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/completions",
+                             completion_window="24h")  # fmt: skip
+    assert batch.request_counts.total == n
+
+    def progress() -> int:
+        try:
+            return c.batches.retrieve(batch.id).request_counts.completed
+        except openai.APIError:
+            return -1  # the proxy is restarting
+
+    wait_for(lambda: progress() >= 300, 600, interval=0.5, what="300 lines done")
+    (proxy,) = [p for p in cluster.state()["proxy"]["processes"] if p["pid"]]
+    os.kill(proxy["pid"], signal.SIGKILL)
+    done_at_kill = progress()
+    print(f"proxy SIGKILLed with {done_at_kill} of {n} lines done")
+    wait_for(lambda: cluster.routable("unit-0") and cluster.routable("unit-1"), 120,
+             interval=0.5, what="the restarted proxy routing")  # fmt: skip
+    wait_for(lambda: c.batches.retrieve(batch.id).status in ("completed", "failed"), 900,
+             interval=1.0, what="the batch finished")  # fmt: skip
+    final = c.batches.retrieve(batch.id)
+    assert final.status == "completed", final
+    assert (final.request_counts.completed, final.request_counts.failed) == (n, 0)
+    out = c.files.content(final.output_file_id).content.decode().splitlines()
+    ids = [json.loads(x)["custom_id"] for x in out]
+    assert len(ids) == n and set(ids) == {f"line-{i}" for i in range(n)}
+    assert all(json.loads(x)["response"]["status_code"] == 200 for x in out)
+    assert final.error_file_id is None
+    status = get_json(f"{cluster.url}/status", 5.0, token=cluster.api_key)
+    assert status["batches"]["active"] == []
 
 
 def test_shutdown_under_load_leaves_nothing(cluster: Cluster) -> None:

@@ -84,6 +84,7 @@ class Fleet:
             "models": [{"name": "llm", "model_dir": self.model_dir()}],
             "units": [],
             "upstream_protocol": "grpc" if self.protocol == "channel" else self.protocol,
+            "batch": {"data_dir": str(self.tmp_path / "proxy-data"), "poll_s": 0.05},
         }  # fmt: skip
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):

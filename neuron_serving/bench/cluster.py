@@ -174,27 +174,58 @@ def _failover(url: str, run_dir: Path, model: str, victim: str, streams: int) ->
     return out
 
 
+class UpRun:
+    """`neuron-serving up` as a subprocess of a benchmark: spawned with its own ports
+    and run dir, ``wait_ready`` until it says ready, ``stop`` drains it and reports
+    (and then stops) whatever it left behind."""
+
+    def __init__(self, prefix: str, extra: list[str] | None = None) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix=prefix))
+        self.port, admin = _free_port(), _free_port()
+        self.run_dir = self.tmp / "run"
+        self.args = [sys.executable, "-m", "neuron_serving.cli", "up", "--port", str(self.port),
+                     "--admin-port", str(admin), "--base-port", "27600",
+                     "--run-dir", str(self.run_dir), *(extra or [])]  # fmt: skip
+        self.log_path = self.tmp / "up.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.started = time.monotonic()
+        self.proc = proctree.spawn(self.args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.tree = ProcessTree(self.proc, "up")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 1800) -> float:
+        ok = _wait(lambda: "ready in" in self.log_path.read_text(errors="replace")
+                   or self.proc.poll() is not None, timeout_s, 0.5)  # fmt: skip
+        if not ok or self.proc.poll() is not None:
+            raise RuntimeError(f"up did not become ready; see {self.log_path}")
+        return time.monotonic() - self.started
+
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "supervisor.json").read_text())
+
+    def api_key(self) -> str:
+        return read_api_key(self.run_dir / API_KEY_FILE) or ""
+
+    def stop(self) -> list[int]:
+        """up drains and stops its units itself; if it leaves processes behind it exits
+        ExitCode.PROCESSES_LEFT. What is alive of up's tree once up has exited is
+        what it left: returned, then stopped (the tree remembered up's descendants in
+        their own sessions) so the benchmark leaks nothing."""
+        self.tree.stop_main(_UP_STOP_S, kill_timeout_s=10.0)
+        left = [p.pid for p in self.tree.stop_leftovers(kill_timeout_s=10.0)]
+        self._log.close()
+        return left
+
+
 def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
-    tmp = Path(tempfile.mkdtemp(prefix="ns-bench-cluster-"))
-    port, admin = _free_port(), _free_port()
-    run_dir = tmp / "run"
-    args = [sys.executable, "-m", "neuron_serving.cli", "up", "--port", str(port),
-            "--admin-port", str(admin), "--base-port", "27600", "--run-dir", str(run_dir)]  # fmt: skip
-    log = open(tmp / "up.log", "wb")  # noqa: SIM115 (closed below)
-    t0 = time.monotonic()
-    up = proctree.spawn(args, stdout=log, stderr=subprocess.STDOUT)
-    up_tree = ProcessTree(up, "up")
+    run = UpRun("ns-bench-cluster-")
+    up, run_dir, url = run.proc, run.run_dir, run.url
     sampler = TreeSampler(up.pid)
     sampler.start()
-    url = f"http://127.0.0.1:{port}"
-    result: dict[str, Any] = {"command": " ".join(args[2:]), "log": str(tmp / "up.log")}
+    result: dict[str, Any] = {"command": " ".join(run.args[2:]), "log": str(run.log_path)}
     rc = 0
     try:
-        ok = _wait(lambda: "ready in" in (tmp / "up.log").read_text(errors="replace")
-                   or up.poll() is not None, 1800, 0.5)  # fmt: skip
-        if not ok or up.poll() is not None:
-            raise RuntimeError(f"up did not become ready; see {tmp / 'up.log'}")
-        ready_s = time.monotonic() - t0
+        ready_s = run.wait_ready()
         state = json.loads((run_dir / "supervisor.json").read_text())
         result["time_to_first_ready_s"] = round(ready_s, 1)
         result["units_first_ready_s"] = {u["unit_id"]: u["first_ready_s"] for u in state["units"]}
@@ -208,13 +239,7 @@ def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
     finally:
         sampler.stop_event.set()
         sampler.join(5)
-        # up drains and stops its units itself; if it leaves processes behind it exits
-        # ExitCode.PROCESSES_LEFT. What is alive of up's tree once up has exited is
-        # what it left: reported as found, then stopped (the tree remembered up's
-        # descendants in their own sessions) so the benchmark leaks nothing.
-        up_tree.stop_main(_UP_STOP_S, kill_timeout_s=10.0)
-        left = [p.pid for p in up_tree.stop_leftovers(kill_timeout_s=10.0)]
-        log.close()
+        left = run.stop()
     result.update(
         peak_rss_gib=round(sampler.peak_rss / 2**30, 2),
         peak_pss_gib=round(sampler.peak_pss / 2**30, 2) if sampler.peak_pss else None,

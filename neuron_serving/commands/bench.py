@@ -13,8 +13,9 @@ BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", 
 # Diagnostic benchmarks: run by name, not part of `bench all` (failures: six two-node
 # deployments, each watched for a window after a rank failure; serving_mn: a fresh
 # two-node deployment of each system per repeat; startup: a cold `vllm serve` and a cold
-# default cluster, with a unit recreation, per repeat).
-DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup")
+# default cluster, with a unit recreation, per repeat; classes: real-time beside a
+# batch backlog, alone / through the traffic classes / first come first served).
+DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 

@@ -1,0 +1,302 @@
+"""`neuron-serving bench classes`: real-time chat beside a batch backlog, three ways.
+
+One `neuron-serving up` cluster (the default shape unless --model), one run, arms
+alternating per repeat so drift hits every arm alike:
+
+- capacity (once, first): a closed loop of batch-shaped requests as deep as the
+  fleet's running batch (units x max_num_seqs) for WINDOW seconds: the fleet's
+  saturated output tokens/s, C;
+- (a) real-time alone: chat streams arriving as a Poisson process at a rate whose
+  tokens are about half of C, for WINDOW seconds; time to first token per request;
+- (b) classes: the same real-time arrivals while a Batch API batch (submitted through
+  /v1/files and /v1/batches, class batch) large enough to outlast the window runs;
+  batch output tokens/s in the window from its request_counts;
+- (c) naive: the same real-time arrivals while the same batch work is sent as
+  ordinary requests (class real-time, so first come, first served in the proxy and in
+  the engine) by a closed loop as deep as the Batch API's lines in flight.
+
+Targets (issue 19): real-time TTFT p99 in (b) within 1.1x of (a), (c) beside it;
+batch tokens/s in (b) at least 80% of the capacity real-time leaves idle (C minus
+real-time's tokens/s in (a)); no real-time request shed or refused while batch work
+waits (the proxy's per-class counters over the run, and client errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+from neuron_serving.bench.cluster import UpRun
+from neuron_serving.bench.common import percentile, spread, write_result
+
+RT_MAX_TOKENS = 24
+BATCH_MAX_TOKENS = 32
+WORDS = "red green blue shoe cart price size brand sale ship coffee maker stock".split()
+
+
+def _prompt(rng: random.Random, n: int = 40) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+class Load:
+    def __init__(self, url: str, key: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Load:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=600, sock_read=300),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.session is not None
+        await self.session.close()
+
+    async def chat(self, rng: random.Random) -> tuple[float | None, str | None]:
+        """One real-time chat stream: (TTFT s, error)."""
+        assert self.session is not None
+        body = {"model": self.model, "stream": True, "max_tokens": RT_MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": _prompt(rng)}]}  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            async with self.session.post(f"{self.url}/v1/chat/completions", json=body,
+                                         headers=self.headers) as r:  # fmt: skip
+                if r.status != 200:
+                    return None, f"{r.status}: {(await r.text())[:200]}"
+                ttft = None
+                async for line in r.content:
+                    if ttft is None and line.startswith(b"data: {") and b'"content"' in line:
+                        ttft = time.monotonic() - t0
+                return ttft, None if ttft is not None else "no token"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return None, f"{type(e).__name__}: {e}"
+
+    async def completion(self, rng: random.Random) -> int:
+        """One batch-shaped request as an ordinary one; its completion tokens."""
+        assert self.session is not None
+        body = {"model": self.model, "prompt": _prompt(rng), "max_tokens": BATCH_MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        try:
+            async with self.session.post(f"{self.url}/v1/completions", json=body,
+                                         headers=self.headers) as r:  # fmt: skip
+                if r.status != 200:
+                    await r.read()
+                    await asyncio.sleep(0.2)
+                    return 0
+                return (await r.json())["usage"]["completion_tokens"]
+        except (aiohttp.ClientError, TimeoutError):
+            await asyncio.sleep(0.2)
+            return 0
+
+    async def closed_loop(self, depth: int, stop: asyncio.Event, out: list[tuple[float, int]]):
+        rng = random.Random(7)
+
+        async def worker() -> None:
+            while not stop.is_set():
+                n = await self.completion(rng)
+                out.append((time.monotonic(), n))
+
+        await asyncio.gather(*(worker() for _ in range(depth)))
+
+    async def poisson(
+        self, rate: float, window_s: float, seed: int
+    ) -> list[tuple[float | None, str | None]]:
+        rng = random.Random(seed)
+        tasks = []
+        end = time.monotonic() + window_s
+        while time.monotonic() < end:
+            tasks.append(asyncio.create_task(self.chat(random.Random(rng.random()))))
+            await asyncio.sleep(rng.expovariate(rate))
+        return list(await asyncio.gather(*tasks))
+
+    # ---- the Batch API ----------------------------------------------------------------
+
+    async def submit_batch(self, lines: int, seed: int) -> str:
+        assert self.session is not None
+        rng = random.Random(seed)
+        data = "".join(
+            json.dumps(
+                {
+                    "custom_id": f"l{i}",
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {
+                        "model": self.model,
+                        "prompt": _prompt(rng),
+                        "max_tokens": BATCH_MAX_TOKENS,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                }
+            )
+            + "\n"  # fmt: skip
+            for i in range(lines)
+        ).encode()
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", data, filename="bench.jsonl")
+        async with self.session.post(f"{self.url}/v1/files", data=form, headers=self.headers) as r:
+            r.raise_for_status()
+            fid = (await r.json())["id"]
+        body = {"input_file_id": fid, "endpoint": "/v1/completions", "completion_window": "24h"}
+        async with self.session.post(f"{self.url}/v1/batches", json=body,
+                                     headers=self.headers) as r:  # fmt: skip
+            r.raise_for_status()
+            return (await r.json())["id"]
+
+    async def batch(self, bid: str) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.get(f"{self.url}/v1/batches/{bid}", headers=self.headers) as r:
+            return await r.json()
+
+    async def cancel(self, bid: str) -> None:
+        assert self.session is not None
+        async with self.session.post(f"{self.url}/v1/batches/{bid}/cancel",
+                                     headers=self.headers) as r:  # fmt: skip
+            await r.read()
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and (await self.batch(bid))["status"] not in (
+            "cancelled",
+            "completed",
+            "failed",
+        ):
+            await asyncio.sleep(1.0)
+
+    async def classes(self) -> dict[str, Any]:
+        assert self.session is not None
+        async with self.session.get(f"{self.url}/status", headers=self.headers) as r:
+            return (await r.json())["admission"]["classes"]
+
+
+def _rt_summary(results: list[tuple[float | None, str | None]], window_s: float) -> dict[str, Any]:
+    ttfts = [t for t, e in results if e is None and t is not None]
+    errors = [e for _, e in results if e is not None]
+    return {
+        "requests": len(results),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "ttft_p50_s": round(percentile(ttfts, 50), 4),
+        "ttft_p99_s": round(percentile(ttfts, 99), 4),
+        "rt_tokens_per_s": round(len(ttfts) * RT_MAX_TOKENS / window_s, 1),
+    }
+
+
+def _tokens_in(done: list[tuple[float, int]], t0: float, t1: float) -> int:
+    return sum(n for t, n in done if t0 <= t <= t1)
+
+
+async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
+    state = run.state()
+    model = state["served_model_name"]
+    units = len(state["units"])
+    seqs = 16  # up's --max-num-seqs default (what the bench starts)
+    window = 30.0 if quick else 90.0
+    async with Load(run.url, run.api_key(), model) as load:
+        # Warm-up: compile paths, caches.
+        await asyncio.gather(*(load.chat(random.Random(i)) for i in range(8)))
+        # Capacity: the fleet saturated with batch-shaped work.
+        stop, done = asyncio.Event(), []
+        loop_task = asyncio.create_task(load.closed_loop(units * seqs, stop, done))
+        await asyncio.sleep(5.0)
+        t0 = time.monotonic()
+        await asyncio.sleep(window)
+        t1 = time.monotonic()
+        stop.set()
+        await loop_task
+        capacity = _tokens_in(done, t0, t1) / (t1 - t0)
+        rate = 0.5 * capacity / RT_MAX_TOKENS
+        print(f"capacity {capacity:.0f} tok/s; real-time at {rate:.2f} req/s", file=sys.stderr)
+        before = await load.classes()
+        arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": []}
+        for rep in range(repeats):
+            # (a) real-time alone
+            res = await load.poisson(rate, window, seed=100 + rep)
+            arms["a"].append(_rt_summary(res, window))
+            print(f"rep {rep} (a) {arms['a'][-1]}", file=sys.stderr, flush=True)
+            # (b) real-time + a Batch API batch
+            lines = int(1.5 * capacity * (window + 20) / BATCH_MAX_TOKENS)
+            bid = await load.submit_batch(lines, seed=rep)
+            while (await load.batch(bid))["request_counts"]["completed"] < 10:
+                await asyncio.sleep(0.5)
+            c0, t0 = (await load.batch(bid))["request_counts"]["completed"], time.monotonic()
+            res = await load.poisson(rate, window, seed=100 + rep)
+            c1, t1 = (await load.batch(bid))["request_counts"]["completed"], time.monotonic()
+            await load.cancel(bid)
+            summary = _rt_summary(res, window)
+            summary["batch_tokens_per_s"] = round((c1 - c0) * BATCH_MAX_TOKENS / (t1 - t0), 1)
+            summary["batch_lines"] = lines
+            arms["b"].append(summary)
+            print(f"rep {rep} (b) {summary}", file=sys.stderr, flush=True)
+            # (c) naive: the batch work as ordinary requests, first come first served
+            stop, done = asyncio.Event(), []
+            loop_task = asyncio.create_task(load.closed_loop(64, stop, done))
+            await asyncio.sleep(5.0)
+            t0 = time.monotonic()
+            res = await load.poisson(rate, window, seed=100 + rep)
+            t1 = time.monotonic()
+            stop.set()
+            await loop_task
+            summary = _rt_summary(res, window)
+            summary["batch_tokens_per_s"] = round(_tokens_in(done, t0, t1) / (t1 - t0), 1)
+            arms["c"].append(summary)
+            print(f"rep {rep} (c) {summary}", file=sys.stderr, flush=True)
+        after = await load.classes()
+    rt_rejected = {k: after["real-time"][k] - before["real-time"][k]
+                   for k in ("shed", "refused", "deadline_misses")}  # fmt: skip
+    p99 = {arm: [r["ttft_p99_s"] for r in rs] for arm, rs in arms.items()}
+    ratio_b = [b / a for a, b in zip(p99["a"], p99["b"], strict=True)]
+    ratio_c = [c / a for a, c in zip(p99["a"], p99["c"], strict=True)]
+    idle = [capacity - a["rt_tokens_per_s"] for a in arms["a"]]
+    batch_share = [b["batch_tokens_per_s"] / i for b, i in zip(arms["b"], idle, strict=True)]
+    return {
+        "window_s": window,
+        "repeats": repeats,
+        "units": units,
+        "capacity_tokens_per_s": round(capacity, 1),
+        "rt_rate_req_per_s": round(rate, 3),
+        "arms": arms,
+        "rt_ttft_p99_ratio_b_over_a": spread(ratio_b),
+        "rt_ttft_p99_ratio_c_over_a": spread(ratio_c),
+        "batch_share_of_idle_capacity_b": spread(batch_share),
+        "rt_rejected_by_flow_control": rt_rejected,
+        "rt_client_errors_b": sum(b["errors"] for b in arms["b"]),
+        "targets": {
+            "rt_ttft_p99_ratio_b_over_a": "<= 1.1",
+            "batch_share_of_idle_capacity_b": ">= 0.8",
+            "rt_rejected_by_flow_control": "all 0",
+        },  # fmt: skip
+    }
+
+
+def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -> int:
+    extra = ["--model", model] if model else []
+    run = UpRun("ns-bench-classes-", extra)
+    rc = 0
+    result: dict[str, Any] = {"command": " ".join(run.args[2:]), "log": str(run.log_path)}
+    try:
+        result["ready_s"] = round(run.wait_ready(), 1)
+        result.update(asyncio.run(_run(run, quick, repeats or 2)))
+    except Exception as e:  # noqa: BLE001 (reported in the result)
+        result["error"] = f"{type(e).__name__}: {e}"
+        rc = 1
+    finally:
+        result["leftover_processes"] = run.stop()
+    result["quick"] = quick
+    path = write_result("classes-quick" if quick else "classes", result)
+    print(f"wrote {path}", file=sys.stderr)
+    for k in ("rt_ttft_p99_ratio_b_over_a", "rt_ttft_p99_ratio_c_over_a",
+              "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"):  # fmt: skip
+        print(f"{k}: {result.get(k)}", file=sys.stderr)
+    if emit_json:
+        print(json.dumps(result))
+    return rc

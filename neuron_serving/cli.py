@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "proxy": "proxy",
     "up": "up",
     "status": "status",
+    "batches": "batches",
     "checkpoint": "checkpoint",
     "deploy": "deploy",
     "ecs": "ecs",

@@ -4,7 +4,8 @@ The page (``proxy/static/dashboard.html``) is plain HTML and JavaScript with no
 build step. It polls ``GET /status`` on the same port, so the dashboard shows
 exactly what ``/status`` and ``neuron-serving status`` show and needs no second
 data path: a units x nodes health grid, per-unit load and model version,
-ejections, and the registry's recent events. Polling rather than SSE or a
+ejections, flow control's queues per traffic class, the Batch API's unfinished
+batches (full view only), and the registry's recent events. Polling rather than SSE or a
 WebSocket keeps the proxy free of long-lived dashboard connections; one
 ``/status`` per viewer per second is negligible next to the probes.
 """

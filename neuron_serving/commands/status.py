@@ -16,8 +16,11 @@ answers a missing or wrong key on /status with 200 and ``"redacted": true``, not
 The table fits the terminal (``--width``, else ``$COLUMNS``, else the terminal's
 size; no limit into a pipe): columns are dropped in ``COLUMNS``' order of
 ``drop_rank`` as `kubectl get` does (status_view.py), so each unit and node stays one
-line. ``--json`` is for scripts: the whole merged view with every key always present
-(``proxy``, ``reachable``, ``error``, ``redacted``, ``warning``, ``routing``, ``units``).
+line. Below the units: one line per traffic class (queued, active, dispatched, shed,
+deadline misses) and the Batch API's unfinished batches (with a key only). ``--json``
+is for scripts: the whole merged view with every key always present (``proxy``,
+``reachable``, ``error``, ``redacted``, ``warning``, ``routing``, ``classes``,
+``batches``, ``units``).
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ def merge(proxy: dict[str, Any] | None, state: dict[str, Any] | None) -> list[di
                 "phase": s.get("phase"),
                 "restarts": s.get("restarts"),
                 "in_flight": p.get("in_flight"),
+                # The leader's own report (running, waiting, kv_usage, ...), or None.
+                "engine_load": p.get("engine_load"),
                 "requests_total": p.get("requests_total"),
                 "errors_total": p.get("errors_total"),
                 "model_version": p.get("model_version"),
@@ -107,7 +112,7 @@ def merge(proxy: dict[str, Any] | None, state: dict[str, Any] | None) -> list[di
 
 
 def _state_path(args: argparse.Namespace) -> Path:
-    if args.state:
+    if getattr(args, "state", None):  # `batches` has no --state: the run dir of --proxy
         return Path(args.state)
     from neuron_serving.local.cache import default_run_dir
 
@@ -164,6 +169,10 @@ def json_view(
         "redacted": None if proxy is None else bool(proxy.get("redacted")),
         "warning": warning,
         "routing": routing,
+        # Per traffic class: queued, active and counters since the proxy started.
+        "classes": None if proxy is None else proxy.get("admission", {}).get("classes") or {},
+        # The Batch API's runner and its unfinished batches (None when redacted or off).
+        "batches": None if proxy is None else proxy.get("batches"),
         "units": rows,
     }
 

@@ -93,12 +93,17 @@ def render(
 
 # Columns in display order; drop_rank: the order in which a narrow terminal loses them
 # (highest first; 0 = always shown). Unit identity and health matter most, then what
-# the supervisor is doing, load, and why the unit or node last failed.
+# the supervisor is doing, load, and why the unit or node last failed. Columns with no
+# value in any row are left out (RUN/WAIT and KV without engine reports, or redacted).
 COLUMNS = (
     Column("UNIT/NODE"),
     Column("HEALTH"),
     Column("STATE", drop_rank=1),
     Column("IN-FLIGHT", drop_rank=2),
+    # The leader's own report: running/waiting sequences and KV cache use. Left of
+    # RESTARTS, so in 80 columns RESTARTS goes first (rightmost among equal ranks).
+    Column("RUN/WAIT", drop_rank=4),
+    Column("KV", drop_rank=4),
     Column("RESTARTS", drop_rank=4),
     Column("REQUESTS", drop_rank=6),
     Column("ERRORS", drop_rank=6),
@@ -110,7 +115,7 @@ _COLORS = {"routable": "green", "healthy": "green", "unhealthy": "red", "drainin
            "ejected": "magenta", "pending": "yellow"}  # fmt: skip
 
 
-def _age(ts: float | None) -> str:
+def age(ts: float | None) -> str:
     if not ts:
         return ""
     s = max(0.0, time.time() - ts)
@@ -131,20 +136,68 @@ def _cell(v: Any) -> str:
     return "" if v is None else str(v)
 
 
+def _engine(load: dict[str, Any] | None) -> tuple[str, str]:
+    """RUN/WAIT and KV cells from a unit's ``engine_load`` (blank without a report)."""
+    if not load:
+        return "", ""
+    kv = load.get("kv_usage")
+    return (
+        f"{_cell(load.get('running'))}/{_cell(load.get('waiting'))}",
+        "" if kv is None else f"{100 * kv:.0f}%",
+    )
+
+
+# Per traffic class, below the units: what waits and runs now, then counters since
+# the proxy started (dispatched goes first in a narrow terminal).
+CLASS_COLUMNS = (
+    Column("CLASS"),
+    Column("QUEUED"),
+    Column("ACTIVE"),
+    Column("DISPATCHED", drop_rank=2),
+    Column("SHED", drop_rank=1),
+    Column("DEADLINE MISSES", drop_rank=1),
+)
+
+
+def class_rows(classes: dict[str, dict[str, Any]]) -> list[list[str]]:
+    fields = ("queued", "active", "dispatched", "shed", "deadline_misses")  # CLASS_COLUMNS'
+    return [[name, *(_cell(c.get(f)) for f in fields)] for name, c in classes.items()]
+
+
+# The Batch API's unfinished batches (a full /status only): the id is never cut.
+BATCH_COLUMNS = (
+    Column("BATCH"),
+    Column("TENANT", drop_rank=3, elastic=True, min_width=8),
+    Column("STATUS"),
+    Column("DONE/FAILED/TOTAL", drop_rank=1),
+)
+
+
+def batch_rows(active: list[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for b in active:
+        rc = b.get("request_counts") or {}
+        counts = f"{_cell(rc.get('completed'))}/{_cell(rc.get('failed'))}/{_cell(rc.get('total'))}"
+        out.append([_cell(b.get("id")), _cell(b.get("tenant")), _cell(b.get("status")), counts])
+    return out
+
+
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     """One line per unit, then one per node (indented), in ``COLUMNS`` order."""
     out = []
     for r in rows:
         failure = ""
         if r["last_failure"]:
-            failure = f"{r['last_failure']} ({_age(r['last_failure_at'])})"
+            failure = f"{r['last_failure']} ({age(r['last_failure_at'])})"
+        run_wait, kv = _engine(r.get("engine_load"))
         out.append([r["unit_id"], _cell(r["health"]), _cell(r["phase"]), _cell(r["in_flight"]),
+                    run_wait, kv,
                     _cell(r["restarts"]), _cell(r["requests_total"]), _cell(r["errors_total"]),
                     r["model_version"] or "", "", failure])  # fmt: skip
         for n in r["nodes"]:
             pid = _cell(n["pid"]) if n["pid"] and n["running"] else ""
             out.append([f"  {n['name']}", _cell(n["health"]), _cell(n["node_state"]),
-                        "", "", "", "", "", pid, _probe_error(n["last_error"])])  # fmt: skip
+                        "", "", "", "", "", "", "", pid, _probe_error(n["last_error"])])  # fmt: skip
     return out
 
 
@@ -181,4 +234,20 @@ def render_text(
             f"routing {proxy.get('routing_policy')}; {adm.get('active', 0)} active, "
             f"{adm.get('queued', 0)} queued{panic}"
         )
+        if adm.get("classes"):
+            lines.append(Text(""))
+            lines += render(CLASS_COLUMNS, class_rows(adm["classes"]), width)
+        if (batches := proxy.get("batches")) is not None:
+            lines += [Text(""), *wrap(_batch_summary(batches))]
+            if batches.get("active"):
+                lines += render(BATCH_COLUMNS, batch_rows(batches["active"]), width)
     return lines
+
+
+def _batch_summary(b: dict[str, Any]) -> str:
+    active = b.get("active") or []
+    return (
+        f"batches: {len(active) or 'none'} unfinished; {b.get('replica_id') or 'this replica'}: "
+        f"{b.get('lines_in_flight', 0)} lines in flight, {b.get('lines_done', 0)} done, "
+        f"{b.get('lines_retried', 0)} retried"
+    )

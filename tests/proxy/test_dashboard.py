@@ -88,6 +88,12 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
             row = page.locator('tr[data-unit="u1"]')
             assert await row.locator(".version").text_content() == "v1"
             assert await row.locator(".in-flight").text_content() == "0"
+            # Flow control's classes, one row each, and the (empty) batches panel.
+            for cls in ("real-time", "near-real-time", "batch"):
+                await page.wait_for_selector(f'#classes-body tr[data-class="{cls}"]')
+            names = await page.locator("#classes-body .class-name").all_text_contents()
+            assert names == ["real-time", "near-real-time", "batch"]
+            await page.wait_for_selector("#batches-body #no-batches")
 
             # Load: a slow request shows as in flight on its unit and in admission.
             for u in (u1, u2):
@@ -95,6 +101,7 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
             slow = asyncio.create_task(complete(max_tokens=10))  # about 2 s
             await page.wait_for_selector('td.in-flight:text-is("1")')
             await page.wait_for_selector('#active:text-is("1")')
+            await page.wait_for_selector('tr[data-class="real-time"] td.active:text-is("1")')
             await asyncio.wait_for(slow, timeout=10)
             for u in (u1, u2):
                 u.behavior.token_delay_s = 0.0
@@ -155,6 +162,7 @@ async def test_dashboard_with_api_keys_redacts_unless_given_a_key(fleet) -> None
             await page.goto(url(proxy, "/dashboard?interval=200"))
             await page.wait_for_selector('tr[data-unit="u1"][data-state="routable"]')
             await page.wait_for_selector('#updated:has-text("redacted")')
+            await page.wait_for_selector('#batches-summary:has-text("hidden")')
             assert not await page.evaluate("document.body.classList.contains('stale')")
             title = await page.locator('[data-node="u1/leader"]').get_attribute("title")
             assert u1.triton.addr not in (title or "")

@@ -17,10 +17,16 @@ def test_json_has_the_full_data_under_stable_keys() -> None:
     up = json.loads(json.dumps(json_view(BASE, PROXY, "", None, rows)))
     down = json_view(BASE, None, "unreachable", None, merge(None, STATE))
     assert set(up) == set(down) == {
-        "proxy", "reachable", "error", "redacted", "warning", "routing", "units"
+        "proxy", "reachable", "error", "redacted", "warning", "routing", "classes", "batches",
+        "units",
     }  # fmt: skip
     assert up["routing"] == {"policy": "prefix_cache", "active": 3, "queued": 1, "panic_models": []}
     assert (down["reachable"], down["error"], down["routing"]) == (False, "unreachable", None)
+    assert (down["classes"], down["batches"]) == (None, None)
+    assert up["classes"]["batch"] == {"queued": 1, "active": 1, "dispatched": 977,
+                                      "deadline_misses": 0, "shed": 12, "refused": 3}  # fmt: skip
+    assert up["batches"]["active"][0]["request_counts"]["completed"] == 12345
+    assert up["units"][0]["engine_load"]["running"] == 3 and up["units"][1]["engine_load"] is None
     unit1 = up["units"][1]
     assert (unit1["requests_total"], unit1["restarts"], unit1["nodes"][0]["pid"]) == (
         977,

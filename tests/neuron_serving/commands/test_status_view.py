@@ -21,10 +21,18 @@ PROBE_ERROR = (
 )
 PROXY = {
     "routing_policy": "prefix_cache",
-    "admission": {"active": 3, "queued": 1},
+    "admission": {"active": 3, "queued": 1, "classes": {
+        "real-time": {"queued": 0, "active": 2, "dispatched": 1190, "deadline_misses": 0,
+                      "shed": 0, "refused": 0},
+        "near-real-time": {"queued": 0, "active": 0, "dispatched": 40, "deadline_misses": 1,
+                           "shed": 0, "refused": 0},
+        "batch": {"queued": 1, "active": 1, "dispatched": 977, "deadline_misses": 0,
+                  "shed": 12, "refused": 3}}},
     "units": [
         {"unit_id": "unit-0", "state": "routable", "in_flight": 3, "requests_total": 1234,
          "errors_total": 2, "model_version": "src-3f9a1c2b",
+         "engine_load": {"running": 3, "waiting": 12, "kv_usage": 0.4567, "max_num_seqs": 64,
+                         "age_s": 0.2},
          "nodes": [{"node_id": "unit-0/leader", "state": "healthy"},
                    {"node_id": "unit-0/follower-1", "state": "healthy"}]},
         {"unit_id": "unit-1", "state": "unhealthy", "in_flight": 0, "requests_total": 977,
@@ -33,6 +41,12 @@ PROXY = {
                    {"node_id": "unit-1/follower-1", "state": "unhealthy",
                     "last_error": PROBE_ERROR}]},
     ],
+    "batches": {"replica_id": "host-a:8080", "lines_in_flight": 8, "lines_done": 977,
+                "lines_retried": 4, "active": [
+        {"id": "batch_0123456789abcdef01234567", "tenant": "analytics-nightly-jobs",
+         "status": "in_progress", "endpoint": "/v1/chat/completions", "created_at": 1,
+         "expires_at": 86401, "request_counts": {"total": 50000, "completed": 12345,
+                                                 "failed": 17}, "in_flight_here": 8}]},
 }  # fmt: skip
 STATE = {
     "units": [
@@ -67,7 +81,7 @@ def test_80_columns_fit_and_keep_what_matters_most() -> None:
         assert dropped not in header, header
     text = "\n".join(lines)
     # One line per unit and node, no folded cells: every row starts with its name.
-    table = lines[lines.index(header) + 1 : -1]
+    table = lines[lines.index(header) + 1 : lines.index("routing prefix_cache; 3 active, 1 queued")]
     assert [x.split()[0] for x in table] == [
         "unit-0", "leader", "follower-1", "unit-1", "leader", "follower-1"
     ]  # fmt: skip
@@ -102,3 +116,67 @@ def test_columns_without_values_are_left_out() -> None:
     # Dropped highest rank first; never rank 0, even if the line must then be cut.
     assert list(fit(cols, [["x" * 10, "y" * 10, "z" * 10]], 24)) == [0, 1]
     assert [len(t.plain) for t in render(cols, [["x" * 30, "y", "z"]], 20)] == [1, 20]
+
+
+def _section(lines: list[str], header: str) -> list[str]:
+    """The table whose header starts with ``header``: it and its rows up to a blank."""
+    start = next(i for i, x in enumerate(lines) if x.startswith(header))
+    end = next((i for i in range(start, len(lines)) if not lines[i]), len(lines))
+    return lines[start:end]
+
+
+def test_engine_load_classes_and_batches_fit_80_columns() -> None:
+    lines = _lines(80)
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    header = next(x for x in lines if x.startswith("UNIT/NODE"))
+    assert "RUN/WAIT" in header and "KV" in header and "LAST ERROR" in header
+    unit0 = next(x for x in lines if x.startswith("unit-0"))
+    assert unit0.split()[4:6] == ["3/12", "46%"], unit0
+    classes = _section(lines, "CLASS")
+    assert classes[0].split() == ["CLASS", "QUEUED", "ACTIVE", "DISPATCHED", "SHED",
+                                  "DEADLINE", "MISSES"]  # fmt: skip
+    assert [x.split() for x in classes[1:]] == [
+        ["real-time", "0", "2", "1190", "0", "0"],
+        ["near-real-time", "0", "0", "40", "0", "1"],
+        ["batch", "1", "1", "977", "12", "0"],
+    ]
+    assert any(x.startswith("batches: 1 unfinished; host-a:8080: 8 lines in flight") for x in lines)
+    batches = _section(lines, "BATCH ")
+    assert batches[0].split() == ["BATCH", "TENANT", "STATUS", "DONE/FAILED/TOTAL"]
+    row = batches[1]
+    assert row.startswith("batch_0123456789abcdef01234567  analytics")  # the id is never cut
+    assert row.split()[-2:] == ["in_progress", "12345/17/50000"]
+    # Narrower: still within the width, the ids and class names whole.
+    narrow = _lines(40)
+    assert all(len(line) <= 40 for line in narrow)
+    assert [x.split()[0] for x in _section(narrow, "CLASS")[1:]] == [
+        "real-time", "near-real-time", "batch"
+    ]  # fmt: skip
+    assert any(x.startswith("batch_0123456789abcdef01234567") for x in narrow)
+
+
+def test_redacted_view_has_no_engine_or_batches_and_empty_classes_no_table() -> None:
+    redacted = {**PROXY, "admission": {"active": 0, "queued": 0, "classes": {}},
+                "redacted": True,
+                "units": [{k: v for k, v in u.items() if k not in ("engine_load",)}
+                          for u in PROXY["units"]]}  # fmt: skip
+    redacted.pop("batches")
+    lines = [t.plain for t in render_text(BASE, redacted, False, "", None,
+                                          merge(redacted, None), 80)]  # fmt: skip
+    header = next(x for x in lines if x.startswith("UNIT/NODE"))
+    assert "RUN/WAIT" not in header and "KV" not in header
+    assert not any(x.startswith(("CLASS", "BATCH", "batches:")) for x in lines)
+    # Batches present but none unfinished: the summary line alone.
+    idle = {
+        **redacted,
+        "batches": {
+            "replica_id": "r1",
+            "lines_in_flight": 0,
+            "lines_done": 5,
+            "lines_retried": 0,
+            "active": [],
+        },
+    }
+    lines = [t.plain for t in render_text(BASE, idle, False, "", None, merge(idle, None), 80)]
+    assert "batches: none unfinished; r1: 0 lines in flight, 5 done, 0 retried" in lines
+    assert not any(x.startswith("BATCH") for x in lines)

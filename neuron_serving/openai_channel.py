@@ -24,7 +24,11 @@ Then frames in both directions: a 4-byte big-endian length, then that many bytes
 of msgpack. A length above the receiver's bound ends the connection before anything
 is allocated. Proxy -> leader: a list of ``Open`` (an OpenAI call), ``Generate`` (a
 text request of Triton's generate route) and ``Cancel``; leader -> proxy: a list of
-``Event``. Frames after the handshake carry no MAC: the channel has the
+``Event`` (one response of one call) and ``Load`` (the unit's engine load: sent
+right after the handshake, then when it changes, at most every ~100 ms, and again
+unchanged every ~2 s). Every
+message is a tagged msgpack array (the tag first), decoded into these types only.
+Frames after the handshake carry no MAC: the channel has the
 trust of the leader's Triton inference API (reachable on the same address, with no
 key at all); the handshake keeps strangers off it.
 
@@ -46,7 +50,10 @@ import msgspec
 from neuron_serving import envs
 from neuron_serving.secret_file import resolve_secret
 
-MAGIC = b"NSOAIC01"
+# The version is in the magic: a peer of another wire version fails the handshake
+# ("bad hello") and the proxy uses Triton for it, instead of failing on a frame.
+# 02: leader -> proxy messages are tagged (``Load`` joined ``Event``).
+MAGIC = b"NSOAIC02"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HELLO_BYTES = len(MAGIC) + NONCE_BYTES  # leader -> proxy
@@ -149,7 +156,7 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
 ToLeader = list[Open | Generate | Cancel]
 
 
-class Event(msgspec.Struct, array_like=True):
+class Event(msgspec.Struct, tag=0, array_like=True):
     """One response of one call: the fields of the Triton ``llm`` model's outputs
     (the OpenAI path's ``openai_status``, ``openai_body``, ``token_ids``...; a text
     request's ``text_output`` as ``body``, UTF-8; the same first/middle/last rules),
@@ -180,7 +187,23 @@ class Event(msgspec.Struct, array_like=True):
         )
 
 
-ToProxy = list[Event]
+class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
+    """The unit's load, from its leader's vLLM scheduler stats (the proxy keeps it as
+    ``registry.EngineLoad``). Counts every request the engine holds, whichever proxy
+    (or Triton client) sent it; ``kv_usage`` is the fraction of KV cache blocks in
+    use, 0..1; ``max_num_seqs`` the engine's bound on running sequences. Sent when it
+    changes (at most every ``LOAD_INTERVAL_S``) and, unchanged, every
+    ``LOAD_REFRESH_S`` (``triton/channel_server.py``)."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    max_num_seqs: int
+
+
+# Integer tags (``Event`` 0, ``Load`` 1): one byte per message, and events are one
+# per stream per engine step.
+ToProxy = list[Event | Load]
 
 
 def frame(payload: bytes) -> bytes:

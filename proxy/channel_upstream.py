@@ -24,6 +24,14 @@ connect (``ChannelUpstream``).
 Where a unit's channel is: its leader's host and the port its model config
 announces (``CONFIG_PARAMETER``), which the health checker reads with the
 checkpoint version and hands to ``announce``.
+
+Load reports: the leader pushes its engine's load (``Load``: vLLM's running and
+waiting requests, KV cache usage, ``max_num_seqs``) right after the handshake and
+whenever it changes (at most every ~100 ms), and unchanged every ~2 s (so its
+``at``, the receipt time, stays within a few seconds while the leader's engine loop
+runs). Each one is set as ``engine_load`` on the registry's ``UnitState`` of every
+unit announced at that channel; when the channel fails or closes, or a unit's
+channel is not connected, its ``engine_load`` is None.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from neuron_serving.openai_channel import (
     Event,
     FrameReader,
     Generate,
+    Load,
     Open,
     ToProxy,
     check_leader,
@@ -54,6 +63,7 @@ from neuron_serving.openai_channel import (
     prove,
 )
 from proxy.config import TimeoutConfig, UnitSpec
+from proxy.registry import EngineLoad, Registry
 from proxy.upstream import (
     AttemptTiming,
     DeadlineExceeded,
@@ -89,11 +99,22 @@ class _Call:
 
 
 class LeaderChannel(asyncio.Protocol):
-    """One connection to one leader's channel: the handshake, then frames."""
+    """One connection to one leader's channel: the handshake, then frames.
+    ``on_load(channel)`` runs when ``load`` changes: a ``Load`` arrived, or the
+    channel failed (then None)."""
 
-    def __init__(self, token: bytes, name: str) -> None:
+    def __init__(
+        self,
+        token: bytes,
+        name: str,
+        addr: Address | None = None,
+        on_load: Callable[[LeaderChannel], None] | None = None,
+    ) -> None:
         self.token = token
         self.name = name
+        self.addr = addr
+        self.on_load = on_load
+        self.load: EngineLoad | None = None
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = self.loop.create_future()
@@ -117,8 +138,11 @@ class LeaderChannel(asyncio.Protocol):
                 if not data:
                     return
             for payload in self._reader.feed(data):
-                for event in _DECODER.decode(payload):
-                    self._deliver(event)
+                for message in _DECODER.decode(payload):
+                    if message.__class__ is Event:
+                        self._deliver(message)
+                    else:
+                        self._loaded(message)
         except (ChannelError, msgspec.DecodeError) as e:
             self._fail(f"{type(e).__name__}: {e}")
 
@@ -181,10 +205,19 @@ class LeaderChannel(asyncio.Protocol):
             del self.calls[event.id]
         call.wake()
 
+    def _loaded(self, m: Load) -> None:
+        self.load = EngineLoad(m.running, m.waiting, m.kv_usage, m.max_num_seqs, time.monotonic())
+        if self.on_load is not None:
+            self.on_load(self)
+
     def _fail(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.load is not None:
+            self.load = None
+            if self.on_load is not None:
+                self.on_load(self)
         if not self.ready.done():
             self.ready.set_exception(ChannelError(reason))
             self.ready.exception()  # retrieved: connect() may have stopped waiting
@@ -257,7 +290,10 @@ class ChannelUpstream:
     a connection in the background (also started as soon as a probe announces the
     port), so the first requests after a leader (re)starts go over Triton and the rest
     over the channel. A failed connect or handshake is retried with backoff
-    (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); meanwhile Triton serves the unit."""
+    (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); meanwhile Triton serves the unit.
+
+    ``registry``: where the leaders' load reports go (``UnitState.engine_load`` of
+    the units announced at each channel); None = they are dropped."""
 
     def __init__(
         self,
@@ -266,8 +302,11 @@ class ChannelUpstream:
         fallback: Callable[[UnitSpec], Any],
         on_fallback: Callable[[], None] | None = None,
         connect_timeout_s: float = 5.0,
+        registry: Registry | None = None,
     ) -> None:
         self._token = token
+        self._registry = registry
+        self._units_at: dict[Address, set[str]] = {}  # channel -> unit ids announced there
         self._timeouts = timeouts
         self._fallback = fallback
         self._on_fallback = on_fallback
@@ -282,14 +321,41 @@ class ChannelUpstream:
         """The health checker read the unit's model config: its channel's port, or
         None (a leader without one). Connects at once, so requests find it ready."""
         if port is None:
-            self._ports.pop(unit.unit_id, None)
+            self.forget(unit.unit_id)
+            self._set_load(unit.unit_id, None)
             return
         host = unit.leader_grpc.rsplit(":", 1)[0].strip("[]")  # HOST:PORT or [V6]:PORT
-        self._ports[unit.unit_id] = addr = (host, port)
+        addr = (host, port)
+        if self._ports.get(unit.unit_id) != addr:
+            self.forget(unit.unit_id)
+            self._ports[unit.unit_id] = addr
+            self._units_at.setdefault(addr, set()).add(unit.unit_id)
+        channel = self._channels.get(addr)
+        self._set_load(unit.unit_id, None if channel is None else channel.load)
         self._ensure(addr)
 
     def forget(self, unit_id: str) -> None:
-        self._ports.pop(unit_id, None)
+        addr = self._ports.pop(unit_id, None)
+        units = self._units_at.get(addr)
+        if units is not None:
+            units.discard(unit_id)
+            if not units:
+                del self._units_at[addr]
+
+    # ---- load reports -----------------------------------------------------------------
+
+    def _set_load(self, unit_id: str, load: EngineLoad | None) -> None:
+        unit = None if self._registry is None else self._registry.get(unit_id)
+        if unit is not None:
+            unit.engine_load = load
+
+    def _channel_load(self, channel: LeaderChannel) -> None:
+        """A channel's load changed: its units' too, if it is the channel in use at
+        its address (not one still connecting, nor one a reconnection replaced)."""
+        if self._channels.get(channel.addr) is not channel:
+            return
+        for unit_id in self._units_at.get(channel.addr, ()):
+            self._set_load(unit_id, channel.load)
 
     def address(self, unit: UnitSpec) -> Address | None:
         """The unit's channel if it is connected now (else None: use Triton)."""
@@ -349,7 +415,9 @@ class ChannelUpstream:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, channel = await loop.create_connection(
-                    lambda: LeaderChannel(self._token, name), addr[0], addr[1]
+                    lambda: LeaderChannel(self._token, name, addr, self._channel_load),
+                    addr[0],
+                    addr[1],
                 )
                 try:
                     await channel.ready
@@ -369,6 +437,7 @@ class ChannelUpstream:
         self._channels[addr] = channel
         if old is not None:
             old.close()
+        self._channel_load(channel)  # a load that came with the handshake
         log.info("OpenAI channel %s connected", name)
 
     async def _stream(

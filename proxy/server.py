@@ -163,7 +163,11 @@ class ProxyServer:
             log.warning("OpenAI channel off, OpenAI calls go over Triton: %s", e)
             return None
         return ChannelUpstream(
-            token, config.timeouts, self.transport.triton, self.metrics.channel_fallbacks.inc
+            token,
+            config.timeouts,
+            self.transport.triton,
+            self.metrics.channel_fallbacks.inc,
+            registry=self.registry,
         )
 
     def _on_leader_config(self, unit: UnitState, parameters: Mapping[str, str]) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 from neuron_serving import envs
 from neuron_serving.openai_channel import Event
 from neuron_serving.triton.backend_config import BackendConfig
+from neuron_serving.triton.engine_load import EngineLoadTracker
 from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.metrics import BackendMetrics, serve_registry
 from neuron_serving.triton.openai_envelope import (
@@ -66,6 +67,8 @@ class LLMBackend:
         # Responses made on the engine loop in this loop iteration; flushed to the
         # response thread in one piece by a callback queued behind them (_enqueue).
         self._pending: list[tuple[str, Any, int, Any]] = []
+        # The engine's load, from vLLM's scheduler stats, for the OpenAI channel.
+        self.load = EngineLoadTracker()
 
     # ---- Triton entry points -------------------------------------------------------
 
@@ -87,7 +90,11 @@ class LLMBackend:
         serve_registry(self.config.vllm_metrics_host, self.config.vllm_metrics_port)
         self.start(
             self.config,
-            EngineThread(self.config.engine_kwargs(), ENGINE_START_TIMEOUT_S),
+            EngineThread(
+                self.config.engine_kwargs(),
+                ENGINE_START_TIMEOUT_S,
+                stat_loggers=[self.load.stat_logger],
+            ),
             BackendMetrics(self.config.resolved_unit_id()),
             openai_serving=self._openai_serving,
         )
@@ -109,6 +116,7 @@ class LLMBackend:
         self.engine_thread = engine_thread
         self.engine_thread.start()
         self.engine = self.engine_thread.engine
+        self.engine_thread.call(_call_on_loop(self.load.bind, self.engine), 30.0)
         self.tokenizer = self.engine.get_tokenizer()
         self.openai = None
         if openai_serving is not None:
@@ -368,7 +376,7 @@ class LLMBackend:
         from neuron_serving.triton.channel_server import ChannelServer
 
         try:
-            server = ChannelServer(resolve_token(), self._open_channel_call)
+            server = ChannelServer(resolve_token(), self._open_channel_call, self.load)
             port = self.engine_thread.call(
                 server.start(c.openai_channel_host, c.openai_channel_port), 30.0
             )
@@ -414,6 +422,9 @@ class LLMBackend:
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle_since = time.monotonic()
+            # An aborted request ends with no scheduler stats after it: the load
+            # report turns idle here (engine_load.py, "Idle").
+            self.load.refresh()
 
     def _unit_down(self, fault: BaseException | None) -> bool:
         from vllm.v1.engine.exceptions import EngineDeadError

@@ -15,6 +15,19 @@ mark (a proxy that does not read), when the transport asks for more
 (``resume_writing``). A connection's tasks are cancelled when it closes (vLLM
 aborts their requests); a ``Cancel`` cancels one.
 
+Load reports (``openai_channel.Load``, from ``engine_load.EngineLoadTracker``):
+each connection gets the unit's load right after the handshake, then whenever it
+changed, at most every ``LOAD_INTERVAL_S``. A change schedules one push for the
+whole server (``call_soon`` when the last push is that long ago, else a timer),
+which appends a ``Load`` to every connection's pending events: it rides in the
+frame of the engine step whose stats changed it when that step's events are still
+pending. An unchanged load is resent only after ``LOAD_REFRESH_S``: a proxy wakes
+for every frame, so no more often, but its flow control distrusts a report older
+than its ``admission.load_max_age_s`` (5 s by default), and reports that stop
+coming tell it this loop is stuck. A connection over its high-water mark (a proxy
+that does not read) is sent no loads: it is owed one and gets the then-current
+load when the transport asks for more, so nothing piles up for it.
+
 Hostile input: before the handshake only fixed-size bytes are read and nothing is
 parsed; a peer that does not prove the token within ``HANDSHAKE_TIMEOUT_S`` is cut
 off. After it, frames are bounded (``MAX_TO_LEADER``) before they are buffered and
@@ -26,8 +39,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,6 +54,7 @@ from neuron_serving.openai_channel import (
     Event,
     FrameReader,
     Generate,
+    Load,
     Open,
     ToLeader,
     check_proof,
@@ -47,7 +62,16 @@ from neuron_serving.openai_channel import (
     hello,
 )
 
+if TYPE_CHECKING:
+    from neuron_serving.triton.engine_load import EngineLoadTracker, Snapshot
+
 log = logging.getLogger(__name__)
+
+# The most often a load report goes out (per server, so per connection too).
+LOAD_INTERVAL_S = 0.1
+# An unchanged load is resent to a connection that has had none for this long
+# (checked every half of it).
+LOAD_REFRESH_S = 2.0
 
 _DECODER = msgspec.msgpack.Decoder(ToLeader)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -98,9 +122,12 @@ class _Connection(asyncio.Protocol):
         self.authenticated = False
         self.handshake = bytearray()
         self.reader = FrameReader(MAX_TO_LEADER)
-        self.pending: list[Event] = []
+        self.pending: list[Event | Load] = []
         self.waiters: list[asyncio.Future] = []
         self.paused = False
+        self.load_sent: Snapshot | None = None  # the last load queued for this peer
+        self.load_sent_at = -math.inf  # loop.time() of it
+        self.load_owed = False  # a load change skipped while paused
         self.timer: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()
 
@@ -125,6 +152,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(check_proof(self.token, self.nonce, proof))
                 self.authenticated = True
                 self._cancel_timer()
+                self.server.greet(self)
                 if not rest:
                     return
                 data = rest
@@ -149,6 +177,9 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
+        if self.load_owed:
+            self.load_owed = False
+            self.server.greet(self)
         self._resolve()
 
     # ---- calls ------------------------------------------------------------------------
@@ -164,6 +195,22 @@ class _Connection(asyncio.Protocol):
             call = self.calls.pop(message.id, None)
             if call is not None:
                 call.cancel()
+
+    def send_load(self, snapshot: Snapshot, refresh: bool = False) -> None:
+        """Queue a load report unless this peer has it already (``refresh``: even
+        then); a paused peer is owed the load instead (``resume_writing`` sends the
+        then-current one)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if snapshot == self.load_sent and not refresh:
+            return
+        if self.paused:
+            self.load_owed = True
+            return
+        self.load_sent, self.load_sent_at = snapshot, self.loop.time()
+        self.pending.append(Load(*snapshot))
+        if len(self.pending) == 1:
+            self.loop.call_soon(self._flush)
 
     def send(self, event: Event, waiter: bool) -> asyncio.Future | None:
         if self.transport is None or self.transport.is_closing():
@@ -217,25 +264,84 @@ class ChannelServer:
     """Serves the channel on the running loop. ``open_call(call, message)`` runs on
     that loop for each ``Open`` or ``Generate``; it must answer the call
     (``send``/``error``) or start a task that will, and set ``call.task`` for
-    cancellation."""
+    cancellation. ``load``: the engine's load tracker (on the same loop), pushed to
+    every connection as ``Load``; None = no load reports."""
 
-    def __init__(self, token: bytes, open_call: OpenCall) -> None:
+    def __init__(
+        self, token: bytes, open_call: OpenCall, load: EngineLoadTracker | None = None
+    ) -> None:
         self._token = token
         self._open_call = open_call
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_Connection] = set()
         self.rejected_total = 0  # connections dropped before they proved the token
         self.port = 0
+        self._load = load
+        self._load_pushed_at = -math.inf  # loop.time() of the last push
+        self._load_push: asyncio.Handle | None = None  # a push is scheduled
+        self._load_refresh: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- load reports -----------------------------------------------------------------
+
+    def greet(self, conn: _Connection) -> None:
+        """A connection that has just proved the token (or drained its backlog): the
+        current load, if it does not have it."""
+        snapshot = None if self._load is None else self._load.snapshot()
+        if snapshot is not None:
+            conn.send_load(snapshot)
+
+    def _load_changed(self) -> None:
+        if self._load_push is not None:
+            return  # the scheduled push will send the latest
+        loop = self._loop
+        delay = self._load_pushed_at + LOAD_INTERVAL_S - loop.time()
+        if delay <= 0:
+            self._load_push = loop.call_soon(self._push_load)
+        else:
+            self._load_push = loop.call_later(delay, self._push_load)
+
+    def _push_load(self) -> None:
+        self._load_push = None
+        snapshot = self._load.snapshot()
+        if snapshot is None:
+            return
+        self._load_pushed_at = self._loop.time()
+        for conn in self.connections:
+            if conn.authenticated:
+                conn.send_load(snapshot)
+
+    def _refresh_load(self) -> None:
+        """Every ``LOAD_REFRESH_S / 2``: the load again to connections without a
+        recent one."""
+        loop = self._loop
+        self._load_refresh = loop.call_later(LOAD_REFRESH_S / 2, self._refresh_load)
+        snapshot = self._load.snapshot()
+        if snapshot is None:
+            return
+        stale = loop.time() - 0.75 * LOAD_REFRESH_S
+        for conn in self.connections:
+            if conn.authenticated and conn.load_sent_at <= stale:
+                conn.send_load(snapshot, refresh=True)
 
     async def start(self, host: str, port: int) -> int:
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: _Connection(self._token, self._open_call, self), host, port
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        if self._load is not None:
+            self._load.subscribe(self._load_changed)
+            self._load_refresh = loop.call_later(LOAD_REFRESH_S / 2, self._refresh_load)
         return self.port
 
     def close(self) -> None:
+        if self._load is not None:
+            self._load.unsubscribe(self._load_changed)
+        for handle in (self._load_push, self._load_refresh):
+            if handle is not None:
+                handle.cancel()
+        self._load_push = self._load_refresh = None
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

@@ -22,8 +22,16 @@ _STOP_TIMEOUT_S = 30.0
 
 
 class EngineThread:
-    def __init__(self, engine_kwargs: dict[str, Any], start_timeout_s: float) -> None:
+    def __init__(
+        self,
+        engine_kwargs: dict[str, Any],
+        start_timeout_s: float,
+        stat_loggers: list[Any] | None = None,
+    ) -> None:
+        """``stat_loggers``: vLLM stat logger factories added to vLLM's own (its
+        Prometheus logger stays: see ``engine_load.py``)."""
         self._engine_kwargs = engine_kwargs
+        self._stat_loggers = stat_loggers
         self._start_timeout_s = start_timeout_s
         self._started = concurrent.futures.Future()
         self._stop: asyncio.Event | None = None
@@ -61,6 +69,7 @@ class EngineThread:
             engine = AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**self._engine_kwargs),
                 usage_context=UsageContext.ENGINE_CONTEXT,
+                stat_loggers=self._stat_loggers,
             )
         except BaseException as e:  # noqa: BLE001
             self._started.set_exception(e)

@@ -70,12 +70,49 @@ def test_event_final_and_compact_encoding() -> None:
     assert oc.Event(1, finish_reason="stop").final
     assert oc.Event(1, status=400).final
     assert oc.Event(1, error="unavailable", error_code="UNAVAILABLE").final
-    # An array on the wire (no field names): a middle event is the id, the body and
-    # one byte per absent field.
+    # An array on the wire (no field names): a middle event is its tag (0, one
+    # byte), the id, the body and one byte per absent field.
     middle = msgspec.msgpack.encode(oc.Event(7, b"data: {}\n\n"))
-    assert msgspec.msgpack.decode(middle) == [7, b"data: {}\n\n"] + [None] * 10
+    assert msgspec.msgpack.decode(middle) == [0, 7, b"data: {}\n\n"] + [None] * 10
     decoded = msgspec.msgpack.decode(middle, type=oc.Event)
     assert decoded.id == 7 and decoded.status is None
+
+
+def test_events_and_loads_share_the_leaders_frames() -> None:
+    messages = [oc.Event(3, b"x", finish_reason="stop"), oc.Load(5, 2, 0.375, 8)]
+    raw = msgspec.msgpack.encode(messages)
+    assert msgspec.msgpack.decode(raw)[1] == [1, 5, 2, 0.375, 8]  # tag 1, then the fields
+    decoded = msgspec.msgpack.decode(raw, type=oc.ToProxy)
+    assert decoded == messages and type(decoded[1]) is oc.Load
+    assert not oc.Event(3).final  # Load has no ``final``; it is not a call's
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        [[7, b"untagged event"]],  # the format before tags: refused, not misread
+        [[9, 1, 2]],  # an unknown tag
+        [[1, "five", 2, 0.5, 8]],  # a Load with a string for a count
+        [[1, 5, 2, 0.5]],  # a Load missing a field
+        [["load", 5, 2, 0.5, 8]],  # a string tag
+        {"running": 5},  # not a list of messages
+    ],
+)
+def test_messages_to_the_proxy_are_typed(hostile) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(hostile), type=oc.ToProxy)
+
+
+def test_trailing_fields_are_ignored_as_msgspec_does_for_every_message() -> None:
+    """A later wire version may append fields to a message; this one reads its own."""
+    raw = msgspec.msgpack.encode([[1, 5, 2, 0.5, 8, "a later field"]])
+    assert msgspec.msgpack.decode(raw, type=oc.ToProxy) == [oc.Load(5, 2, 0.5, 8)]
+
+
+def test_the_proxys_frame_bound_holds() -> None:
+    reader = oc.FrameReader(oc.MAX_TO_PROXY)
+    with pytest.raises(oc.ChannelError, match="-byte frame"):
+        reader.feed((oc.MAX_TO_PROXY + 1).to_bytes(4, "big"))
 
 
 def test_messages_to_the_leader_are_typed() -> None:

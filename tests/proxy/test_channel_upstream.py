@@ -2,7 +2,8 @@
 
 The leader end is ``neuron_serving.triton.channel_server.ChannelServer`` on a
 loopback port, with a scripted backend in place of vLLM (what it answers is set by
-each test's envelope); the end-to-end tests run the same channel with a real leader
+each test's envelope) and an engine load tracker fed by the test in place of vLLM's
+scheduler stats (so every connection also carries ``Load`` messages); the end-to-end tests run the same channel with a real leader
 (tests/e2e/test_openai_conformance.py, test_proxy_e2e.py).
 """
 
@@ -11,16 +12,20 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from neuron_serving import openai_channel as oc
 from neuron_serving.triton import channel_server
 from neuron_serving.triton.channel_server import ChannelCall, ChannelServer
+from neuron_serving.triton.engine_load import EngineLoadTracker
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import TimeoutConfig, UnitSpec
+from proxy.registry import EngineLoad, Registry
 from proxy.upstream import GenerationDelta, UpstreamError
 
 TOKEN = b"channel-token-for-tests-0123456789"
@@ -31,7 +36,9 @@ class ScriptedLeader:
     """The backend behind a real ChannelServer: the envelope says what to answer."""
 
     def __init__(self) -> None:
-        self.server = ChannelServer(TOKEN, self.open_call)
+        self.load = EngineLoadTracker()
+        self.load.max_num_seqs = 8  # as vLLM building the stat logger sets it
+        self.server = ChannelServer(TOKEN, self.open_call, self.load)
         self.cancelled: list[int] = []
         self.opened = 0
         self.texts: list[str] = []
@@ -82,12 +89,12 @@ async def leader():
 
 
 async def upstream(
-    port: int, token: bytes = TOKEN, **timeouts: float
+    port: int, token: bytes = TOKEN, registry: Registry | None = None, **timeouts: float
 ) -> tuple[ChannelUpstream, Any]:
     """An upstream whose unit announced the channel at ``port``; returns once the
     background connection has succeeded or failed."""
     fallback = FallbackTransport()
-    up = ChannelUpstream(token, TimeoutConfig(**timeouts), lambda unit: fallback)
+    up = ChannelUpstream(token, TimeoutConfig(**timeouts), lambda unit: fallback, registry=registry)
     up.announce(UNIT, port)
     async with asyncio.timeout(5):
         while up._connecting:
@@ -253,6 +260,131 @@ async def test_a_channel_lost_before_the_call_starts_falls_back(leader) -> None:
             await asyncio.sleep(0.01)
     assert len(scripted.server.connections) == 1
     await up.close()
+
+
+# ---- load reports ------------------------------------------------------------------------
+
+
+async def until(condition, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.005)
+
+
+def registry_with(*specs: UnitSpec) -> Registry:
+    registry = Registry()
+    for spec in specs:
+        registry.add(spec)
+    return registry
+
+
+async def test_the_leaders_load_lands_on_its_unit(leader) -> None:
+    scripted, port = leader
+    scripted.load.record(3, 1, 0.5)
+    registry = registry_with(UNIT)
+    unit = registry.get("u0")
+    assert unit.engine_load is None
+    before = time.monotonic()
+    up, _ = await upstream(port, registry=registry)
+    await until(lambda: unit.engine_load is not None)
+    load = unit.engine_load
+    assert isinstance(load, EngineLoad)
+    assert (load.running, load.waiting, load.kv_usage, load.max_num_seqs) == (3, 1, 0.5, 8)
+    assert before <= load.at <= time.monotonic()
+    scripted.load.record(6, 4, 0.75)  # a change: pushed
+    await until(lambda: unit.engine_load.running == 6)
+    assert (unit.engine_load.waiting, unit.engine_load.kv_usage) == (4, 0.75)
+    # Loads share the frames of a stream and disturb nothing.
+    deltas = await collect(up, {"tokens": 5})
+    assert [i for d in deltas for i in d.token_ids or []] == [0, 1, 2, 3, 4]
+    await up.close()
+    assert unit.engine_load is None  # closed: no report any more
+
+
+async def test_a_lost_channel_clears_the_load(leader) -> None:
+    scripted, port = leader
+    registry = registry_with(UNIT)
+    unit = registry.get("u0")
+    up, _ = await upstream(port, registry=registry)
+    await until(lambda: unit.engine_load is not None)
+    scripted.server.close()  # the leader goes away
+    await until(lambda: unit.engine_load is None)
+    await up.close()
+
+
+async def test_every_unit_at_a_channel_gets_its_load_and_a_withdrawn_one_loses_it(
+    leader,
+) -> None:
+    """Two units on one leader (a unit re-added under a new id); one announced later,
+    when the channel is up, gets the current load at once; a unit whose leader
+    withdraws the channel (port None) or that is forgotten stops following it."""
+    scripted, port = leader
+    other = UnitSpec("u1", "127.0.0.1:1")
+    registry = registry_with(UNIT, other)
+    u0, u1 = registry.get("u0"), registry.get("u1")
+    up, _ = await upstream(port, registry=registry)
+    await until(lambda: u0.engine_load is not None)
+    assert u1.engine_load is None
+    up.announce(other, port)
+    assert u1.engine_load is u0.engine_load
+    up.announce(other, None)
+    assert u1.engine_load is None
+    scripted.load.record(2, 0, 0.1)
+    await until(lambda: u0.engine_load.running == 2)
+    assert u1.engine_load is None
+    up.forget("u0")
+    scripted.load.record(3, 0, 0.1)
+    await asyncio.sleep(0.3)
+    assert u0.engine_load.running == 2
+    await up.close()
+
+
+async def test_a_replaced_channel_does_not_clear_its_successors_load(leader) -> None:
+    """A reconnection replaces a failed channel; the old one's last words (its close)
+    must not wipe what the new one reports."""
+    scripted, port = leader
+    registry = registry_with(UNIT)
+    unit = registry.get("u0")
+    up, _ = await upstream(port, registry=registry)
+    await until(lambda: unit.engine_load is not None)
+    addr = up.address(UNIT)
+    old = up._channels[addr]
+    old.close()
+    assert unit.engine_load is None
+    up.address(UNIT)  # reconnects in the background
+    await until(lambda: up.address(UNIT) is not None and unit.engine_load is not None)
+    assert up._channels[addr] is not old
+    old.on_load(old)  # a late callback of the old channel
+    assert unit.engine_load is not None
+    await up.close()
+
+
+async def test_a_leader_sending_a_bad_load_loses_its_channel_and_its_load() -> None:
+    """A frame that is not a typed message ends the connection, Load or not."""
+    registry = registry_with(UNIT)
+    unit = registry.get("u0")
+    bad = asyncio.Event()
+
+    async def fake_leader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        greeting, nonce = oc.hello()
+        writer.write(greeting)
+        writer.write(oc.check_proof(TOKEN, nonce, await reader.readexactly(oc.PROOF_BYTES)))
+        writer.write(oc.frame(msgspec.msgpack.encode([oc.Load(1, 0, 0.5, 4)])))
+        await bad.wait()
+        writer.write(oc.frame(msgspec.msgpack.encode([[1, "many", 0, 0.5, 4]])))
+        await reader.read()  # until the proxy hangs up
+        writer.close()
+
+    server = await asyncio.start_server(fake_leader, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    up, _ = await upstream(port, registry=registry)
+    await until(lambda: unit.engine_load is not None)
+    assert unit.engine_load.max_num_seqs == 4
+    bad.set()
+    await until(lambda: unit.engine_load is None)
+    assert up.address(UNIT) is None  # the channel is gone (reconnecting)
+    await up.close()
+    server.close()
 
 
 # ---- the leader's end against hostile peers ---------------------------------------------

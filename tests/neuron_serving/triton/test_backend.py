@@ -340,6 +340,25 @@ def test_cancelled_stream_is_aborted_in_the_engine(backend) -> None:
     assert len(s.sent) < 60
 
 
+def test_the_load_report_turns_idle_when_the_last_request_ends(backend) -> None:
+    """An aborted request leaves no scheduler stats behind it (engine_load.py): the
+    backend's last request ending re-checks the engine's unfinished requests."""
+    unfinished = [1]
+    backend.engine.get_num_unfinished_requests = lambda: unfinished[0]
+    backend.load.max_num_seqs = 4
+    backend.load.bind(backend.engine)
+    backend.load.record(1, 0, 0.2)  # the stats of a step that still ran it
+    unfinished[0] = 0  # then it was aborted: no step, no stats
+    assert backend.load.snapshot() == (1, 0, 0.2, 4)
+    backend.engine.step_s = 0.01
+    s = Sender(cancel_after=2)
+    backend.execute(
+        [Request(s, text_input=b"hi", stream=True, sampling_parameters='{"max_tokens": 60}')]
+    )
+    assert wait_final(s).error.code == TritonError.CANCELLED
+    assert backend.load.snapshot() == (0, 0, 0.0, 4)
+
+
 def test_engine_error_mid_stream_is_one_internal_final(backend) -> None:
     backend.engine.fail_after = 2
     s = Sender()

@@ -13,6 +13,7 @@ import os
 import jsonschema
 import pytest
 
+from neuron_serving.triton.engine_load import EngineLoadTracker
 from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.openai_envelope import OpenAIEnvelope, Resume
 from neuron_serving.triton.openai_serving import SSE_DONE, OpenAIServing, SSEPuller
@@ -35,7 +36,13 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def served(demo_model):
+def engine_load() -> EngineLoadTracker:
+    """The engine's load, as the backend tracks it for the OpenAI channel."""
+    return EngineLoadTracker()
+
+
+@pytest.fixture(scope="module")
+def served(demo_model, engine_load):
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # EngineCore in this process
     kwargs = {
@@ -49,9 +56,14 @@ def served(demo_model):
         "scheduling_policy": "priority",
         "max_num_seqs": 2,  # so that requests wait, and the priority decides
     }
-    thread = EngineThread(kwargs, start_timeout_s=120.0)
+    thread = EngineThread(kwargs, start_timeout_s=120.0, stat_loggers=[engine_load.stat_logger])
     try:
         thread.start()
+
+        async def bind() -> None:
+            engine_load.bind(thread.engine)
+
+        thread.call(bind(), TIMEOUT_S)
 
         async def build() -> OpenAIServing:
             return OpenAIServing(thread.engine, SERVED, str(demo_model), "pythonic", "v7")
@@ -238,6 +250,34 @@ def test_resume_continues_token_exactly(served) -> None:
 def test_version(served) -> None:
     status, body, _, _ = call(served, "version", {})
     assert status == 200 and set(json.loads(body)) == {"version"}
+
+
+def test_the_engines_load_report_follows_a_stream(served, engine_load) -> None:
+    """vLLM's scheduler stats reach the tracker (running while a request streams,
+    idle once it ended), and vLLM's own Prometheus logger is still there next to ours
+    (a custom logger must not replace it: the leader serves vLLM's metrics)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    thread, serving = served
+    body = {"model": SERVED, "prompt": "Catalogue item", "max_tokens": 12, "stream": True,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    during: list = []
+
+    async def run() -> None:
+        result = await serving.handle(OpenAIEnvelope("completions", body))
+        puller = SSEPuller(result.stream, result.tap)
+        try:
+            while not puller.done:
+                await puller.pull()
+                during.append(engine_load.snapshot())
+        finally:
+            await puller.aclose()
+
+    thread.call(run(), TIMEOUT_S)
+    assert max(running for running, _, _, _ in during) >= 1, during
+    assert engine_load.snapshot() == (0, 0, 0.0, 2)  # max_num_seqs: the fixture's
+    loggers = thread.engine.logger_manager.stat_loggers
+    assert any(isinstance(logger, PrometheusStatLogger) for logger in loggers)
 
 
 def test_the_envelopes_priority_reaches_the_engine_not_the_clients() -> None:

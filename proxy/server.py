@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -26,9 +28,14 @@ from neuron_serving.bearer import bearer_matches
 from neuron_serving.netaddr import is_loopback
 from neuron_serving.openai_channel import CONFIG_PARAMETER as CHANNEL_PARAMETER
 from neuron_serving.openai_channel import resolve_token as resolve_channel_token
+from neuron_serving.s3 import s3_client
 from neuron_serving.secret_file import SecretError
 from proxy.admin import make_admin_app
 from proxy.auth import ApiKeys, load_api_keys
+from proxy.batch.api import BatchAPI
+from proxy.batch.blobs import Blobs, LocalBlobs, S3Blobs
+from proxy.batch.runner import BatchRunner
+from proxy.batch.store import BatchDB
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import ProxyConfig
 from proxy.dashboard import routes as dashboard_routes
@@ -148,6 +155,9 @@ class ProxyServer:
             FrontEndDeps(config, self.registry, self.admission, self.dispatcher, self.metrics)
         )
         self._runners: list[web.AppRunner] = []
+        self.batch_api: BatchAPI | None = None
+        self.batch_runner: BatchRunner | None = None
+        self._batch_db: BatchDB | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.port = config.port
         self.admin_port = config.admin_port
@@ -230,6 +240,8 @@ class ProxyServer:
             redact=not self.is_trusted(request),
             upstream_of=self.transport.name_for,
         )
+        if self.batch_runner is not None and not body["redacted"]:
+            body["batches"] = await self.batch_runner.status()
         return web.json_response(body)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
@@ -287,6 +299,8 @@ class ProxyServer:
         app.add_routes(OpenAIFrontEnd(self.pipeline).routes())
         app.add_routes(TritonFrontEnd(self.pipeline).routes())
         app.add_routes(dashboard_routes())
+        if self.batch_api is not None:
+            app.add_routes(self.batch_api.routes())
         app.add_routes(
             [
                 web.get("/status", self.status),
@@ -324,6 +338,8 @@ class ProxyServer:
         if token is None:
             log.warning("no admin token configured: the admin API refuses every request")
         self.health.start()
+        if self.config.batch.enabled:
+            await self._open_batch()
         for app, host, port, attr in (
             (self.make_app(), self.config.host, self.config.port, "port"),
             (
@@ -346,6 +362,10 @@ class ProxyServer:
             await site.start()
             self._runners.append(runner)
             setattr(self, attr, runner.addresses[0][1])
+        if self.batch_runner is not None:
+            cfg = self.config.batch
+            self.batch_runner.owner = cfg.replica_id or f"{socket.gethostname()}:{self.port}"
+            await self.batch_runner.start()
         log.info(
             "proxy listening on %s:%d (admin %s:%d)",
             self.config.host,
@@ -354,10 +374,33 @@ class ProxyServer:
             self.admin_port,
         )
 
+    async def _open_batch(self) -> None:
+        """The Batch API's store, file store, runner and endpoints (proxy/batch/)."""
+        cfg = self.config.batch
+        data = Path(cfg.data_dir).expanduser()
+        db = await asyncio.to_thread(BatchDB, data / "batch.sqlite3")
+        if cfg.files_url:
+            blobs: Blobs = S3Blobs(cfg.files_url, s3_client())
+        else:
+            blobs = LocalBlobs(data / "files")
+        self.batch_runner = BatchRunner(db, blobs, self.pipeline, cfg, owner="")
+        (data / "tmp").mkdir(parents=True, exist_ok=True)
+        self.batch_api = BatchAPI(cfg, db, blobs, self.batch_runner, self.pipeline.deps.model_names)
+        self._batch_db = db
+        log.info(
+            "batch API: store %s, files %s", data / "batch.sqlite3", cfg.files_url or data / "files"
+        )
+
     async def stop(self) -> None:
+        if self.batch_runner is not None:
+            await self.batch_runner.stop()
+            self.batch_runner = None
         for runner in self._runners:
             await runner.cleanup()
         self._runners.clear()
+        if self._batch_db is not None:
+            await asyncio.to_thread(self._batch_db.close)
+            self._batch_db = None
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

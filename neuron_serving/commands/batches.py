@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuron_serving.commands.status import add_api_key_arg
 from neuron_serving.exitcodes import ExitCode
 
 if TYPE_CHECKING:
@@ -80,12 +81,7 @@ def _seconds(text: str) -> float:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proxy", default=DEFAULT_PROXY, help="proxy base URL")
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="client API key for the proxy (default: $NEURON_SERVING_API_KEY, else the "
-        "api-key file of the local cluster's run dir)",
-    )
+    add_api_key_arg(p)
     p.add_argument(
         "--timeout", type=_seconds, default=30.0, metavar="S",
         help="bound on each read or write of a call (default 30)",

@@ -44,12 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="supervisor state file (default: the `up` run dir of the proxy's port)",
     )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="client API key for the proxy (default: $NEURON_SERVING_API_KEY, else the "
-        "api-key file of the local cluster's run dir)",
-    )
+    add_api_key_arg(p)
     p.add_argument(
         "--json", action="store_true", help="print the merged view as JSON (for scripts)"
     )
@@ -118,6 +113,16 @@ def _state_path(args: argparse.Namespace) -> Path:
 
     port = urlparse(args.proxy).port or 80
     return default_run_dir(port) / "supervisor.json"
+
+
+def add_api_key_arg(p: argparse.ArgumentParser) -> None:
+    """``--api-key``, as every command that calls the proxy's client API reads it."""
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="client API key for the proxy (default: $NEURON_SERVING_API_KEY, else the "
+        "api-key file of the local cluster's run dir)",
+    )
 
 
 def api_key(args: argparse.Namespace) -> str | None:

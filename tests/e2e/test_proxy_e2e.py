@@ -30,7 +30,9 @@ CHAT = [
     {"role": "user", "content": "Do you have running shoes in size 10?"},
 ]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-API_KEY = "e2e-client-key-0123456789"  # the proxy requires it (tenant "e2e")
+API_KEY = "e2e-client-key-0123456789"
+# A request long enough (about 2 s here) to hold the unit while a queue builds.
+HOLD_TOKENS = 480  # the proxy requires it (tenant "e2e")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
@@ -210,3 +212,127 @@ def test_client_disconnect_cancels_the_request_in_vllm(stack) -> None:
         time.sleep(0.25)
     assert metric(leader.metrics, cancelled, outcome="cancelled") == before + 1
     assert metric(leader.metrics, "vllm:num_requests_running") == 0
+
+
+def test_flow_control_orders_classes_and_tenants_on_a_real_leader(
+    leader: LeaderEndpoints, demo_model: Path, tmp_path: Path
+) -> None:
+    """A proxy that lets one request run on the unit at a time (unit_max_in_flight 1),
+    in front of the real leader: while one long batch request holds the unit, a
+    queue of batch work from two tenants, near-real-time and real-time requests
+    builds up; they then start real-time first, near-real-time next, and the two
+    batch tenants alternate. A near-real-time request that cannot start within its
+    deadline gets 429 + Retry-After; with every queue full a real-time arrival sheds
+    the newest batch request (503, code shed)."""
+    import threading
+    import urllib.error
+
+    keys = tmp_path / "api-keys.yaml"
+    rt_key, a_key, b_key = (f"{t}-flow-key-0123456789" for t in ("rt", "a", "b"))
+    keys.write_text(
+        f'tenants:\n  rt:\n    keys: ["{rt_key}"]\n'
+        f'  a:\n    keys: ["{a_key}"]\n    traffic_class: batch\n'
+        f'  b:\n    keys: ["{b_key}"]\n    traffic_class: batch\n'
+    )
+    keys.chmod(0o600)
+    config = proxy_config(
+        [leader], demo_model, api_keys_file=str(keys),
+        admission={"unit_max_in_flight": 1, "queue_size": 24,
+                   "classes": {"near-real-time": {"queue_timeout_s": 60.0, "aging_s": 0}}},
+    )  # fmt: skip
+    done: list[tuple[float, str]] = []
+    errors: dict[str, tuple[int, dict, str]] = {}
+
+    def send(base: str, name: str, key: str, max_tokens: int, cls: str | None = None) -> None:
+        body = {"model": "llm", "prompt": f"{name}: the store sells", "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        if cls:
+            headers["X-Traffic-Class"] = cls
+        req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                r.read()
+            done.append((time.monotonic(), name))
+        except urllib.error.HTTPError as e:
+            errors[name] = (e.code, json.loads(e.read())["error"], e.headers.get("Retry-After"))
+
+    def queued(base: str) -> int:
+        req = urllib.request.Request(
+            f"{base}/status", headers={"Authorization": f"Bearer {rt_key}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())["admission"]["queued"]
+
+    def holding(base: str) -> None:
+        """Until the holder runs on the unit (the rest then queues behind it)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            req = urllib.request.Request(
+                f"{base}/status", headers={"Authorization": f"Bearer {rt_key}"}
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read())["admission"]["active"] == 1:
+                    return
+            time.sleep(0.01)
+        raise AssertionError(f"the holder did not start: {errors} {done}")
+
+    def start(*args, **kw) -> threading.Thread:
+        t = threading.Thread(target=send, args=args, kwargs=kw, daemon=True)
+        t.start()
+        return t
+
+    with running_proxy(config, tmp_path, name="proxy-flow") as base:
+        threads = [start(base, "holder", a_key, HOLD_TOKENS)]
+        holding(base)
+        for i in range(6):  # a floods first, then b
+            threads.append(start(base, f"a{i}", a_key, 4))
+        for i in range(6):
+            threads.append(start(base, f"b{i}", b_key, 4))
+        threads.append(start(base, "nrt", rt_key, 4, cls="near-real-time"))
+        threads.append(start(base, "rt", rt_key, 4))
+        expected = 14
+        deadline = time.monotonic() + 60
+        while queued(base) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queued(base) == expected, (errors, done)
+        for t in threads:
+            t.join(300)
+        assert errors == {}, errors
+        order = [n for _, n in sorted(done)]
+        print("start order:", order)
+        assert order[0] == "holder" and order[1:3] == ["rt", "nrt"], order
+        batch = order[3:]
+        firsts = [n[0] for n in batch]
+        # Equal shares while both wait: they alternate (within 10%: 6 and 6 of 12).
+        assert firsts[:6].count("a") == 3 and firsts.count("a") == firsts.count("b") == 6, order
+
+    # Deadline and shedding, on a proxy with a short near-real-time deadline and room
+    # for only two waiting requests.
+    config = proxy_config(
+        [leader], demo_model, api_keys_file=str(keys),
+        admission={"unit_max_in_flight": 1, "queue_size": 2,
+                   "classes": {"near-real-time": {"queue_timeout_s": 1.0, "retry_after_s": 3}}},
+    )  # fmt: skip
+    done.clear()
+    with running_proxy(config, tmp_path, name="proxy-flow-2") as base:
+        threads = [start(base, "holder", a_key, HOLD_TOKENS)]
+        holding(base)
+        t0 = time.monotonic()
+        send(base, "late", rt_key, 4, cls="near-real-time")
+        code, error, retry_after = errors.pop("late")
+        assert code == 429 and retry_after == "3" and time.monotonic() - t0 >= 1.0
+        assert "near-real-time" in error["message"]
+        threads[0].join(300)  # a fresh holder for the shedding
+        threads = [start(base, "holder-2", a_key, HOLD_TOKENS)]
+        holding(base)
+        threads += [start(base, f"q{i}", a_key, 4) for i in range(2)]
+        while queued(base) < 2:
+            time.sleep(0.05)
+        threads.append(start(base, "rt", rt_key, 4))
+        for t in threads:
+            t.join(300)
+        (shed,) = errors
+        assert shed in ("q0", "q1") and errors[shed][0] == 503
+        assert errors[shed][1]["code"] == "shed"
+        assert "rt" in [n for _, n in done]

@@ -140,11 +140,17 @@ class Open(msgspec.Struct, tag="open", array_like=True, frozen=True):
 class Generate(msgspec.Struct, tag="generate", array_like=True, frozen=True):
     """Start one text request of Triton's generate route: vllm_backend's inputs as
     the proxy sends them over Triton (``stream`` and ``exclude_input_in_output``
-    always true). ``sampling_parameters``: a JSON object, as Triton's input."""
+    always true). ``sampling_parameters``: a JSON object, as Triton's input.
+    ``priority``: the ``priority`` input, vLLM's request priority (the traffic class;
+    the leader refuses one outside [0, 16) as that input's, with INVALID_ARG for the
+    call, not by dropping the connection). Appended with a default: a proxy that
+    sends the three fields before it asks for 0, and a leader that predates it
+    ignores it (msgspec ignores an array-like struct's extra trailing elements)."""
 
     id: int
     text_input: str
     sampling_parameters: str
+    priority: int = 0
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):

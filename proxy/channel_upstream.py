@@ -401,12 +401,15 @@ class ChannelUpstream:
         sampling: dict[str, Any],
         deadline: float,
         timing: AttemptTiming | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerationDelta]:
-        """``Upstream.generate`` (a text request) over the channel at ``addr``."""
+        """``Upstream.generate`` (a text request) over the channel at ``addr``;
+        ``priority`` is ``Generate.priority``."""
         params = json.dumps(sampling)
         return self._stream(
-            addr, unit, lambda i: Generate(i, prompt, params), True, deadline, timing,
-            lambda t: t.generate(unit, prompt, sampling, deadline, timing),
+            addr, unit, lambda i: Generate(i, prompt, params, priority), True, deadline, timing,
+            lambda t: t.generate(unit, prompt, sampling, deadline, timing, priority=priority),
         )  # fmt: skip
 
     async def _connect(self, addr: Address) -> None:

@@ -101,8 +101,9 @@ class Job:
     model: str
     deadline: float  # loop.time()
     session_id: str | None = None
-    # vLLM's request priority on the OpenAI route (proxy/traffic_class.py), and the
-    # class's queue in flow control (proxy/flow_control.py), fair between tenants.
+    # vLLM's request priority on both routes (proxy/traffic_class.py: the envelope's
+    # priority, the generate route's priority input), and the class's queue in flow
+    # control (proxy/flow_control.py), fair between tenants.
     traffic_class: TrafficClass = TrafficClass.REAL_TIME
     tenant: str = ""
     # The unit flow control placed the first attempt on (already counted there).
@@ -250,7 +251,12 @@ class Dispatcher:
                 try:
                     timing = AttemptTiming()
                     gen = self.upstream.generate(
-                        unit.spec, job.prompt + generated, sampling, job.deadline, timing
+                        unit.spec,
+                        job.prompt + generated,
+                        sampling,
+                        job.deadline,
+                        timing,
+                        priority=int(job.traffic_class),
                     )
                     async with contextlib.aclosing(gen):
                         async for d in gen:

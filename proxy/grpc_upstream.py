@@ -209,15 +209,18 @@ class TritonUpstream:
         sampling: dict[str, Any],
         deadline: float,
         timing: AttemptTiming | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerationDelta]:
         """Yield deltas until (and including) the one with a finish reason.
 
         ``deadline`` is on the ``loop.time()`` clock. Raises ``UpstreamError``.
         ``timing``, if given, gets when the request was written and the first response read.
+        ``priority``: the leader's ``priority`` input (INT32), when nonzero.
         Callers must close the generator (``contextlib.aclosing``) so that an early
         exit cancels the call at once rather than whenever the generator is collected.
         """
-        request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling)
+        request = build_request(unit.triton_model, uuid.uuid4().hex, prompt, sampling, priority)
         return self._stream(unit, request, deadline, timing)
 
     def openai(

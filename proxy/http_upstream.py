@@ -14,7 +14,8 @@ become its input tensors). OpenAI path: ``openai_request`` (the envelope, a JSON
 string); outputs ``openai_status``, ``openai_body``, ``token_ids``,
 ``prompt_token_ids`` as JSON fields (one element as a scalar, several as a list).
 Text path: ``text_input``, ``stream: true``,
-``exclude_input_in_output: true``, and ``sampling_parameters`` as a JSON *string*
+``exclude_input_in_output: true``, ``priority`` (a number, the traffic class; only
+when nonzero), and ``sampling_parameters`` as a JSON *string*
 (a BYTES input, exactly what the gRPC upstream sends; Triton's request
 ``parameters`` cannot carry lists such as ``stop``). Response: ``text/event-stream``,
 one ``data: {...}`` event per Triton response with the outputs as JSON fields
@@ -70,15 +71,18 @@ _MAX_EVENT = 256 << 20
 _EVENT_END = b"\n\n"
 
 
-def build_body(prompt: str, sampling: dict[str, Any]) -> bytes:
-    return json.dumps(
-        {
-            "text_input": prompt,
-            "stream": True,
-            "exclude_input_in_output": True,
-            "sampling_parameters": json.dumps(sampling),
-        }
-    ).encode("utf-8")
+def build_body(prompt: str, sampling: dict[str, Any], priority: int = 0) -> bytes:
+    """``priority``, when nonzero: a JSON number that Triton turns into the model's
+    INT32 ``priority`` input (a field named like an input becomes that input)."""
+    body: dict[str, Any] = {
+        "text_input": prompt,
+        "stream": True,
+        "exclude_input_in_output": True,
+        "sampling_parameters": json.dumps(sampling),
+    }
+    if priority:
+        body["priority"] = priority
+    return json.dumps(body).encode("utf-8")
 
 
 def build_openai_body(envelope: bytes) -> bytes:
@@ -227,9 +231,11 @@ class TritonHttpUpstream:
         sampling: dict[str, Any],
         deadline: float,
         timing: AttemptTiming | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[GenerationDelta]:
         """As ``TritonUpstream.generate``; needs ``unit.leader_http``."""
-        return self._stream(unit, build_body(prompt, sampling), deadline, timing)
+        return self._stream(unit, build_body(prompt, sampling, priority), deadline, timing)
 
     def openai(
         self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None

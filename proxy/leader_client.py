@@ -53,20 +53,26 @@ def _bytes_tensor(value: bytes) -> bytes:
 
 
 _TRUE = b"\x01"
+_INT32 = struct.Struct("<i")  # Triton's raw tensor layout: little-endian
 
 
 def build_request(
-    model: str, request_id: str, prompt: str, sampling: dict[str, Any]
+    model: str, request_id: str, prompt: str, sampling: dict[str, Any], priority: int = 0
 ) -> service_pb2.ModelInferRequest:
     """vllm_backend's inputs: ``text_input``, ``stream``, ``sampling_parameters`` (JSON),
-    ``exclude_input_in_output``; each of shape [1], data in ``raw_input_contents``."""
+    ``exclude_input_in_output``; each of shape [1], data in ``raw_input_contents``.
+    ``priority`` (vLLM's request priority, the traffic class): our leader's INT32
+    ``priority`` input, only when nonzero (0 is the input's default)."""
     req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
-    for name, dtype, raw in (
+    inputs = [
         ("text_input", "BYTES", _bytes_tensor(prompt.encode("utf-8"))),
         ("stream", "BOOL", _TRUE),
         ("sampling_parameters", "BYTES", _bytes_tensor(json.dumps(sampling).encode("utf-8"))),
         ("exclude_input_in_output", "BOOL", _TRUE),
-    ):
+    ]
+    if priority:
+        inputs.append(("priority", "INT32", _INT32.pack(priority)))
+    for name, dtype, raw in inputs:
         t = req.inputs.add()
         t.name, t.datatype = name, dtype
         t.shape.append(1)

@@ -14,7 +14,8 @@ sends ``service_tier: priority`` stays batch. The class is on every request's me
 line and access-log line, and reaches the engine as vLLM's per-request priority
 (``TrafficClass`` values: lower is scheduled first; the leaders run vLLM with
 ``scheduling_policy="priority"``, and the leader takes the priority from the
-proxy's envelope, never from the client's body).
+proxy's envelope on the OpenAI route and from its ``priority`` input on Triton's
+generate route, never from the client's body).
 """
 
 from __future__ import annotations

@@ -35,15 +35,17 @@ class UnitTransport:
     def use_channel(self, channel: ChannelUpstream) -> None:
         self.channel = channel
 
-    def generate(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:
+    def generate(
+        self, unit: UnitSpec, *args: Any, priority: int = 0
+    ) -> AsyncIterator[GenerationDelta]:
         """``Upstream.generate`` on the unit's channel, else its transport. It returns
         the chosen transport's own generator, not a wrapper around it: every layer of
         async generators costs a resumption per token."""
         if self.channel is not None:
             addr = self.channel.address(unit)
             if addr is not None:
-                return self.channel.generate(addr, unit, *args)
-        return self._for(unit).generate(unit, *args)
+                return self.channel.generate(addr, unit, *args, priority=priority)
+        return self._for(unit).generate(unit, *args, priority=priority)
 
     def openai(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:
         """``Upstream.openai`` on the unit's channel, else its transport (the same way)."""

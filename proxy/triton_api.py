@@ -14,6 +14,13 @@ as ``temperature`` and ``max_tokens``); a response holds the outputs by name
 (``text_output``, and on the last one ``finish_reason``, ``prompt_tokens``,
 ``completion_tokens``). Errors are Triton's ``{"error": "<message>"}``: as the
 HTTP body before the first token, as an SSE event after it.
+
+``priority``: the leader's model has that input (vLLM's request priority), and the
+proxy sends it the request's traffic class (``X-Traffic-Class``, the key's tenant),
+never the client's: a client's ``priority`` is checked as the leader checks the
+input (an integer in [0, 16)) and then ignored, as the OpenAI route ignores the
+body's. In ``parameters`` or ``sampling_parameters`` it is refused, as the leader
+refuses it there: it is not a sampling parameter.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ _INPUTS = {
     "stream",
     "parameters",
     "id",
+    "priority",  # checked, then ignored: the traffic class decides (see above)
 }
 _PARAMETERS = SAMPLING_FIELDS | {"max_tokens", "stream"}
 
@@ -84,6 +92,7 @@ def parse_generate(body: Any) -> tuple[str, dict[str, Any], int | None, bool]:
     unknown = sorted(set(params) - _PARAMETERS)
     if unknown:
         raise invalid(f"unsupported sampling parameter '{unknown[0]}'", unknown[0])
+    int_param(body, "priority", 0, 15)  # a Triton client's; the class is what is sent
     exclude = body.get("exclude_input_in_output", False)
     if not isinstance(exclude, bool):
         raise invalid("'exclude_input_in_output' must be a boolean", "exclude_input_in_output")

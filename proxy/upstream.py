@@ -233,7 +233,13 @@ class Upstream(Protocol):
         sampling: dict[str, Any],
         deadline: float,
         timing: AttemptTiming | None = None,
-    ) -> AsyncIterator[GenerationDelta]: ...
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[GenerationDelta]:
+        """One text request (Triton's generate route). ``priority``: vLLM's request
+        priority, the job's traffic class (the leader's ``priority`` input; sent only
+        when nonzero, so the request is the same as before for real-time)."""
+        ...
 
     def openai(
         self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None

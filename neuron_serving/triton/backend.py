@@ -213,6 +213,9 @@ class LLMBackend:
         stream = tensor("stream")
         exclude = tensor("exclude_input_in_output")
         want_ids = tensor("return_token_ids")
+        priority = tensor("priority")
+        if priority is not None and priority.size != 1:
+            raise RequestError(f"priority must hold exactly one integer, got {priority.size}")
         sampling = tensor("sampling_parameters")
         sampling_raw = sampling[0] if sampling is not None and sampling.size else None
         if sampling_raw is None:
@@ -227,6 +230,8 @@ class LLMBackend:
             sampling_parameters=sampling_raw,
             max_model_len=self.config.max_model_len,
             return_token_ids=bool(want_ids[0]) if want_ids is not None and want_ids.size else False,
+            # An INT32 tensor (Triton checks the type against the model config).
+            priority=None if priority is None else int(priority[0]),
         )
 
     async def _generate(self, request_id: str, req: GenerateRequest, out: Any) -> None:
@@ -246,7 +251,11 @@ class LLMBackend:
             except (ValueError, TypeError) as e:
                 raise RequestError(f"invalid sampling parameters: {e}") from None
             completion_tokens = 0
-            outputs = self.engine.generate({"prompt_token_ids": prompt_ids}, params, request_id)
+            # The priority: the proxy's traffic class (the ``priority`` input, or the
+            # channel's Generate.priority), never a sampling parameter a client sets.
+            outputs = self.engine.generate(
+                {"prompt_token_ids": prompt_ids}, params, request_id, priority=req.priority
+            )
             try:
                 async for output in outputs:
                     if out.cancelled:  # noticed before the task's future existed
@@ -406,6 +415,7 @@ class LLMBackend:
                     exclude_input_in_output=True,
                     sampling_parameters=message.sampling_parameters,
                     max_model_len=self.config.max_model_len,
+                    priority=message.priority,
                 )
                 coro = self._generate(request_id, req, call)
         except RequestError as e:

@@ -3,7 +3,9 @@
 Inputs follow Triton's vllm_backend: ``text_input`` (BYTES), optional ``stream``
 and ``exclude_input_in_output`` (BOOL) and ``sampling_parameters`` (BYTES, a JSON
 object). Without ``sampling_parameters`` the request's own parameters (what
-``/v2/models/llm/generate`` puts under ``"parameters"``) are used instead.
+``/v2/models/llm/generate`` puts under ``"parameters"``) are used instead. Ours:
+optional ``priority`` (INT32), vLLM's request priority (the proxy's traffic class);
+not a sampling parameter, so ``sampling_parameters`` cannot carry it.
 
 Every rejection is a ``RequestError`` whose message names the offending field and
 the accepted range, because the message travels unchanged to the client as a
@@ -47,6 +49,9 @@ SAMPLING_KEYS: dict[str, str] = {
 }
 DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
 MAX_LOGPROBS = 20
+# vLLM's request priority: 0 (the proxy's real-time class, scheduled first), 1, 2 (batch).
+# Bounded as the openai_request envelope's (openai_envelope.py).
+PRIORITY_LIMIT = 16
 
 
 @dataclass(slots=True)
@@ -55,6 +60,7 @@ class GenerateRequest:
     stream: bool = False
     exclude_input_in_output: bool = False
     return_token_ids: bool = False
+    priority: int = 0  # vLLM's request priority (AsyncLLM.generate's keyword)
     # Validated keyword arguments for vllm.SamplingParams (max_tokens always set).
     sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -137,6 +143,18 @@ def parse_sampling_parameters(raw: bytes | str | None, max_model_len: int) -> di
     return params
 
 
+def parse_priority(value: Any) -> int:
+    """The ``priority`` input (or the channel's ``Generate.priority``): 0 <= p < 16."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < PRIORITY_LIMIT:
+        raise RequestError(
+            f"priority must be an integer in [0, {PRIORITY_LIMIT}) (0 is scheduled first), "
+            f"got {value!r}"
+        )
+    return value
+
+
 def _check_ranges(p: dict[str, Any], max_model_len: int) -> None:
     def bad(key: str, rule: str) -> RequestError:
         return RequestError(f"sampling parameter {key!r} must be {rule}, got {p[key]!r}")
@@ -175,12 +193,14 @@ def parse_request(
     sampling_parameters: bytes | str | None = None,
     max_model_len: int,
     return_token_ids: bool | None = None,
+    priority: int | None = None,
 ) -> GenerateRequest:
     return GenerateRequest(
         prompt=decode_prompt(text_input),
         stream=bool(stream),
         exclude_input_in_output=bool(exclude_input_in_output),
         return_token_ids=bool(return_token_ids),
+        priority=parse_priority(priority),
         sampling=parse_sampling_parameters(sampling_parameters, max_model_len),
     )
 

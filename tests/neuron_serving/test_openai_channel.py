@@ -144,3 +144,22 @@ def test_an_uncreatable_default_token_file_is_a_clear_error(tmp_path, monkeypatc
     monkeypatch.delenv("NEURON_SERVING_CHANNEL_TOKEN_FILE", raising=False)
     with pytest.raises(SecretError, match="cannot create channel token file .*channel-token"):
         oc.resolve_token()
+
+
+def test_generate_priority_is_a_compatible_trailing_field() -> None:
+    """``Generate.priority`` (the traffic class) was appended with a default: a
+    three-field Generate from an older proxy decodes as priority 0, and a leader that
+    predates the field reads the first three and ignores it."""
+
+    class OldGenerate(msgspec.Struct, tag="generate", array_like=True, frozen=True):
+        id: int
+        text_input: str
+        sampling_parameters: str
+
+    decoder = msgspec.msgpack.Decoder(oc.ToLeader)
+    old = decoder.decode(msgspec.msgpack.encode([OldGenerate(1, "hi", "{}")]))
+    assert old == [oc.Generate(1, "hi", "{}", 0)]
+    new = msgspec.msgpack.encode([oc.Generate(2, "hi", "{}", 2)])
+    assert decoder.decode(new)[0].priority == 2
+    older = msgspec.msgpack.Decoder(list[oc.Open | OldGenerate | oc.Cancel])
+    assert older.decode(new) == [OldGenerate(2, "hi", "{}")]

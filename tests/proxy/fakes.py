@@ -79,6 +79,8 @@ class Behavior:
     # proxy then sends OpenAI calls and text requests over it).
     channel: bool = False
     prompts: list[str] = field(default_factory=list)
+    # The text path's priority input as received (0 when not sent), per request.
+    priorities: list[int] = field(default_factory=list)
     envelopes: list[dict] = field(default_factory=list)  # openai_request, as received
     openai_bodies: list[bytes] = field(default_factory=list)  # openai_body, as sent
     created: int = 0  # OpenAI chunks' "created" (0: the server's own constant)
@@ -162,6 +164,8 @@ def _inputs(req: service_pb2.ModelInferRequest) -> dict:
             values[tensor.name] = deserialize_bytes_tensor(raw)[0].decode("utf-8")
         elif tensor.datatype == "BOOL":
             values[tensor.name] = bool(np.frombuffer(raw, dtype=bool)[0])
+        elif tensor.datatype == "INT32":
+            values[tensor.name] = int(np.frombuffer(raw, dtype="<i4")[0])
     return values
 
 
@@ -200,7 +204,9 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     yield _openai_response("llm", req.id, r)
                 continue
             async for text, finish, prompt_tokens, completion, version in self.owner.generate(
-                values["text_input"], values.get("sampling_parameters") or "{}"
+                values["text_input"],
+                values.get("sampling_parameters") or "{}",
+                values.get("priority", 0),
             ):
                 yield _response("llm", req.id, text, finish, prompt_tokens, completion, version)
 
@@ -231,7 +237,7 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
             await resp.write(b"data: " + data.encode() + b"\n\n")
         return resp
     async for text, finish, prompt_tokens, completion, _version in owner.generate(
-        body["text_input"], body.get("sampling_parameters") or "{}"
+        body["text_input"], body.get("sampling_parameters") or "{}", body.get("priority", 0)
     ):
         # As tritonserver 2.51 writes it: keys sorted, its own repository version, and no
         # trace of an output named model_version (the checkpoint version).
@@ -305,7 +311,7 @@ class FakeTriton:
                     await sent
             return
         async for text, finish, prompt_tokens, completion, version in self.generate(
-            message.text_input, message.sampling_parameters
+            message.text_input, message.sampling_parameters, message.priority
         ):
             event = oc.Event(0, text.encode(), None, finish or None,
                              prompt_tokens=prompt_tokens, completion_tokens=completion,
@@ -314,12 +320,13 @@ class FakeTriton:
             if sent is not None:
                 await sent
 
-    async def generate(self, prompt: str, sampling_json: str):
+    async def generate(self, prompt: str, sampling_json: str, priority: int = 0):
         """The model, for either protocol: (text, finish_reason, prompt_tokens,
         completion_tokens or None, model_version or None) per response; counts on
         every response, as a leader may send them."""
         b = self.behavior
         b.prompts.append(prompt)
+        b.priorities.append(priority)
         params = json.loads(sampling_json)
         max_tokens = int(params.get("max_tokens", 16))
         ignore_eos = bool(params.get("ignore_eos", False))

@@ -11,6 +11,7 @@ from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from proxy.grpc_upstream import decode_response
+from proxy.http_upstream import build_body
 from proxy.leader_client import build_openai_request, build_request
 from tests.proxy.fake_openai import FakeOpenAIResponse
 from tests.proxy.fakes import _inputs, _openai_response, _response
@@ -135,6 +136,20 @@ def test_build_request_is_what_vllm_backend_reads():
     assert values["stream"] is True and values["exclude_input_in_output"] is True
     raw = dict(zip([t.name for t in req.inputs], req.raw_input_contents, strict=True))
     assert deserialize_bytes_tensor(raw["text_input"])[0].decode() == "héllo 👟"
+
+
+def test_the_priority_input_only_when_nonzero():
+    """The traffic class as the leader's INT32 ``priority`` input; real-time (0) is the
+    input's default and is not sent, over gRPC as over HTTP."""
+    assert "priority" not in [t.name for t in build_request("llm", "r", "x", {}).inputs]
+    req = build_request("llm", "r", "x", {}, priority=2)
+    assert (req.inputs[-1].name, req.inputs[-1].datatype, list(req.inputs[-1].shape)) == (
+        "priority", "INT32", [1])  # fmt: skip
+    values = _inputs(service_pb2.ModelInferRequest.FromString(req.SerializeToString()))
+    assert values["priority"] == 2
+    assert "priority" not in json.loads(build_body("x", {}))
+    body = json.loads(build_body("x", {"max_tokens": 3}, priority=1))
+    assert body["priority"] == 1 and json.loads(body["sampling_parameters"]) == {"max_tokens": 3}
 
 
 def test_openai_request_and_response_encoding():

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from proxy.traffic_class import TrafficClass
 from tests.proxy.conftest import url
 from tests.proxy.fakes import reference_completion
 from tests.proxy.test_tokenizer import model_dir
@@ -50,11 +51,22 @@ async def test_generate_errors_are_triton_shaped(fleet):
         ("/v2/models/llm/generate", {"text_input": "x", "parameters": {"beam_width": 2}}, 400),
         ("/v2/models/llm/generate", {"text_input": "x", "sampling_parameters": "{bad"}, 400),
         ("/v2/models/llm/generate_stream", {"text_input": "x", "bogus": 1}, 400),
+        # A client's priority: an integer in [0, 16) as the leader's input (then ignored),
+        # never a sampling parameter.
+        ("/v2/models/llm/generate", {"text_input": "x", "priority": -1}, 400),
+        ("/v2/models/llm/generate", {"text_input": "x", "priority": "high"}, 400),
+        ("/v2/models/llm/generate", {"text_input": "x", "parameters": {"priority": 0}}, 400),
+        (
+            "/v2/models/llm/generate",
+            {"text_input": "x", "sampling_parameters": '{"priority": 1}'},
+            400,
+        ),
     ):
         async with s.post(url(proxy, path), json=body) as r:
             assert r.status == status, body
             err = await r.json()
             assert isinstance(err["error"], str) and err["error"]
+    assert a.behavior.prompts == []  # all refused before any unit saw them
 
 
 async def test_prompt_length_is_checked_as_the_leader_counts(fleet, tmp_path):
@@ -85,3 +97,36 @@ async def test_prompt_length_is_checked_as_the_leader_counts(fleet, tmp_path):
         assert f"maximum context length is 32 tokens; the prompt has {n} tokens" in err["error"]
         assert f"max_tokens is {max_tokens or 16}" in err["error"]
     assert u.behavior.prompts == [fits["text_input"]]
+
+
+@pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)
+async def test_the_class_reaches_the_leader_as_the_priority_input(fleet):
+    """The generate route's traffic class is what the leader gets as its ``priority``
+    input (vLLM's request priority), over each transport; a client's own ``priority``
+    is ignored (the class decides: it cannot raise itself), and a migrated stream's
+    next attempt carries the class too."""
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    a.behavior.kill_after_tokens = 2  # the batch stream below moves to u1 mid-way
+    proxy = await fleet.proxy([a, b], routing={"policy": "round_robin"})
+    s = fleet.session()
+    gen = url(proxy, "/v2/models/llm/generate_stream")
+    body = {
+        "text_input": "blue",
+        "priority": 0,
+        "parameters": {"max_tokens": 5, "ignore_eos": True},
+    }
+    async with s.post(gen, json=body, headers={"X-Traffic-Class": "batch"}) as r:
+        assert r.status == 200, await r.text()
+        events = [json.loads(e[len("data: ") :]) for e in (await r.text()).split("\n\n") if e]
+    assert events[-1]["finish_reason"] == "length" and events[-1]["completion_tokens"] == 5
+    assert a.behavior.priorities == b.behavior.priorities == [int(TrafficClass.BATCH)]
+    # Real-time (no header) and near-real-time, on the unit left.
+    body = {"text_input": "size", "priority": 9, "parameters": {"max_tokens": 2}}
+    for header, expected in (
+        (None, TrafficClass.REAL_TIME),
+        ("near-real-time", TrafficClass.NEAR_REAL_TIME),
+    ):
+        headers = {} if header is None else {"X-Traffic-Class": header}
+        async with s.post(url(proxy, "/v2/models/llm/generate"), json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+        assert b.behavior.priorities[-1] == int(expected)

@@ -71,7 +71,15 @@ class Request:
         self.sender = sender
         self.inputs = {}
         for name, value in inputs.items():
-            dtype = bool if isinstance(value, bool) else np.object_
+            if isinstance(value, np.ndarray):  # a tensor as it is (e.g. of two elements)
+                self.inputs[name] = Tensor(name, value)
+                continue
+            if isinstance(value, bool):
+                dtype = bool
+            elif isinstance(value, int):
+                dtype = np.int32  # as the model config declares it (priority)
+            else:
+                dtype = np.object_
             self.inputs[name] = Tensor(name, np.array([value], dtype=dtype))
 
     def get_response_sender(self) -> Sender:
@@ -99,6 +107,7 @@ class Engine:
         self.dead = False
         self.step_s = 0.002
         self.priorities: list[int] = []  # the priority of each generate() call
+        self.calls: list[tuple[str, int]] = []  # (request id, priority) of each call
         # True: tokens are produced whether or not the consumer keeps up, and DELTA
         # outputs not yet taken are merged, as vLLM's RequestOutputCollector does.
         self.collect = False
@@ -131,6 +140,7 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind
 
         self.priorities.append(kwargs.get("priority", 0))
+        self.calls.append((request_id, kwargs.get("priority", 0)))
 
         if self.collect and params.output_kind == RequestOutputKind.DELTA:
             async for out in self._collected(params.max_tokens, request_id):
@@ -338,6 +348,78 @@ def test_cancelled_stream_is_aborted_in_the_engine(backend) -> None:
     assert r.error.code == TritonError.CANCELLED
     assert len(backend.engine.aborted) == 1
     assert len(s.sent) < 60
+
+
+def test_the_priority_input_reaches_the_engine(backend) -> None:
+    """The ``priority`` input (the proxy's traffic class) is AsyncLLM.generate's
+    ``priority``; without it, 0. A value outside [0, 16), or not one element, is one
+    INVALID_ARG final and never reaches the engine."""
+
+    def requests() -> list[int]:  # the priority of each text request (not the canaries)
+        return [p for rid, p in backend.engine.calls if not rid.startswith("canary-")]
+
+    for priority in (2, None, 1):
+        s = Sender()
+        inputs = {"text_input": b"hi", "sampling_parameters": '{"max_tokens": 2}'}
+        if priority is not None:
+            inputs["priority"] = priority
+        backend.execute([Request(s, **inputs)])
+        assert wait_final(s).error is None
+    assert requests() == [2, 0, 1]
+    for bad, fragment in (
+        (16, r"priority must be an integer in [0, 16)"),
+        (-1, r"priority must be an integer in [0, 16)"),
+        (np.array([1, 2], dtype=np.int32), "priority must hold exactly one integer"),
+    ):
+        s = Sender()
+        backend.execute([Request(s, text_input=b"hi", priority=bad)])
+        r = wait_final(s)
+        assert r.error.code == TritonError.INVALID_ARG and fragment in r.error.message
+    assert requests() == [2, 0, 1]  # the bad ones never reached the engine
+
+
+class ChannelCall:
+    """What the OpenAI channel hands the backend per call (channel_server.ChannelCall)."""
+
+    def __init__(self, call_id: int) -> None:
+        self.id = call_id
+        self.events: list = []
+        self.errors: list[tuple[str, str]] = []
+        self.cancelled = False
+        self.task = None
+        self.done = threading.Event()
+
+    def send(self, event, final: bool) -> None:
+        self.events.append(event)
+        if final:
+            self.done.set()
+
+    def error(self, message: str, code: str) -> None:
+        self.errors.append((message, code))
+        self.done.set()
+
+
+def test_the_channels_generate_priority_reaches_the_engine(backend) -> None:
+    """The channel's ``Generate.priority``, checked as the ``priority`` input: a bad
+    one ends that call with INVALID_ARG (the connection and its other calls go on)."""
+    from neuron_serving.openai_channel import Generate
+
+    async def open_call(call, message) -> None:
+        backend._open_channel_call(call, message)
+
+    params = '{"max_tokens": 2}'
+    for message in (Generate(1, "hi", params, 2), Generate(2, "hi", params)):
+        call = ChannelCall(message.id)
+        backend.engine_thread.call(open_call(call, message), 5.0)
+        assert call.done.wait(5.0) and not call.errors
+        assert call.events[-1].finish_reason == "length"
+    calls = backend.engine.calls
+    assert [p for rid, p in calls if rid.startswith("channel-")] == [2, 0]
+    call = ChannelCall(3)
+    backend.engine_thread.call(open_call(call, Generate(3, "hi", params, 16)), 5.0)
+    assert call.done.wait(5.0) and call.errors[0][1] == "INVALID_ARG"
+    assert "priority must be an integer in [0, 16)" in call.errors[0][0]
+    assert [p for rid, p in calls if rid.startswith("channel-")] == [2, 0]
 
 
 def test_the_load_report_turns_idle_when_the_last_request_ends(backend) -> None:
@@ -562,7 +644,9 @@ def test_openai_priority_is_the_envelopes_not_the_bodys(openai_backend) -> None:
         body = {"max_tokens": 2, "priority": -50}
         openai_backend.execute([openai_request(s, body, priority=envelope_priority)])
         assert wait_final(s).error is None
-    assert openai_backend.engine.priorities[-2:] == [2, 0]  # after the warm-up canary
+    # Not the idle canaries' (which may run between the two): the requests'.
+    calls = openai_backend.engine.calls
+    assert [p for rid, p in calls if not rid.startswith("canary-")] == [2, 0]
 
 
 def test_openai_non_streaming_is_one_final_with_status_body_and_ids(openai_backend) -> None:

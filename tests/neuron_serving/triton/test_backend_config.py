@@ -124,3 +124,16 @@ def test_leader_refuses_an_unknown_tool_call_parser_before_starting(tmp_path: Pa
         LeaderSettings(model=str(tmp_path), model_overrides={"tool_call_parser": "nope"})
     for name in ("hermes", "pythonic", ""):
         LeaderSettings(model=str(tmp_path), model_overrides={"tool_call_parser": name})
+
+
+def test_the_priority_input_is_declared(tmp_path: Path) -> None:
+    """The proxy's traffic class reaches the backend as the optional INT32 ``priority``
+    input of shape [1] (Triton refuses an input its config does not declare)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    pbtxt = render_model_repository(tmp_path, {"model": "/m"}) / "llm" / "config.pbtxt"
+    cfg = text_format.Parse(pbtxt.read_text(), model_config_pb2.ModelConfig())
+    (priority,) = [i for i in cfg.input if i.name == "priority"]
+    assert priority.data_type == model_config_pb2.TYPE_INT32
+    assert list(priority.dims) == [1] and priority.optional

@@ -144,6 +144,19 @@ def test_parse_request_fields() -> None:
     )
 
 
+def test_priority_is_an_input_not_a_sampling_parameter() -> None:
+    """vLLM's request priority (the proxy's traffic class): its own input, 0 <= p < 16,
+    default 0; ``sampling_parameters`` (which a client writes) cannot carry it."""
+    assert parse_request(b"x", max_model_len=MAX_LEN).priority == 0
+    assert parse_request(b"x", max_model_len=MAX_LEN, priority=0).priority == 0
+    assert parse_request(b"x", max_model_len=MAX_LEN, priority=15).priority == 15
+    for bad in (-1, 16, 2**31 - 1, True, 1.0, "2"):
+        with pytest.raises(RequestError, match=r"priority must be an integer in \[0, 16\)"):
+            parse_request(b"x", max_model_len=MAX_LEN, priority=bad)
+    with pytest.raises(RequestError, match=r"unknown sampling parameter\(s\) \['priority'\]"):
+        parse_request(b"x", sampling_parameters=b'{"priority": 0}', max_model_len=MAX_LEN)
+
+
 def test_prompt_length() -> None:
     check_prompt_length(MAX_LEN - 1, MAX_LEN)
     with pytest.raises(RequestError, match="at most 1023 tokens"):

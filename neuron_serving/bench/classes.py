@@ -172,6 +172,19 @@ class Load:
         ):
             await asyncio.sleep(1.0)
 
+    async def all_routable(self, timeout_s: float = 900.0) -> None:
+        """Every arm starts on the whole fleet: a unit being recreated (see the
+        result's unit_restarts) is waited for, not measured around."""
+        assert self.session is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            async with self.session.get(f"{self.url}/status", headers=self.headers) as r:
+                units = (await r.json())["units"]
+            if units and all(u["state"] == "routable" for u in units):
+                return
+            await asyncio.sleep(1.0)
+        raise TimeoutError("units not all routable")
+
     async def classes(self) -> dict[str, Any]:
         assert self.session is not None
         async with self.session.get(f"{self.url}/status", headers=self.headers) as r:
@@ -205,6 +218,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         # Warm-up: compile paths, caches.
         await asyncio.gather(*(load.chat(random.Random(i)) for i in range(8)))
         # Capacity: the fleet saturated with batch-shaped work.
+        await load.all_routable()
         stop, done = asyncio.Event(), []
         loop_task = asyncio.create_task(load.closed_loop(units * seqs, stop, done))
         await asyncio.sleep(5.0)
@@ -219,10 +233,12 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         before = await load.classes()
         arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": []}
         for rep in range(repeats):
+            await load.all_routable()
             # (a) real-time alone
             res = await load.poisson(rate, window, seed=100 + rep)
             arms["a"].append(_rt_summary(res, window))
             print(f"rep {rep} (a) {arms['a'][-1]}", file=sys.stderr, flush=True)
+            await load.all_routable()
             # (b) real-time + a Batch API batch
             lines = int(1.5 * capacity * (window + 20) / BATCH_MAX_TOKENS)
             bid = await load.submit_batch(lines, seed=rep)
@@ -237,6 +253,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             summary["batch_lines"] = lines
             arms["b"].append(summary)
             print(f"rep {rep} (b) {summary}", file=sys.stderr, flush=True)
+            await load.all_routable()
             # (c) naive: the batch work as ordinary requests, first come first served
             stop, done = asyncio.Event(), []
             loop_task = asyncio.create_task(load.closed_loop(64, stop, done))
@@ -286,6 +303,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -
     try:
         result["ready_s"] = round(run.wait_ready(), 1)
         result.update(asyncio.run(_run(run, quick, repeats or 2)))
+        # A unit recreated during an arm skews it: reported, never hidden.
+        result["unit_restarts"] = {u["unit_id"]: u["restarts"] for u in run.state()["units"]}
     except Exception as e:  # noqa: BLE001 (reported in the result)
         result["error"] = f"{type(e).__name__}: {e}"
         rc = 1

@@ -3,11 +3,12 @@
 One `neuron-serving up` cluster (the default shape unless --model), one run, arms
 alternating per repeat so drift hits every arm alike:
 
-- capacity (once, first): a closed loop of batch-shaped requests as deep as the
-  fleet's running batch (units x max_num_seqs) for WINDOW seconds: the fleet's
-  saturated output tokens/s, C;
-- (a) real-time alone: chat streams arriving as a Poisson process at a rate whose
-  tokens are about half of C, for WINDOW seconds; time to first token per request;
+- capacities (once, first): a closed loop as deep as the fleet's running batch
+  (units x max_num_seqs) for WINDOW seconds, of batch-shaped requests (the fleet's
+  saturated output tokens/s, C) and of real-time chat streams (saturated streams/s,
+  R; streams cost the proxy and the client more per token than whole answers);
+- (a) real-time alone: chat streams arriving as a Poisson process at R/2 (half the
+  fleet), for WINDOW seconds; time to first token per request;
 - (b) classes: the same real-time arrivals while a Batch API batch (submitted through
   /v1/files and /v1/batches, class batch) large enough to outlast the window runs;
   batch output tokens/s in the window from its request_counts;
@@ -16,9 +17,9 @@ alternating per repeat so drift hits every arm alike:
   the engine) by a closed loop as deep as the Batch API's lines in flight.
 
 Targets (issue 19): real-time TTFT p99 in (b) within 1.1x of (a), (c) beside it;
-batch tokens/s in (b) at least 80% of the capacity real-time leaves idle (C minus
-real-time's tokens/s in (a)); no real-time request shed or refused while batch work
-waits (the proxy's per-class counters over the run, and client errors).
+batch tokens/s in (b) at least 80% of the capacity real-time leaves idle (C times
+the share of R that real-time does not use in (a)); no real-time request shed or
+refused while batch work waits (the proxy's per-class counters, client errors).
 """
 
 from __future__ import annotations
@@ -98,12 +99,21 @@ class Load:
             await asyncio.sleep(0.2)
             return 0
 
-    async def closed_loop(self, depth: int, stop: asyncio.Event, out: list[tuple[float, int]]):
+    async def chat_tokens(self, rng: random.Random) -> int:
+        ttft, error = await self.chat(rng)
+        if error is not None:
+            await asyncio.sleep(0.2)
+        return RT_MAX_TOKENS if error is None else 0
+
+    async def closed_loop(
+        self, depth: int, stop: asyncio.Event, out: list[tuple[float, int]], chat: bool = False
+    ):
         rng = random.Random(7)
+        call = self.chat_tokens if chat else self.completion
 
         async def worker() -> None:
             while not stop.is_set():
-                n = await self.completion(rng)
+                n = await call(rng)
                 out.append((time.monotonic(), n))
 
         await asyncio.gather(*(worker() for _ in range(depth)))
@@ -217,19 +227,29 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
     async with Load(run.url, run.api_key(), model) as load:
         # Warm-up: compile paths, caches.
         await asyncio.gather(*(load.chat(random.Random(i)) for i in range(8)))
-        # Capacity: the fleet saturated with batch-shaped work.
-        await load.all_routable()
-        stop, done = asyncio.Event(), []
-        loop_task = asyncio.create_task(load.closed_loop(units * seqs, stop, done))
-        await asyncio.sleep(5.0)
-        t0 = time.monotonic()
-        await asyncio.sleep(window)
-        t1 = time.monotonic()
-        stop.set()
-        await loop_task
-        capacity = _tokens_in(done, t0, t1) / (t1 - t0)
-        rate = 0.5 * capacity / RT_MAX_TOKENS
-        print(f"capacity {capacity:.0f} tok/s; real-time at {rate:.2f} req/s", file=sys.stderr)
+
+        # Capacities: the fleet saturated with batch-shaped work (C, tokens/s), and
+        # with real-time chat streams (requests/s): real-time then arrives at half the
+        # latter, and leaves (1 - its share) of C to batch work.
+        async def saturated(chat: bool) -> float:
+            await load.all_routable()
+            stop, done = asyncio.Event(), []
+            task = asyncio.create_task(load.closed_loop(units * seqs, stop, done, chat=chat))
+            await asyncio.sleep(5.0)
+            t0 = time.monotonic()
+            await asyncio.sleep(window)
+            t1 = time.monotonic()
+            stop.set()
+            await task
+            if chat:
+                return sum(1 for t, n in done if t0 <= t <= t1 and n) / (t1 - t0)
+            return _tokens_in(done, t0, t1) / (t1 - t0)
+
+        capacity = await saturated(chat=False)
+        rt_capacity = await saturated(chat=True)
+        rate = 0.5 * rt_capacity
+        print(f"capacity {capacity:.0f} tok/s (batch-shaped), {rt_capacity:.1f} chat streams/s;"
+              f" real-time at {rate:.2f} req/s", file=sys.stderr)  # fmt: skip
         before = await load.classes()
         arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": []}
         for rep in range(repeats):
@@ -273,13 +293,16 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
     p99 = {arm: [r["ttft_p99_s"] for r in rs] for arm, rs in arms.items()}
     ratio_b = [b / a for a, b in zip(p99["a"], p99["b"], strict=True)]
     ratio_c = [c / a for a, c in zip(p99["a"], p99["c"], strict=True)]
-    idle = [capacity - a["rt_tokens_per_s"] for a in arms["a"]]
+    # What real-time leaves: C times the share of the fleet it does not use.
+    idle = [capacity * (1 - a["requests"] / window / rt_capacity) for a in arms["a"]]
     batch_share = [b["batch_tokens_per_s"] / i for b, i in zip(arms["b"], idle, strict=True)]
     return {
         "window_s": window,
         "repeats": repeats,
         "units": units,
         "capacity_tokens_per_s": round(capacity, 1),
+        "rt_capacity_req_per_s": round(rt_capacity, 2),
+        "idle_capacity_tokens_per_s": [round(i, 1) for i in idle],
         "rt_rate_req_per_s": round(rate, 3),
         "arms": arms,
         "rt_ttft_p99_ratio_b_over_a": spread(ratio_b),

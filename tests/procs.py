@@ -29,6 +29,14 @@ def free_port_block(n: int = 4) -> int:
     return ports.free_port_block(n)
 
 
+def up_ports(units_block: int) -> tuple[int, int, int]:
+    """(proxy port, admin port, units' base port) for `up`, from one free block: drawn
+    separately, the proxy's ports can land inside the units' block (seen in CI:
+    "proxy ports collide with unit ports")."""
+    base = free_port_block(units_block + 2)
+    return base, base + 1, base + 2
+
+
 def unit_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(

@@ -21,8 +21,7 @@ import psutil
 import pytest
 
 from neuron_serving.local.probe import get_json
-from neuron_serving.triton.launcher import free_port
-from tests.procs import Proc, free_port_block, wait_for
+from tests.procs import Proc, up_ports, wait_for
 
 START_TIMEOUT_S = 900.0
 RECREATE_TIMEOUT_S = 600.0
@@ -89,18 +88,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-def _port_block_below_ephemeral(n: int) -> int:
-    return free_port_block(n)
-
-
 def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | None = None):
     """Run `up` on ``model`` until it says ready and both units are routable; yield
     the cluster; stop it and check that no process it ever had is left."""
-    port = free_port()
-    base = _port_block_below_ephemeral(2 * 20)
+    port, admin, base = up_ports(2 * 20)
     run_dir = tmp / "run"
     args = ["up", "--model", str(model), "--port", str(port), "--admin-port",
-            str(free_port()), "--base-port", str(base), "--run-dir", str(run_dir),
+            str(admin), "--base-port", str(base), "--run-dir", str(run_dir),
             *extra_args]  # fmt: skip
     proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1"))
     c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, name or model.name)

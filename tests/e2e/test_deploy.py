@@ -32,8 +32,7 @@ import pytest
 
 from neuron_serving.checkpoint.manifest import Canary, Manifest
 from neuron_serving.local.probe import get_json
-from neuron_serving.triton.launcher import free_port
-from tests.procs import Proc, free_port_block, leftover, unit_env, wait_for
+from tests.procs import Proc, leftover, unit_env, up_ports, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -113,11 +112,11 @@ def cluster(demo_model: Path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deploy")
     versions = tmp / "versions"
     _make_versions(demo_model, versions, tmp)
-    port, admin = free_port(), free_port()
+    port, admin, base = up_ports(2 * 10)
     run_dir = tmp / "run"
     args = ["up", "--model", str(versions / "v1"), "--units", "2", "--tp", "1",
             "--port", str(port), "--admin-port", str(admin), "--base-port",
-            str(free_port_block(2 * 10)), "--run-dir", str(run_dir), "--max-model-len", "256",
+            str(base), "--run-dir", str(run_dir), "--max-model-len", "256",
             "--max-num-seqs", "16", "--enforce-eager"]  # fmt: skip
     proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1"))
     c = Cluster(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", run_dir,

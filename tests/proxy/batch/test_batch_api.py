@@ -259,3 +259,34 @@ async def test_file_delete_and_hostile_uploads(batchfleet):
     # Nothing half-written is left behind.
     tmp = proxy.batch_runner.tmp
     assert list(tmp.iterdir()) == []
+
+
+async def test_two_replicas_sharing_one_store_run_each_line_once(fleet, tmp_path):
+    """Two proxies on one data directory (one SQLite store, one files dir), each with
+    its own replica id: the batch created through one is run by both, every line
+    exactly once (each line reaches a leader once: no crash, so no re-run)."""
+    units = [await fleet.unit("u0"), await fleet.unit("u1")]
+    shared = {"data_dir": str(tmp_path / "shared"), "lines_in_flight": 4}
+    p1 = await fleet.proxy(units, batch={**shared, "replica_id": "r1"})
+    p2 = await fleet.proxy(units, batch={**shared, "replica_id": "r2"})
+    for u in units:
+        u.behavior.token_delay_s = 0.01  # lines take long enough for both to claim
+    c1 = openai.AsyncOpenAI(base_url=url(p1, "/v1"), api_key="x", max_retries=0, timeout=10)
+    c2 = openai.AsyncOpenAI(base_url=url(p2, "/v1"), api_key="x", max_retries=0, timeout=10)
+    try:
+        f = await c1.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(80)])),
+                                  purpose="batch")  # fmt: skip
+        b = await c1.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                    completion_window="24h")  # fmt: skip
+        b = await wait_final(c2, b.id, timeout=60)  # the other replica sees it too
+        assert b.status == "completed" and b.request_counts.completed == 80
+        out = (await c2.files.content(b.output_file_id)).content.decode().splitlines()
+        assert sorted(json.loads(x)["custom_id"] for x in out) == sorted(
+            f"req-{i}" for i in range(80)
+        )
+        assert sum(len(u.behavior.envelopes) for u in units) == 80
+        assert p1.batch_runner.lines_done > 0 and p2.batch_runner.lines_done > 0
+        assert p1.batch_runner.lines_done + p2.batch_runner.lines_done == 80
+    finally:
+        await c1.close()
+        await c2.close()

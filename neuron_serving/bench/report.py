@@ -28,7 +28,7 @@ from neuron_serving.bench.readme_table import MeasuredRow, rewrite_readme
 REPORT = RESULTS_DIR.parent / "REPORT.md"
 README = RESULTS_DIR.parent.parent / "README.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
-            "serving_mn", "failures", "cpu", "startup")  # fmt: skip
+            "serving_mn", "failures", "cpu", "startup", "classes")  # fmt: skip
 
 
 def family(name: str) -> str:
@@ -363,6 +363,25 @@ def _startup_targets(r: dict[str, Any]) -> list[Target]:
     ]  # fmt: skip
 
 
+def _classes_targets(r: dict[str, Any]) -> list[Target]:
+    """bench classes: real-time beside a batch backlog through the traffic classes."""
+    b, c = r.get("rt_ttft_p99_ratio_b_over_a"), r.get("rt_ttft_p99_ratio_c_over_a")
+    share = r.get("batch_share_of_idle_capacity_b")
+    rejected = r.get("rt_rejected_by_flow_control")
+    errors = r.get("rt_client_errors_b")
+    return [
+        Target("classes", "real-time TTFT p99 with batch (classes) / alone <= 1.1",
+               f"{spread_text(b)} (first come first served: {spread_text(c)})",
+               None if not b else b["median"] <= 1.1, straddles=straddles(b, 1.1)),
+        Target("classes", "batch tokens/s >= 0.8 of the capacity real-time leaves",
+               spread_text(share), None if not share else share["median"] >= 0.8,
+               straddles=straddles(share, 0.8)),
+        Target("classes", "no real-time request shed or refused while batch waits",
+               f"{rejected}, client errors {errors}",
+               None if rejected is None else not any(rejected.values()) and not errors),
+    ]  # fmt: skip
+
+
 TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "executor": _executor_targets,
     "serving": _serving_targets,
@@ -374,8 +393,10 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "cpu": _cpu_targets,
     "failures": _failures_targets,
     "startup": _startup_targets,
+    "classes": _classes_targets,
 }
 NOT_MEASURED = {
+    "classes": ["real-time TTFT p99 with batch within 1.1x; batch >= 0.8 of idle capacity"],
     "startup": ["default cluster ready within 1.5x of vllm serve; recreated unit <= 30 s"],
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
     "serving": ["Triton leader / vllm serve output tok/s >= 0.9", "TTFT p50 within 1.2x"],
@@ -742,6 +763,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "failures": _failures_section,
     "cpu": _generic_section,
     "startup": _generic_section,
+    "classes": _generic_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -755,6 +777,7 @@ TITLES = {
     "failures": "A rank's failure: TP=2 unit vs vLLM multi-node",
     "cpu": "CPU per output token and per request, by process",
     "startup": "Start-up: the default cluster vs vllm serve, and a recreated unit",
+    "classes": "Traffic classes: real-time beside a batch backlog",
 }
 
 

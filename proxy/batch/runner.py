@@ -111,11 +111,17 @@ class BatchRunner:
             "lines_retried": self.lines_retried,
             "active": [
                 {
-                    "id": r["id"], "tenant": r["tenant"], "status": r["status"],
-                    "endpoint": r["endpoint"], "created_at": r["created_at"],
+                    "id": r["id"],
+                    "tenant": r["tenant"],
+                    "status": r["status"],
+                    "endpoint": r["endpoint"],
+                    "created_at": r["created_at"],
                     "expires_at": r["expires_at"],
-                    "request_counts": {"total": r["total"], "completed": r["completed"],
-                                       "failed": r["failed"]},
+                    "request_counts": {
+                        "total": r["total"],
+                        "completed": r["completed"],
+                        "failed": r["failed"],
+                    },
                     "in_flight_here": self.in_flight(r["id"]),
                 }  # fmt: skip
                 for r in rows

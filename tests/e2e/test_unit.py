@@ -274,11 +274,11 @@ def _start_long_unit(procs, demo_model, port):
             demo_model,
             port,
             2,
-            PROMPTS[:4],
-            1000,
-            "--ignore-eos",
+            PROMPTS,  # nine sequences of 2000 tokens: the generation must outlast the
+            2000,  # health-server attack (~6 s) and the kill; 4 x 1000 finished within
+            "--ignore-eos",  # the attack on a faster CPU (Xeon, warm compile cache)
             "--max-model-len",
-            "1100",
+            "2048",
             "--health-port",
             str(port + 20),
         ),

@@ -101,13 +101,15 @@ class _Tenant:
 
     def head(self) -> _Waiter | None:
         q = self.queue
-        while q and q[0].gone:
+        # A waiter whose client left has a cancelled future before its own cleanup
+        # (_forget) runs: never placed or shed, it would raise InvalidStateError.
+        while q and (q[0].gone or q[0].future.done()):
             q.popleft()
         return q[0] if q else None
 
     def tail(self) -> _Waiter | None:
         q = self.queue
-        while q and q[-1].gone:
+        while q and (q[-1].gone or q[-1].future.done()):
             q.pop()
         return q[-1] if q else None
 
@@ -338,7 +340,10 @@ class FlowController:
         for c, q in self._classes.items():
             if not q.waiting:
                 continue
-            oldest = min(w.since for t in q.tenants.values() if (w := t.head()) is not None)
+            heads = [w.since for t in q.tenants.values() if (w := t.head()) is not None]
+            if not heads:  # only waiters whose clients left, not yet cleaned up
+                continue
+            oldest = min(heads)
             rank = float(c)
             if q.cfg.aging_s and c:
                 rank = max(0.0, c - math.floor((now - oldest) / q.cfg.aging_s))

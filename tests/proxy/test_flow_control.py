@@ -325,3 +325,22 @@ def test_class_config_is_checked_and_merged_over_the_defaults():
     ]:
         with pytest.raises(ValueError, match=msg):
             AdmissionConfig(classes=bad)
+
+
+async def test_a_waiter_cancelled_just_before_a_pump_is_skipped_not_placed():
+    fleet = Fleet(unit_max_in_flight=1)
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT), gate))
+    await settle()
+    gone = asyncio.create_task(fleet.hold("gone", fleet.job(BATCH), asyncio.Event()))
+    stays = asyncio.create_task(fleet.hold("stays", fleet.job(BATCH), gate))
+    await settle()
+    gone.cancel()  # its future is cancelled now; its cleanup runs on a later step
+    fleet.registry.get("u0").in_flight -= 1  # room appears in the same step
+    fleet.flow._pump()  # must skip the cancelled waiter, not raise
+    fleet.registry.get("u0").in_flight += 1
+    gate.set()
+    await asyncio.gather(blocker, stays)
+    await asyncio.gather(gone, return_exceptions=True)
+    assert "gone" not in fleet.started and "stays" in fleet.started
+    assert fleet.flow.queued == 0 and fleet.flow.active == 0

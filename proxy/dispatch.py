@@ -42,7 +42,7 @@ import msgspec
 from proxy.config import RetryConfig
 from proxy.errors import APIError
 from proxy.metrics import ProxyMetrics
-from proxy.outlier import OutlierDetector
+from proxy.outlier import OutlierDetector, unroutable_reason
 from proxy.protocol import OpenAIRequest
 from proxy.registry import Registry, UnitState
 from proxy.resume import ResumedStream, first_event, response_id_suffix
@@ -195,11 +195,12 @@ class Dispatcher:
         units = self.registry.for_model(job.model)
         if job.version is not None:
             units = [u for u in units if u.model_version == job.version]
-        eligible = self.outlier.eligible(units, time.monotonic())
+        now = time.monotonic()
+        eligible = self.outlier.eligible(units, now)
         if not eligible.units:
             at = "" if job.version is None else f" at version {job.version!r}"
-            why = "" if any(u.has_started() for u in units) else " (none has become ready yet)"
-            raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at}{why}")
+            why = unroutable_reason(units, now)
+            raise NoRoutableUnit(f"no routable unit for model {job.model!r}{at} ({why})")
         # Prefer units this job has not failed on; fall back to all (one unit, a blip).
         fresh = [u for u in eligible.units if u.unit_id not in tried] or eligible.units
         if room is not None:

@@ -17,10 +17,16 @@ that has never become healthy (still starting) is not part of the panic pool.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from proxy.config import OutlierConfig
 from proxy.registry import UnitState
+
+# Why a unit is out of rotation, first match wins: draining (an operator's decision,
+# never overridden), then never admitted by a probe, then ejected, then unhealthy.
+# /status's unit states, plus "not ready yet" (its node state "pending").
+_OUT_STATES = ("draining", "not ready yet", "ejected", "unhealthy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,3 +79,27 @@ class OutlierDetector:
         if pool and threshold > 0 and len(routable) * 100 < threshold * len(pool):
             return Eligibility(pool, panic=True)
         return Eligibility(routable, panic=False)
+
+
+def _out_state(unit: UnitState, now: float) -> str:
+    if unit.draining:
+        return "draining"
+    if not unit.has_started():
+        return "not ready yet"
+    if unit.is_ejected(now):
+        return "ejected"
+    return "unhealthy"
+
+
+def unroutable_reason(units: list[UnitState], now: float) -> str:
+    """Why none of ``units`` (one model's, all of them) is eligible, for the client:
+    counts of unit states, which the redacted /status shows anyone; no addresses.
+    "none has become ready yet" only when every unit listed has never passed a probe
+    (a cold model); a unit that served and is out now is counted by its state, and
+    an empty list says that no unit is registered, not that one is starting."""
+    if not units:
+        return "no unit is registered for it"
+    counts = Counter(_out_state(u, now) for u in units)
+    if counts["not ready yet"] == len(units):
+        return "none has become ready yet"
+    return "units: " + ", ".join(f"{counts[s]} {s}" for s in _OUT_STATES if counts[s])

@@ -156,10 +156,13 @@ class ClusterSupervisor:
         self.write_state()
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Block until the proxy and every unit are ready, all at once; returns seconds
-        taken. "Were ready once" (``ever_ready``) is not enough: a unit that failed
-        after its first ready is being recreated (about 30 s on 2 cores) and is not
-        routable meanwhile, so `up` would say ready with a unit down.
+        """Block until the proxy and every unit are ready, all at once, and the proxy
+        routes to every unit; returns seconds taken. "Were ready once" (``ever_ready``)
+        is not enough: a unit that failed after its first ready is being recreated
+        (about 30 s on 2 cores) and is not routable meanwhile, so `up` would say ready
+        with a unit down. Nor is a unit's own readiness: the proxy routes by its own
+        probes, which see a leader ready up to a probe interval later (longer when a
+        probe times out on a busy host), and until then a request gets a 503.
 
         Raises StartupFailed naming the process and with its log tail when a group
         fails ``max_start_failures`` times during start-up, or on timeout.
@@ -168,7 +171,7 @@ class ClusterSupervisor:
         deadline = time.monotonic() + timeout_s
         groups = [self.proxy, *self.units]
         while time.monotonic() < deadline and not self.stopping.is_set():
-            if all(g.phase == GroupPhase.READY for g in groups):
+            if all(g.phase == GroupPhase.READY for g in groups) and self._proxy_routes_all():
                 return time.time() - self.started_at
             for g in groups:
                 if g.restarts >= self.max_start_failures:
@@ -182,7 +185,17 @@ class ClusterSupervisor:
         if self.stopping.is_set():
             raise StartupFailed("interrupted during start-up")
         pending = [g.group_id for g in groups if g.phase != GroupPhase.READY]
+        if not pending:
+            pending = ["the proxy routing to every unit (see its /status)"]
         raise StartupFailed(f"not ready within {timeout_s:.0f} s: {pending}")
+
+    def _proxy_routes_all(self) -> bool:
+        """The proxy's /status shows every unit routable."""
+        status = get_json(f"{self.spec.proxy_url}/status", 2.0, token=self.admin_token)
+        if status is None:
+            return False
+        states = {u.get("unit_id"): u.get("state") for u in status.get("units", [])}
+        return all(states.get(u.group_id) == "routable" for u in self.units)
 
     # ---- serving -------------------------------------------------------------------
 

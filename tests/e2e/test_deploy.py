@@ -131,9 +131,12 @@ def cluster(demo_model: Path, tmp_path_factory):
         # The manifest's model name, not the version directory's: clients keep using
         # it across deploys.
         assert c.model == Manifest.read(versions / "v1").model_name != "v1", c.model
+        # Routable, not only labelled v1: the label is the proxy config's before any
+        # probe, and the load below must not start before the proxy routes.
         wait_for(
-            lambda: [u.get("model_version") for u in c.proxy_units().values()] == ["v1", "v1"],
-            30, what="both units at v1 in the proxy",
+            lambda: [(u.get("model_version"), u.get("state")) for u in c.proxy_units().values()]
+            == [("v1", "routable")] * 2,
+            30, what="both units routable at v1 in the proxy",
         )  # fmt: skip
         yield c
     finally:

@@ -9,9 +9,17 @@ import time
 
 import pytest
 
-from proxy.config import AdmissionConfig, OutlierConfig, RetryConfig, RoutingConfig, UnitSpec
+from proxy.config import (
+    AdmissionConfig,
+    HealthCheckConfig,
+    OutlierConfig,
+    RetryConfig,
+    RoutingConfig,
+    UnitSpec,
+)
 from proxy.dispatch import Dispatcher, GenerationJob, NoRoutableUnit
 from proxy.flow_control import FlowController, Overloaded
+from proxy.health_checker import apply_probe_result
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
 from proxy.registry import EngineLoad, Registry
@@ -309,6 +317,72 @@ async def test_no_routable_unit_fails_at_once_not_after_the_queue_deadline():
     with pytest.raises(NoRoutableUnit):
         async with fleet.flow.slot(fleet.job(BATCH)):
             pass
+    assert fleet.flow.queued == 0 and fleet.flow.active == 0
+
+
+# The local deploy e2e's fleet: 2 units, the local config's probe thresholds.
+PROBES = HealthCheckConfig(interval_s=0.5, timeout_s=0.4, unhealthy_threshold=2)
+
+
+def probe(fleet: Fleet, unit_id: str, ok: bool, times: int = 1) -> None:
+    for n in fleet.registry.get(unit_id).nodes:
+        for _ in range(times):
+            apply_probe_result(n, ok, 0.01, "" if ok else "probe timed out", PROBES)
+
+
+async def placed_on(fleet: Fleet) -> str:
+    job = fleet.job(RT)
+    async with fleet.flow.slot(job):
+        assert job.first_unit is not None
+        unit = job.first_unit.unit_id
+    return unit
+
+
+async def test_a_canary_being_recreated_and_the_other_unit_failing_probes_still_places():
+    """A deploy drains unit-0 and recreates it (its probes fail) while unit-1, under
+    load on 2 cores, misses probes and is even ejected: unit-1 is the only unit that is
+    neither draining nor starting, so panic routes to it. No 503 can come of this."""
+    fleet = Fleet(units=2)
+    fleet.registry.set_draining("u0", True)
+    probe(fleet, "u0", ok=False, times=2)
+    probe(fleet, "u1", ok=False, times=2)
+    assert not fleet.registry.get("u1").nodes_healthy()
+    assert await placed_on(fleet) == "u1"
+    fleet.registry.get("u1").ejected_until = time.monotonic() + 60
+    assert await placed_on(fleet) == "u1"
+
+
+async def test_units_no_probe_has_passed_yet_are_503_until_one_passes():
+    """The start-up race of the deploy e2e's first run: the units' own readiness (what
+    `up` waited for) came before the proxy's first passing probe, and the first request
+    of each load worker found no unit that had become ready."""
+    fleet = Fleet(units=2)
+    for u in fleet.registry.units.values():
+        for n in u.nodes:
+            n.healthy, n.initial = False, True
+    with pytest.raises(NoRoutableUnit, match=r"'llm' \(none has become ready yet\)$"):
+        await placed_on(fleet)
+    probe(fleet, "u1", ok=True)  # one success admits a unit that was never healthy
+    assert await placed_on(fleet) == "u1"
+
+
+async def test_no_routable_unit_says_which_state_each_unit_is_in():
+    fleet = Fleet(units=2)
+    fleet.dispatcher.outlier = OutlierDetector(OutlierConfig(panic_threshold_pct=0))
+    fleet.registry.set_draining("u0", True)
+    probe(fleet, "u1", ok=False, times=2)  # served before: not "not ready yet"
+    with pytest.raises(NoRoutableUnit, match=r"\(units: 1 draining, 1 unhealthy\)$"):
+        await placed_on(fleet)
+    # Re-registered under the same id (ECS recreates a unit this way): a fresh state.
+    spec = fleet.registry.remove("u1").spec
+    fleet.registry.add(spec)
+    with pytest.raises(NoRoutableUnit, match=r"\(units: 1 draining, 1 not ready yet\)$"):
+        await placed_on(fleet)
+    # No unit at all is not a unit that has not become ready.
+    fleet.registry.remove("u0")
+    fleet.registry.remove("u1")
+    with pytest.raises(NoRoutableUnit, match=r"\(no unit is registered for it\)$"):
+        await placed_on(fleet)
     assert fleet.flow.queued == 0 and fleet.flow.active == 0
 
 

@@ -1,5 +1,5 @@
 from proxy.config import OutlierConfig, UnitSpec
-from proxy.outlier import OutlierDetector
+from proxy.outlier import OutlierDetector, unroutable_reason
 from proxy.registry import make_unit_state
 
 
@@ -89,3 +89,20 @@ def test_panic_never_routes_to_units_that_have_not_started():
     was_up = unit("b", healthy=False)
     e = det.eligible([starting, was_up], now=0)
     assert e.panic and [u.unit_id for u in e.units] == ["b"]
+
+
+def test_unroutable_reason_names_each_units_state_and_never_guesses():
+    now = 0.0
+    ejected = unit("e", healthy=True)
+    ejected.ejected_until = 10
+    # A model with no unit at all is not "starting" (a configured model whose units
+    # were removed, or a unit being re-registered).
+    assert unroutable_reason([], now) == "no unit is registered for it"
+    # Only units that never passed a probe: a cold model, the one case for that wording.
+    assert unroutable_reason([unit("s", started=False)] * 2, now) == "none has become ready yet"
+    # A unit that served and is out now is counted by its state, never as not ready;
+    # draining wins over the rest, as in /status.
+    drained_starting = [unit("d", draining=True, started=False), unit("s", started=False)]
+    assert unroutable_reason(drained_starting, now) == "units: 1 draining, 1 not ready yet"
+    out = [unit("d", draining=True), unit("b", healthy=False), ejected]
+    assert unroutable_reason(out, now) == "units: 1 draining, 1 ejected, 1 unhealthy"

@@ -24,16 +24,23 @@ unit with room for its class takes it, so work that cannot start yet waits here,
 where a more urgent request can still pass it, not in a unit's engine queue. A
 unit has room for class c while
 
-    load < unit_share(c) x limit,   load  = max(the proxy's in-flight count there,
-                                                the engine's running + waiting)
+    load < unit_share(c) x limit,   load  = the engine's running + waiting, plus
+                                            the attempts this proxy started there
+                                            since that report was taken
                                     limit = admission.unit_max_in_flight, or the
                                             engine's max_num_seqs
 
 from the leader's own vLLM scheduler stats (``registry.EngineLoad``, pushed over
-its OpenAI channel; counts other proxies' requests too). A report older than
-``load_max_age_s`` is not trusted; with none the proxy's count is the load, and
-with no limit known a unit always has room (the global ``max_concurrent`` still
-bounds). A unit whose KV cache is at least ``unit_max_kv_usage`` full takes only
+its OpenAI channel; counts other proxies' requests too). The engine's count, not
+the proxy's in-flight one: a request whose generation is over but whose answer is
+still being relayed, or that a client reads slowly, holds no engine slot, and
+counting it kept every engine ~3 sequences short of max_num_seqs at saturation
+(measured with ``bench classes``). "Since that report" is from ``LOAD_SETTLE_S``
+before it arrived, so a request still on its way into the engine when the engine
+took its snapshot is not missed (one counted twice only makes room later). A
+report older than ``load_max_age_s`` is not trusted; with none the proxy's
+in-flight count is the load, and with no limit known a unit always has room (the
+global ``max_concurrent`` still bounds). A unit whose KV cache is at least ``unit_max_kv_usage`` full takes only
 real-time requests: vLLM preempts lower-priority sequences for them.
 
 Retries and migrations of a started request do not queue again: they hold their
@@ -54,6 +61,11 @@ from proxy.config import AdmissionConfig, ClassConfig
 from proxy.metrics import ProxyMetrics
 from proxy.registry import UnitState
 from proxy.traffic_class import TrafficClass
+
+# How long a request takes from its dispatch here to its engine's scheduler (the
+# channel, the leader's input processing on a busy host): attempts started this
+# long before a load report arrived are counted on top of it.
+LOAD_SETTLE_S = 0.05
 
 # While anything waits, the queues are looked at this often even if nothing was
 # released: load reports arrive, requests age and deadlines pass.
@@ -171,7 +183,7 @@ class FlowController:
         limit = self.cfg.unit_max_in_flight
         report = unit.engine_load
         if report is not None and time.monotonic() - report.at <= self.cfg.load_max_age_s:
-            load = max(load, report.running + report.waiting)
+            load = report.running + report.waiting + unit.started_since(report.at - LOAD_SETTLE_S)
             limit = limit or report.max_num_seqs
             if cls != TrafficClass.REAL_TIME and report.kv_usage >= self.cfg.unit_max_kv_usage:
                 return False

@@ -19,6 +19,9 @@ from proxy.config import UnitSpec
 
 NodeRole = Literal["leader", "follower"]
 RegistryEvent = Literal["added", "removed"]
+# Attempt start times a unit keeps: far more than one engine report's worth (reports
+# come every 100 ms while the load changes), so the count since one is never cut.
+RECENT_STARTS = 512
 
 
 @dataclass(slots=True)
@@ -66,6 +69,9 @@ class UnitState:
     model_version: str = ""
     draining: bool = False
     in_flight: int = 0
+    # time.monotonic() of this unit's latest attempt starts, oldest first (bounded):
+    # what flow control adds to an engine report that cannot include them yet.
+    recent_starts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STARTS))
     # The leader's last load report; None while its channel is not connected (then
     # flow control has only the proxy's own in-flight count).
     engine_load: EngineLoad | None = None
@@ -85,6 +91,15 @@ class UnitState:
     @property
     def leader(self) -> NodeHealth:
         return self.nodes[0]
+
+    def started_since(self, t: float) -> int:
+        """Attempts started here at or after ``t`` (time.monotonic()), finished or not."""
+        n = 0
+        for s in reversed(self.recent_starts):
+            if s < t:
+                break
+            n += 1
+        return n
 
     def nodes_healthy(self) -> bool:
         return all(n.healthy for n in self.nodes)

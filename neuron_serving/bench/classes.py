@@ -3,7 +3,7 @@
 One `neuron-serving up` cluster (the default shape unless --model), one run, arms
 alternating per repeat so drift hits every arm alike:
 
-- capacities (once, first): a closed loop as deep as the fleet's running batch
+- capacities (once, first): a closed loop twice as deep as the fleet's running batch
   (units x max_num_seqs) for WINDOW seconds, of batch-shaped requests (the fleet's
   saturated output tokens/s, C) and of real-time chat streams (saturated streams/s,
   R; streams cost the proxy and the client more per token than whole answers);
@@ -234,7 +234,11 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         async def saturated(chat: bool) -> float:
             await load.all_routable()
             stop, done = asyncio.Event(), []
-            task = asyncio.create_task(load.closed_loop(units * seqs, stop, done, chat=chat))
+            # Twice the fleet's running batch: a request spends part of its life outside
+            # its engine (in the client, in the proxy, relaying its answer), so a loop
+            # only as deep as units x max_num_seqs leaves every engine short of full.
+            # Flow control holds the excess in the proxy.
+            task = asyncio.create_task(load.closed_loop(2 * units * seqs, stop, done, chat=chat))
             await asyncio.sleep(5.0)
             t0 = time.monotonic()
             await asyncio.sleep(window)

@@ -18,7 +18,7 @@ from proxy.config import (
     UnitSpec,
 )
 from proxy.dispatch import Dispatcher, GenerationJob, NoRoutableUnit
-from proxy.flow_control import FlowController, Overloaded
+from proxy.flow_control import LOAD_SETTLE_S, FlowController, Overloaded
 from proxy.health_checker import apply_probe_result
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector
@@ -266,10 +266,21 @@ async def test_room_follows_the_engines_own_load_report():
     # A KV cache nearly full takes real-time only (vLLM preempts lower priorities).
     u1.engine_load = dataclasses.replace(u1.engine_load, running=1, kv_usage=0.97)
     assert flow.has_room(u1, RT) and not flow.has_room(u1, NRT)
-    # The proxy's own count wins when it is higher (a report not yet caught up).
+    # Requests this proxy has in flight that the engine no longer holds (answers being
+    # relayed, slow readers) take no engine slot: the report decides.
     u1.engine_load = dataclasses.replace(u1.engine_load, running=0, kv_usage=0.1)
     u1.in_flight = 8
-    assert not flow.has_room(u1, RT)
+    assert flow.has_room(u1, RT) and flow.has_room(u1, BATCH)
+    # Attempts started since the report (and just before it: on their way into the
+    # engine) count on top of it until the next report.
+    u1.recent_starts.extend([now - 1.0] * 8 + [now - LOAD_SETTLE_S / 2] * 2 + [now] * 4)
+    assert flow.has_room(u1, RT) and not flow.has_room(u1, BATCH)  # 6 >= 0.75 x 8
+    u1.recent_starts.append(now + 0.01)
+    u1.recent_starts.append(now + 0.02)
+    assert not flow.has_room(u1, RT)  # 8 of 8
+    later = now + 0.03 + LOAD_SETTLE_S
+    u1.engine_load = dataclasses.replace(u1.engine_load, running=7, at=later)
+    assert flow.has_room(u1, RT)  # a later report counts them itself: 7 of 8
     # A stale report is not trusted: no limit known, room.
     u1.in_flight = 0
     u0.engine_load = dataclasses.replace(u0.engine_load, at=now - 60)

@@ -185,6 +185,12 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "Path of the OpenAI channel's secret file (default ~/.config/neuron-serving/channel-token, "
         "created on first use: processes of one user on one host share it).",
     ),
+    "NEURON_SERVING_KV_EVENTS": (
+        _int("NEURON_SERVING_KV_EVENTS", 1),
+        "1 (default): a leader with prefix caching publishes vLLM's KV cache events on private "
+        "ipc:// sockets and relays them to its proxies over the OpenAI channel; 0 = off "
+        "(`leader --no-kv-events` says the same).",
+    ),
     # --- add new variables above this line; helpers editing in parallel: small edits only ---
 }
 

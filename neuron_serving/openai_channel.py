@@ -23,11 +23,32 @@ sizes, so nothing from an unauthenticated peer is parsed or sized by it)::
 Then frames in both directions: a 4-byte big-endian length, then that many bytes
 of msgpack. A length above the receiver's bound ends the connection before anything
 is allocated. Proxy -> leader: a list of ``Open`` (an OpenAI call), ``Generate`` (a
-text request of Triton's generate route) and ``Cancel``; leader -> proxy: a list of
-``Event`` (one response of one call) and ``Load`` (the unit's engine load: sent
+text request of Triton's generate route), ``Cancel`` and ``KvReplay``; leader -> proxy:
+a list of ``Event`` (one response of one call), ``Load`` (the unit's engine load: sent
 right after the handshake, then when it changes, at most every ~100 ms, and again
-unchanged every ~2 s). Every
-message is a tagged msgpack array (the tag first), decoded into these types only.
+unchanged every ~2 s) and the KV cache event stream (``KvInfo``, ``KvEvents``,
+``KvReplayMiss``; below). Every message is a tagged msgpack array (the tag first),
+decoded into these types only.
+
+KV cache events (``triton/kv_events_relay.py``): the leader's vLLM publishes its
+prefix cache's block events (``vllm/distributed/kv_events.py``, ``KVEventBatch``) on a
+ZMQ socket in the leader's private directory; the leader relays each batch to every
+connected proxy as ``KvEvents(seq, payload)``: the publisher's sequence number and
+vLLM's msgpack bytes, unchanged. The stream, per connection:
+
+- ``KvInfo`` first, right after the handshake (before any ``KvEvents``; a leader with
+  KV events off sends none): how the engine hashes blocks and the newest ``seq`` the
+  leader has relayed, so the proxy knows where the live stream starts;
+- then ``KvEvents`` in increasing ``seq``. A jump is a gap (the proxy read too slowly
+  and the leader dropped events for it, or the leader itself missed some);
+- ``KvReplay(from_seq)`` (proxy -> leader) asks for the events from ``from_seq`` on:
+  the leader sends, in order, a ``KvReplayMiss`` if ``from_seq`` is no longer in
+  vLLM's replay buffer (the proxy resets that unit's index), every buffered event from
+  ``from_seq`` (or the oldest it still holds) to the newest, then live events after
+  the last one replayed. So a proxy that applies an event only when its ``seq`` is
+  the next one expected, skips older ones, and on a newer one asks for a replay from
+  the one it expects, applies every event exactly once and in order
+  (``proxy/kv_events_sink.py``, ``InOrderKvSink``).
 Frames after the handshake carry no MAC: the channel has the
 trust of the leader's Triton inference API (reachable on the same address, with no
 key at all); the handshake keeps strangers off it.
@@ -44,6 +65,7 @@ import hashlib
 import hmac
 import secrets
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
@@ -53,7 +75,10 @@ from neuron_serving.secret_file import resolve_secret
 # The version is in the magic: a peer of another wire version fails the handshake
 # ("bad hello") and the proxy uses Triton for it, instead of failing on a frame.
 # 02: leader -> proxy messages are tagged (``Load`` joined ``Event``).
-MAGIC = b"NSOAIC02"
+# 03: the KV cache event stream (``KvInfo``, ``KvEvents``, ``KvReplayMiss``,
+# ``KvReplay``): a peer of 02 would fail on the first of them, so it fails the
+# handshake instead and uses Triton.
+MAGIC = b"NSOAIC03"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HELLO_BYTES = len(MAGIC) + NONCE_BYTES  # leader -> proxy
@@ -66,6 +91,12 @@ LENGTH_BYTES = 4
 # tokens is megabytes, and several streams' events share a frame.
 MAX_TO_LEADER = (64 << 20) + (64 << 10)
 MAX_TO_PROXY = 256 << 20
+# The largest KV event batch (vLLM's msgpack bytes) a leader relays. One batch is one
+# engine step's block events: a step's stored blocks carry their token ids (at most
+# max_num_batched_tokens of them) and a step's evictions their hashes (at most the
+# cache's blocks), so real batches are kilobytes to a few megabytes; a larger one is
+# dropped, and the proxies told (``KvReplayMiss``), rather than buffered.
+MAX_KV_PAYLOAD = 16 << 20
 DEFAULT_TOKEN_FILE = Path("~/.config/neuron-serving/channel-token")
 # The model config parameter that announces the channel's port (read by the
 # proxy's probes with the checkpoint version; the host is the leader's).
@@ -159,7 +190,16 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True, frozen=True):
     id: int
 
 
-ToLeader = list[Open | Generate | Cancel]
+class KvReplay(msgspec.Struct, tag="kv_replay", array_like=True, frozen=True):
+    """Resend the KV event batches from ``from_seq`` on (see the module's KV section).
+    A request while one of this connection's is pending merges into it (the lower
+    ``from_seq`` wins); the leader serves one replay at a time."""
+
+    # vLLM's replay request is the seq as 8 bytes, big-endian (ZmqEventPublisher).
+    from_seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
+ToLeader = list[Open | Generate | Cancel | KvReplay]
 
 
 class Event(msgspec.Struct, tag=0, array_like=True):
@@ -207,9 +247,64 @@ class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     max_num_seqs: int
 
 
-# Integer tags (``Event`` 0, ``Load`` 1): one byte per message, and events are one
-# per stream per engine step.
-ToProxy = list[Event | Load]
+class KvInfo(msgspec.Struct, tag=2, array_like=True, frozen=True):
+    """What a proxy needs to hash prompts as this leader's vLLM hashes blocks, and
+    where the KV event stream starts. Sent once, right after the handshake, before any
+    ``KvEvents``; only by a leader that relays KV events.
+
+    vLLM's block hash (``vllm/v1/core/kv_cache_utils.py``, ``hash_block_tokens``): block
+    i of a prompt (``block_size`` tokens, full blocks only) is
+    ``hash_fn((parent, tuple(token_ids), extra_keys))``, where ``parent`` is block
+    i-1's hash and, for block 0, ``none_hash`` (= ``hash_fn(none_hash_seed)``), and
+    ``extra_keys`` is None for a plain text prompt (LoRA, multimodal inputs and
+    ``cache_salt`` add keys). ``hash_fn`` is ``hash_algo``
+    (``vllm/utils/hashing.py``: ``sha256`` = SHA-256 of ``pickle.dumps(x,
+    protocol=pickle.HIGHEST_PROTOCOL)``, ``sha256_cbor`` = SHA-256 of canonical CBOR,
+    ``xxhash``/``xxhash_cbor`` the same with xxh3_128). With ``int_block_hashes``
+    (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, on by default) the events carry
+    each hash as the digest's low 64 bits, big-endian, as an int
+    (``maybe_convert_block_hash``); the chain itself uses the full digest.
+
+    ``none_hash_seed``/``none_hash`` None: the engine drew a random seed of its own
+    (an ``xxhash`` algorithm without ``PYTHONHASHSEED``; ``resolve_none_hash_seed``),
+    so its hashes cannot be reproduced; the events still say which blocks exist.
+    ``seq``: the newest batch the leader has relayed (-1: none yet).
+    ``buffer_steps``: how many of the newest batches a ``KvReplay`` can still get."""
+
+    seq: int
+    block_size: int
+    hash_algo: str
+    none_hash_seed: str | None
+    none_hash: bytes | None
+    int_block_hashes: bool
+    buffer_steps: int
+
+
+class KvEvents(msgspec.Struct, tag=3, array_like=True, frozen=True):
+    """One of vLLM's KV event batches: ``seq``, the publisher's sequence number, and
+    ``payload``, the msgpack bytes of its ``KVEventBatch`` exactly as vLLM published them
+    (``vllm/distributed/kv_events.py``; decode with ``msgspec.msgpack.Decoder(
+    KVEventBatch)`` or an equivalent schema: an array ``[ts, events, dp_rank]`` whose
+    events are tagged arrays ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``)."""
+
+    seq: int
+    payload: bytes
+
+
+class KvReplayMiss(msgspec.Struct, tag=4, array_like=True, frozen=True):
+    """The batches from ``from_seq`` up to ``oldest_seq - 1`` cannot be delivered: a
+    ``KvReplay`` asked for batches vLLM's replay buffer no longer holds, a batch was
+    over ``MAX_KV_PAYLOAD``, or the replay endpoint did not answer (``oldest_seq`` -1:
+    unknown). The proxy's index of the unit misses them: reset it, then take what
+    follows as a fresh start."""
+
+    from_seq: int
+    oldest_seq: int
+
+
+# Integer tags (``Event`` 0, ``Load`` 1, the KV stream 2-4): one byte per message, and
+# events are one per stream per engine step.
+ToProxy = list[Event | Load | KvInfo | KvEvents | KvReplayMiss]
 
 
 def frame(payload: bytes) -> bytes:

@@ -32,6 +32,18 @@ whenever it changes (at most every ~100 ms), and unchanged every ~2 s (so its
 runs). Each one is set as ``engine_load`` on the registry's ``UnitState`` of every
 unit announced at that channel; when the channel fails or closes, or a unit's
 channel is not connected, its ``engine_load`` is None.
+
+KV cache events: a leader that relays its vLLM's KV events sends ``KvInfo`` right
+after the handshake, then ``KvEvents(seq, payload)`` (vLLM's msgpack ``KVEventBatch``
+bytes, unchanged) and, after a replay it could not fully serve, ``KvReplayMiss``.
+Each goes to the ``KvEventSink`` (``kv_events_sink.py``) for every unit announced at
+that channel, as for loads: ``on_kv_info(unit_id, info)`` when the unit's stream
+starts (the channel connected, or the unit was announced at a connected one),
+``on_kv_events(unit_id, seq, payload)``, and ``on_kv_reset(unit_id, next_seq)`` when
+what the proxy knows of the unit's cache can no longer be trusted (a ``KvReplayMiss``:
+``next_seq`` its ``oldest_seq``, or None when unknown; the channel failed or closed,
+the unit was forgotten or withdrew its channel: None).
+``kv_replay(unit_id, from_seq)`` asks the unit's leader to resend from ``from_seq``.
 """
 
 from __future__ import annotations
@@ -55,6 +67,10 @@ from neuron_serving.openai_channel import (
     Event,
     FrameReader,
     Generate,
+    KvEvents,
+    KvInfo,
+    KvReplay,
+    KvReplayMiss,
     Load,
     Open,
     ToProxy,
@@ -63,6 +79,7 @@ from neuron_serving.openai_channel import (
     prove,
 )
 from proxy.config import TimeoutConfig, UnitSpec
+from proxy.kv_events_sink import KvEventSink
 from proxy.registry import EngineLoad, Registry
 from proxy.upstream import (
     AttemptTiming,
@@ -80,6 +97,10 @@ RETRY_MIN_S = 1.0
 RETRY_MAX_S = 60.0
 _DECODER = msgspec.msgpack.Decoder(ToProxy)
 _ENCODER = msgspec.msgpack.Encoder()
+# KV messages that arrive with the handshake, before the channel is in use (its
+# KvInfo, the first batches), wait for it; more than this is dropped (a gap the
+# proxy can replay).
+KV_EARLY_MAX = 1024
 
 Address = tuple[str, int]
 
@@ -98,10 +119,15 @@ class _Call:
             w.set_result(None)
 
 
+KvMessage = KvInfo | KvEvents | KvReplayMiss
+
+
 class LeaderChannel(asyncio.Protocol):
     """One connection to one leader's channel: the handshake, then frames.
     ``on_load(channel)`` runs when ``load`` changes: a ``Load`` arrived, or the
-    channel failed (then None)."""
+    channel failed (then None). ``on_kv(channel, message)`` runs for each KV message
+    once the channel is adopted (``adopt_kv``; the ones before wait), and with None
+    when a channel that had sent ``KvInfo`` fails."""
 
     def __init__(
         self,
@@ -109,11 +135,16 @@ class LeaderChannel(asyncio.Protocol):
         name: str,
         addr: Address | None = None,
         on_load: Callable[[LeaderChannel], None] | None = None,
+        on_kv: Callable[[LeaderChannel, KvMessage | None], None] | None = None,
     ) -> None:
         self.token = token
         self.name = name
         self.addr = addr
         self.on_load = on_load
+        self.on_kv = on_kv
+        self.kv_info: KvInfo | None = None  # the leader relays KV events
+        self._kv_early: list[KvMessage] | None = []  # None once adopted
+        self.kv_early_dropped = 0
         self.load: EngineLoad | None = None
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -124,7 +155,7 @@ class LeaderChannel(asyncio.Protocol):
         self._handshake = bytearray()
         self._leader_nonce = self._proxy_nonce = b""
         self._reader = FrameReader(MAX_TO_PROXY)
-        self._outbox: list[Open | Generate | Cancel] = []
+        self._outbox: list[Open | Generate | Cancel | KvReplay] = []
 
     # ---- asyncio.Protocol ---------------------------------------------------------------
 
@@ -139,10 +170,13 @@ class LeaderChannel(asyncio.Protocol):
                     return
             for payload in self._reader.feed(data):
                 for message in _DECODER.decode(payload):
-                    if message.__class__ is Event:
+                    cls = message.__class__
+                    if cls is Event:
                         self._deliver(message)
-                    else:
+                    elif cls is Load:
                         self._loaded(message)
+                    else:
+                        self._kv(message)
         except (ChannelError, msgspec.DecodeError) as e:
             self._fail(f"{type(e).__name__}: {e}")
 
@@ -185,7 +219,12 @@ class LeaderChannel(asyncio.Protocol):
         if self.calls.pop(call_id, None) is not None and not self.closed:
             self._send(Cancel(call_id))
 
-    def _send(self, message: Open | Generate | Cancel) -> None:
+    def replay(self, from_seq: int) -> None:
+        """Ask the leader for its KV event batches from ``from_seq`` on."""
+        if not self.closed:
+            self._send(KvReplay(from_seq))
+
+    def _send(self, message: Open | Generate | Cancel | KvReplay) -> None:
         # One write per loop iteration for every call opened or cancelled in it.
         self._outbox.append(message)
         if len(self._outbox) == 1:
@@ -210,6 +249,25 @@ class LeaderChannel(asyncio.Protocol):
         if self.on_load is not None:
             self.on_load(self)
 
+    def _kv(self, m: KvMessage) -> None:
+        if m.__class__ is KvInfo:
+            self.kv_info = m
+        early = self._kv_early
+        if early is not None:
+            if len(early) < KV_EARLY_MAX:
+                early.append(m)
+            else:
+                self.kv_early_dropped += 1
+        elif self.on_kv is not None:
+            self.on_kv(self, m)
+
+    def adopt_kv(self) -> None:
+        """The channel is in use: deliver the KV messages that came before."""
+        early, self._kv_early = self._kv_early, None
+        if self.on_kv is not None:
+            for m in early or ():
+                self.on_kv(self, m)
+
     def _fail(self, reason: str) -> None:
         if self.closed:
             return
@@ -218,6 +276,8 @@ class LeaderChannel(asyncio.Protocol):
             self.load = None
             if self.on_load is not None:
                 self.on_load(self)
+        if self.kv_info is not None and self._kv_early is None and self.on_kv is not None:
+            self.on_kv(self, None)  # its stream ends here
         if not self.ready.done():
             self.ready.set_exception(ChannelError(reason))
             self.ready.exception()  # retrieved: connect() may have stopped waiting
@@ -293,7 +353,9 @@ class ChannelUpstream:
     (``RETRY_MIN_S`` doubling to ``RETRY_MAX_S``); meanwhile Triton serves the unit.
 
     ``registry``: where the leaders' load reports go (``UnitState.engine_load`` of
-    the units announced at each channel); None = they are dropped."""
+    the units announced at each channel); None = they are dropped. ``kv_sink``: where
+    the leaders' KV cache events go (per unit announced at each channel); None = they
+    are dropped."""
 
     def __init__(
         self,
@@ -303,9 +365,11 @@ class ChannelUpstream:
         on_fallback: Callable[[], None] | None = None,
         connect_timeout_s: float = 5.0,
         registry: Registry | None = None,
+        kv_sink: KvEventSink | None = None,
     ) -> None:
         self._token = token
         self._registry = registry
+        self.kv_sink = kv_sink
         self._units_at: dict[Address, set[str]] = {}  # channel -> unit ids announced there
         self._timeouts = timeouts
         self._fallback = fallback
@@ -326,11 +390,13 @@ class ChannelUpstream:
             return
         host = unit.leader_grpc.rsplit(":", 1)[0].strip("[]")  # HOST:PORT or [V6]:PORT
         addr = (host, port)
+        channel = self._channels.get(addr)
         if self._ports.get(unit.unit_id) != addr:
             self.forget(unit.unit_id)
             self._ports[unit.unit_id] = addr
             self._units_at.setdefault(addr, set()).add(unit.unit_id)
-        channel = self._channels.get(addr)
+            if self._kv_live(channel):  # joins a stream under way
+                self._to_sink("on_kv_info", unit.unit_id, channel.kv_info)
         self._set_load(unit.unit_id, None if channel is None else channel.load)
         self._ensure(addr)
 
@@ -341,6 +407,59 @@ class ChannelUpstream:
             units.discard(unit_id)
             if not units:
                 del self._units_at[addr]
+        if addr is not None and self._kv_live(self._channels.get(addr)):
+            self._to_sink("on_kv_reset", unit_id, None)  # its stream ends for this unit
+
+    # ---- KV cache events --------------------------------------------------------------
+
+    def _kv_live(self, channel: LeaderChannel | None) -> bool:
+        """``channel`` is delivering a KV stream to the sink."""
+        return (
+            self.kv_sink is not None
+            and channel is not None
+            and not channel.closed
+            and channel.kv_info is not None
+        )
+
+    def _channel_kv(self, channel: LeaderChannel, m: KvMessage | None) -> None:
+        """A KV message of an adopted channel (None: its stream ended), for every unit
+        announced there, if it is the channel in use at its address."""
+        if self.kv_sink is None or self._channels.get(channel.addr) is not channel:
+            return
+        units = tuple(self._units_at.get(channel.addr, ()))
+        cls = m.__class__
+        if cls is KvEvents:
+            for unit_id in units:
+                self._to_sink("on_kv_events", unit_id, m.seq, m.payload)
+        elif cls is KvInfo:
+            for unit_id in units:
+                self._to_sink("on_kv_info", unit_id, m)
+        else:  # KvReplayMiss, or the channel's end (None)
+            next_seq = m.oldest_seq if cls is KvReplayMiss and m.oldest_seq >= 0 else None
+            for unit_id in units:
+                self._to_sink("on_kv_reset", unit_id, next_seq)
+
+    def _to_sink(self, method: str, *args: Any) -> None:
+        """A sink that raises loses that message, never the channel (an exception in
+        ``data_received`` would close it, failing every call on it)."""
+        try:
+            getattr(self.kv_sink, method)(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("the KV event sink's %s failed", method)
+
+    def kv_replay(self, unit_id: str, from_seq: int) -> bool:
+        """Ask ``unit_id``'s leader to resend its KV event batches from ``from_seq`` on
+        (``KvReplay``); False when the unit's channel is not connected (its stream
+        restarts with a ``KvInfo`` when it is). ValueError for a seq the wire cannot
+        carry (the leader would drop the connection)."""
+        if not 0 <= from_seq < 1 << 63:
+            raise ValueError(f"from_seq must be in [0, 2**63), got {from_seq}")
+        addr = self._ports.get(unit_id)
+        channel = None if addr is None else self._channels.get(addr)
+        if channel is None or channel.closed:
+            return False
+        channel.replay(from_seq)
+        return True
 
     # ---- load reports -----------------------------------------------------------------
 
@@ -418,7 +537,9 @@ class ChannelUpstream:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, channel = await loop.create_connection(
-                    lambda: LeaderChannel(self._token, name, addr, self._channel_load),
+                    lambda: LeaderChannel(
+                        self._token, name, addr, self._channel_load, self._channel_kv
+                    ),
                     addr[0],
                     addr[1],
                 )
@@ -441,6 +562,7 @@ class ChannelUpstream:
         if old is not None:
             old.close()
         self._channel_load(channel)  # a load that came with the handshake
+        channel.adopt_kv()  # and its KvInfo, with what followed
         log.info("OpenAI channel %s connected", name)
 
     async def _stream(

@@ -54,6 +54,7 @@ from proxy.http_guard import (
     access_log,
 )
 from proxy.http_upstream import TritonHttpUpstream
+from proxy.kv_events_sink import CountingKvSink, InOrderKvSink
 from proxy.leader_client import TritonClientPool
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.openai_api import OpenAIFrontEnd
@@ -139,6 +140,7 @@ class ProxyServer:
             config.limits.max_buffered_body_bytes,
             config.limits.body_timeout_s,
         )
+        self.kv_events: CountingKvSink | None = None  # set with the OpenAI channel
         channel = self._openai_channel(config)
         if channel is not None:
             self.transport.use_channel(channel)
@@ -172,13 +174,20 @@ class ProxyServer:
         except SecretError as e:
             log.warning("OpenAI channel off, OpenAI calls go over Triton: %s", e)
             return None
-        return ChannelUpstream(
+        # The leaders' KV cache events, in order per unit (gaps replayed); counted
+        # until the prefix index (proxy/routing/) takes CountingKvSink's place.
+        self.kv_events = CountingKvSink()
+        kv_sink = InOrderKvSink(self.kv_events)
+        upstream = ChannelUpstream(
             token,
             config.timeouts,
             self.transport.triton,
             self.metrics.channel_fallbacks.inc,
             registry=self.registry,
+            kv_sink=kv_sink,
         )
+        kv_sink.bind(upstream.kv_replay)
+        return upstream
 
     def _on_leader_config(self, unit: UnitState, parameters: Mapping[str, str]) -> None:
         """A leader's model config, read by a probe: where its OpenAI channel is."""

@@ -74,6 +74,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default=None, help="device backend: cpu (default) or neuron")
     p.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        default=None,
+        help="do not relay vLLM's KV cache events to the proxies (default: relayed when "
+        "prefix caching is on, unless NEURON_SERVING_KV_EVENTS=0)",
+    )
+    p.add_argument(
         "--engine-args",
         default=None,
         metavar="JSON",
@@ -112,6 +120,7 @@ def settings_from_args(args: argparse.Namespace) -> LeaderSettings:
             "token_file": args.token_file,
             "unit_id": args.unit_id,
             "tool_call_parser": args.tool_call_parser,
+            "kv_events": args.kv_events,
             "engine_args": engine_args,
         }.items()
         if value is not None

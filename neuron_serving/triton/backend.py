@@ -69,6 +69,8 @@ class LLMBackend:
         self._pending: list[tuple[str, Any, int, Any]] = []
         # The engine's load, from vLLM's scheduler stats, for the OpenAI channel.
         self.load = EngineLoadTracker()
+        # A temporary directory of the KV event sockets, removed in finalize().
+        self._kv_tmp: Path | None = None
 
     # ---- Triton entry points -------------------------------------------------------
 
@@ -88,6 +90,13 @@ class LLMBackend:
         # the followers do (unit/worker_import.py engine_env).
         os.environ.update(engine_env(envs.NEURON_SERVING_DEVICE))
         serve_registry(self.config.vllm_metrics_host, self.config.vllm_metrics_port)
+        if self.config.kv_events:
+            # vLLM's KV event sockets: a private directory (kv_events.py).
+            from neuron_serving.triton.kv_events import resolve_dir
+
+            kv_dir, temporary = resolve_dir(self.config.kv_events_dir)
+            self.config.kv_events_dir = str(kv_dir)
+            self._kv_tmp = kv_dir if temporary else None
         self.start(
             self.config,
             EngineThread(
@@ -190,6 +199,10 @@ class LLMBackend:
         self.engine_thread.stop()
         self._flush()  # the loop has stopped: whatever its last iteration left
         self.responses.stop()
+        if self._kv_tmp is not None:
+            from neuron_serving.triton.kv_events import remove_dir
+
+            remove_dir(self._kv_tmp)
 
     # ---- request handling ------------------------------------------------------------
 
@@ -385,7 +398,9 @@ class LLMBackend:
         from neuron_serving.triton.channel_server import ChannelServer
 
         try:
-            server = ChannelServer(resolve_token(), self._open_channel_call, self.load)
+            server = ChannelServer(
+                resolve_token(), self._open_channel_call, self.load, kv=self._kv_relay()
+            )
             port = self.engine_thread.call(
                 server.start(c.openai_channel_host, c.openai_channel_port), 30.0
             )
@@ -394,6 +409,29 @@ class LLMBackend:
             return None
         log.info("OpenAI channel on %s:%d", c.openai_channel_host, port)
         return server
+
+    def _kv_relay(self) -> Any:
+        """The relay of the engine's KV cache events to the channel's proxies
+        (kv_events_relay.py), or None: events off, or the engine publishes none (prefix
+        caching off). A relay that cannot be built leaves the channel without KV events
+        (logged): the proxies then route without an exact index."""
+        if not self.config.kv_events:
+            return None
+        from neuron_serving.triton import kv_events
+
+        try:
+            source = kv_events.published(self.engine)
+            if source is None:
+                log.info("the engine publishes no KV cache events (prefix caching off?)")
+                return None
+            from neuron_serving.triton.kv_events_relay import KvEventsRelay
+
+            relay = KvEventsRelay(source, kv_events.hashing(self.engine))
+        except Exception as e:  # noqa: BLE001 - an engine without the fields, ImportError
+            log.error("KV cache events are not relayed: %s", e)
+            return None
+        log.info("relaying KV cache events from %s", source.endpoint)
+        return relay
 
     def _open_channel_call(self, call: Any, message: Any) -> None:
         """Engine loop: the channel's ``execute()`` for one ``Open`` (an OpenAI call)

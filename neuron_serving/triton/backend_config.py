@@ -19,6 +19,7 @@ from typing import Any
 
 from neuron_serving.checkpoint.manifest import VERSION_RE, is_version
 from neuron_serving.triton.engine_args import check_engine_args
+from neuron_serving.triton.kv_events import DEFAULT_BUFFER_STEPS
 
 # vLLM's own executor for single-process development; "unit" is the project's
 # UnitExecutor. Switching is one model.json field (or `leader --executor`).
@@ -85,6 +86,18 @@ class BackendConfig:
     # host is Triton's own bind address: the channel is as reachable as Triton.
     openai_channel_port: int | None = None
     openai_channel_host: str = "127.0.0.1"
+    # vLLM's KV cache events (kv_events.py, kv_events_relay.py), relayed to the proxies
+    # over the OpenAI channel for exact KV-aware routing. On whenever prefix caching
+    # is (the events are the prefix cache's); `leader --no-kv-events` or
+    # NEURON_SERVING_KV_EVENTS=0 turns them off.
+    kv_events: bool = True
+    # The private directory (0700) of the publisher's ipc:// sockets; the launcher
+    # renders <run dir>/kv-events. "" (or a path too long for a Unix socket) = a
+    # private temporary directory the backend makes; engine_kwargs() sets no KV
+    # events config without one.
+    kv_events_dir: str = ""
+    # How many of the newest event batches vLLM keeps for a proxy's replay.
+    kv_events_buffer_steps: int = DEFAULT_BUFFER_STEPS
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -114,6 +127,10 @@ class BackendConfig:
         if self.openai_channel_port is not None and not 0 <= self.openai_channel_port < 65536:
             raise ValueError(
                 f"openai_channel_port must be in 0..65535, got {self.openai_channel_port}"
+            )
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(
+                f"kv_events_buffer_steps must be >= 1, got {self.kv_events_buffer_steps}"
             )
         if self.engine_args:
             check_engine_args(self.engine_args)
@@ -169,4 +186,13 @@ class BackendConfig:
         # Last, over the recipe's defaults (enable_prefix_caching, seed...); never an
         # OWNED key (checked in __post_init__), so the unit's own settings stand.
         kwargs.update(self.engine_args)
+        # After engine_args: the events are the prefix cache's, so they follow the
+        # prefix caching that is finally asked for. kv_events_config is OWNED: the
+        # endpoints are always the private ipc:// ones (kv_events.py, "Security").
+        if self.kv_events and self.kv_events_dir and kwargs.get("enable_prefix_caching"):
+            from neuron_serving.triton.kv_events import engine_config
+
+            kwargs["kv_events_config"] = engine_config(
+                self.kv_events_dir, self.kv_events_buffer_steps
+            )
         return kwargs

@@ -28,6 +28,11 @@ coming tell it this loop is stuck. A connection over its high-water mark (a prox
 that does not read) is sent no loads: it is owed one and gets the then-current
 load when the transport asks for more, so nothing piles up for it.
 
+KV cache events (``kv_events_relay.py``): with a relay, each connection gets
+``KvInfo`` right after the handshake (before its first ``Load``), then vLLM's KV event
+batches as ``KvEvents``; a ``KvReplay`` goes to the relay. The relay decides what a
+connection over its high-water mark is sent (a bounded backlog, then drops).
+
 Hostile input: before the handshake only fixed-size bytes are read and nothing is
 parsed; a peer that does not prove the token within ``HANDSHAKE_TIMEOUT_S`` is cut
 off. After it, frames are bounded (``MAX_TO_LEADER``) before they are buffered and
@@ -54,6 +59,10 @@ from neuron_serving.openai_channel import (
     Event,
     FrameReader,
     Generate,
+    KvEvents,
+    KvInfo,
+    KvReplay,
+    KvReplayMiss,
     Load,
     Open,
     ToLeader,
@@ -64,6 +73,7 @@ from neuron_serving.openai_channel import (
 
 if TYPE_CHECKING:
     from neuron_serving.triton.engine_load import EngineLoadTracker, Snapshot
+    from neuron_serving.triton.kv_events_relay import KvEventsRelay, KvPeer
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +132,14 @@ class _Connection(asyncio.Protocol):
         self.authenticated = False
         self.handshake = bytearray()
         self.reader = FrameReader(MAX_TO_LEADER)
-        self.pending: list[Event | Load] = []
+        self.pending: list[Event | Load | KvInfo | KvEvents | KvReplayMiss] = []
         self.waiters: list[asyncio.Future] = []
         self.paused = False
         self.load_sent: Snapshot | None = None  # the last load queued for this peer
         self.load_sent_at = -math.inf  # loop.time() of it
         self.load_owed = False  # a load change skipped while paused
         self.timer: asyncio.TimerHandle | None = None
+        self.kv: KvPeer | None = None  # this connection's share of the KV event stream
         self.loop = asyncio.get_running_loop()
 
     # ---- asyncio.Protocol ---------------------------------------------------------------
@@ -152,7 +163,7 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(check_proof(self.token, self.nonce, proof))
                 self.authenticated = True
                 self._cancel_timer()
-                self.server.greet(self)
+                self.server.welcome(self)
                 if not rest:
                     return
                 data = rest
@@ -165,6 +176,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         self.server.connections.discard(self)
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
         calls, self.calls = self.calls, {}
         if calls:
             log.info("%s closed with %d calls in flight; aborting them", self.name, len(calls))
@@ -180,21 +194,42 @@ class _Connection(asyncio.Protocol):
         if self.load_owed:
             self.load_owed = False
             self.server.greet(self)
+        if self.kv is not None:
+            self.kv.resume()
         self._resolve()
 
     # ---- calls ------------------------------------------------------------------------
 
-    def _dispatch(self, message: Open | Generate | Cancel) -> None:
-        if not isinstance(message, Cancel):
+    def _dispatch(self, message: Open | Generate | Cancel | KvReplay) -> None:
+        if isinstance(message, Cancel):
+            call = self.calls.pop(message.id, None)
+            if call is not None:
+                call.cancel()
+        elif isinstance(message, KvReplay):
+            if self.kv is not None:
+                self.kv.request_replay(message.from_seq)
+            else:  # no KV events here (no KvInfo was sent): nothing can be replayed
+                self.queue(KvReplayMiss(message.from_seq, -1))
+        else:
             if message.id in self.calls:
                 raise ChannelError(f"call id {message.id} is already open")
             call = ChannelCall(self, message.id)
             self.calls[message.id] = call
             self.open_call(call, message)
-        else:
-            call = self.calls.pop(message.id, None)
-            if call is not None:
-                call.cancel()
+
+    # ---- what the KV event relay sees (kv_events_relay.KvOut) ------------------------
+
+    @property
+    def closing(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def queue(self, message: Load | KvInfo | KvEvents | KvReplayMiss) -> None:
+        """Append ``message`` to the next frame (flushed behind the tasks ready now)."""
+        if self.closing:
+            return
+        self.pending.append(message)
+        if len(self.pending) == 1:
+            self.loop.call_soon(self._flush)
 
     def send_load(self, snapshot: Snapshot, refresh: bool = False) -> None:
         """Queue a load report unless this peer has it already (``refresh``: even
@@ -208,9 +243,7 @@ class _Connection(asyncio.Protocol):
             self.load_owed = True
             return
         self.load_sent, self.load_sent_at = snapshot, self.loop.time()
-        self.pending.append(Load(*snapshot))
-        if len(self.pending) == 1:
-            self.loop.call_soon(self._flush)
+        self.queue(Load(*snapshot))
 
     def send(self, event: Event, waiter: bool) -> asyncio.Future | None:
         if self.transport is None or self.transport.is_closing():
@@ -265,10 +298,15 @@ class ChannelServer:
     that loop for each ``Open`` or ``Generate``; it must answer the call
     (``send``/``error``) or start a task that will, and set ``call.task`` for
     cancellation. ``load``: the engine's load tracker (on the same loop), pushed to
-    every connection as ``Load``; None = no load reports."""
+    every connection as ``Load``; None = no load reports. ``kv``: the relay of the
+    engine's KV cache events, started and closed with the server; None = none."""
 
     def __init__(
-        self, token: bytes, open_call: OpenCall, load: EngineLoadTracker | None = None
+        self,
+        token: bytes,
+        open_call: OpenCall,
+        load: EngineLoadTracker | None = None,
+        kv: KvEventsRelay | None = None,
     ) -> None:
         self._token = token
         self._open_call = open_call
@@ -281,8 +319,16 @@ class ChannelServer:
         self._load_push: asyncio.Handle | None = None  # a push is scheduled
         self._load_refresh: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.kv = kv
 
     # ---- load reports -----------------------------------------------------------------
+
+    def welcome(self, conn: _Connection) -> None:
+        """A connection that has just proved the token: its ``KvInfo`` (the KV stream
+        starts there), then its first load."""
+        if self.kv is not None:
+            conn.kv = self.kv.attach(conn)
+        self.greet(conn)
 
     def greet(self, conn: _Connection) -> None:
         """A connection that has just proved the token (or drained its backlog): the
@@ -326,9 +372,20 @@ class ChannelServer:
 
     async def start(self, host: str, port: int) -> int:
         self._loop = loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Connection(self._token, self._open_call, self), host, port
-        )
+        if self.kv is not None:  # before the first connection can be welcomed
+            try:
+                self.kv.start()
+            except Exception as e:  # noqa: BLE001 - zmq.ZMQError: the channel serves on
+                log.error("KV cache events are not relayed: %s", e)
+                self.kv = None
+        try:
+            self._server = await loop.create_server(
+                lambda: _Connection(self._token, self._open_call, self), host, port
+            )
+        except BaseException:  # OSError (the port is taken): no relay left behind
+            if self.kv is not None:
+                self.kv.close()
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
         if self._load is not None:
             self._load.subscribe(self._load_changed)
@@ -344,6 +401,8 @@ class ChannelServer:
         self._load_push = self._load_refresh = None
         if self._server is not None:
             self._server.close()
+        if self.kv is not None:
+            self.kv.close()
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()

@@ -42,6 +42,9 @@ OWNED: dict[str, str] = {
     # A unit is tensor-parallel ranks under one executor; other layouts are not a unit.
     "pipeline_parallel_size": "--tp (a unit is tensor-parallel only)",
     "data_parallel_size": "more units (`up --units`; a unit is tensor-parallel only)",
+    # Its endpoints carry token ids unauthenticated: only the leader's private ipc://
+    # sockets (kv_events.py), relayed over the authenticated OpenAI channel.
+    "kv_events_config": "--no-kv-events to turn them off; the leader sets the endpoints",
 }
 
 _ENGINE_ARG_CLASSES = ("EngineArgs", "AsyncEngineArgs")

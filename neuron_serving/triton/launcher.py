@@ -181,24 +181,7 @@ class TritonLeader:
         install = TritonInstall.find()
         triton_metrics_port = free_port()
         vllm_metrics_port = free_port()
-        from neuron_serving import envs
-
-        overrides = {
-            **s.model_overrides,
-            "model": str(Path(s.model).resolve()),
-            "tensor_parallel_size": s.tp,
-            "control_port": s.control_port,
-            "control_host": s.control_host,
-            "vllm_metrics_port": vllm_metrics_port,
-            "init_marker": str(self._init_marker(run_dir)),
-            "model_version": s.model_version,
-            "served_model_name": s.served_model_name,
-            # The proxy's OpenAI channel (openai_channel.py), bound where Triton is;
-            # announced in the model config (repository.py), so no flag is needed.
-            "openai_channel_host": s.host,
-            "openai_channel_port": envs.NEURON_SERVING_LEADER_CHANNEL_PORT
-            or free_port(s.host or "127.0.0.1"),
-        }
+        overrides = self.model_json(run_dir, vllm_metrics_port)
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)
         repo = render_model_repository(run_dir, overrides)
@@ -263,6 +246,34 @@ class TritonLeader:
             ],
         )
         self.merger.start()
+
+    def model_json(self, run_dir: Path, vllm_metrics_port: int = 0) -> dict[str, Any]:
+        """The model.json settings this leader renders (over the shipped defaults)."""
+        from neuron_serving import envs
+
+        s = self.s
+        overrides = {
+            **s.model_overrides,
+            "model": str(Path(s.model).resolve()),
+            "tensor_parallel_size": s.tp,
+            "control_port": s.control_port,
+            "control_host": s.control_host,
+            "vllm_metrics_port": vllm_metrics_port,
+            "init_marker": str(self._init_marker(run_dir)),
+            "model_version": s.model_version,
+            "served_model_name": s.served_model_name,
+            # The proxy's OpenAI channel (openai_channel.py), bound where Triton is;
+            # announced in the model config (repository.py), so no flag is needed.
+            "openai_channel_host": s.host,
+            "openai_channel_port": envs.NEURON_SERVING_LEADER_CHANNEL_PORT
+            or free_port(s.host or "127.0.0.1"),
+            # vLLM's KV event sockets (kv_events.py): a directory of the run directory,
+            # made private (0700) by the backend, which binds nothing else there.
+            "kv_events_dir": str(run_dir / "kv-events"),
+        }
+        # `--no-kv-events` (a model override) wins over the environment's default.
+        overrides.setdefault("kv_events", bool(envs.NEURON_SERVING_KV_EVENTS))
+        return overrides
 
     @staticmethod
     def _init_marker(run_dir: Path) -> Path:

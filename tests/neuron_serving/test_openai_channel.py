@@ -41,8 +41,11 @@ def test_a_proof_is_bound_to_its_nonces() -> None:
 
 
 @pytest.mark.parametrize("hello", [b"", b"HTTP/1.1 400 Bad Request\r\n\r\n" + b"x" * 12,
-                                   b"NSOAIC01" + b"n" * 31])  # fmt: skip
+                                   b"NSOAIC01" + b"n" * 31,
+                                   b"NSOAIC02" + b"n" * 32])  # fmt: skip
 def test_a_peer_that_is_not_a_leader_is_refused(hello: bytes) -> None:
+    """Also a leader of an older wire version (02: no KV messages), whose proxy would
+    fail on the first KV message instead: it uses Triton."""
     with pytest.raises(oc.ChannelError, match="not a leader"):
         oc.prove(TOKEN, hello)
 
@@ -163,3 +166,36 @@ def test_generate_priority_is_a_compatible_trailing_field() -> None:
     assert decoder.decode(new)[0].priority == 2
     older = msgspec.msgpack.Decoder(list[oc.Open | OldGenerate | oc.Cancel])
     assert older.decode(new) == [OldGenerate(2, "hi", "{}")]
+
+
+def test_the_kv_stream_shares_the_leaders_frames() -> None:
+    info = oc.KvInfo(41, 16, "sha256", "vllm-none-hash", b"h" * 32, True, 1024)
+    messages = [info, oc.KvEvents(42, b"\x93\xcb"), oc.KvReplayMiss(3, 40), oc.Load(1, 0, 0.5, 8)]
+    raw = msgspec.msgpack.encode(messages)
+    assert [m[:2] for m in msgspec.msgpack.decode(raw)] == [[2, 41], [3, 42], [4, 3], [1, 1]]
+    assert msgspec.msgpack.decode(raw, type=oc.ToProxy) == messages
+    # A seed vLLM drew at random: no seed, no NONE_HASH to announce.
+    unknown = oc.KvInfo(-1, 16, "xxhash", None, None, True, 1024)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode([unknown]), type=oc.ToProxy) == [unknown]
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        [[3, "seven", b"x"]],  # a seq that is not an int
+        [[3, 7, "not bytes"]],  # a payload that is not bytes
+        [[2, 0, 16, "sha256"]],  # a KvInfo missing fields
+    ],
+)
+def test_kv_messages_to_the_proxy_are_typed(hostile) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(hostile), type=oc.ToProxy)
+
+
+def test_a_replay_request_is_bounded_as_vllms_8_byte_seq() -> None:
+    decoder = msgspec.msgpack.Decoder(oc.ToLeader)
+    ok = decoder.decode(msgspec.msgpack.encode([oc.KvReplay(0), oc.KvReplay((1 << 63) - 1)]))
+    assert ok == [oc.KvReplay(0), oc.KvReplay((1 << 63) - 1)]
+    for bad in (-1, 1 << 63, (1 << 64) - 1, "5", None):
+        with pytest.raises(msgspec.ValidationError):
+            decoder.decode(msgspec.msgpack.encode([["kv_replay", bad]]))

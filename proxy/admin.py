@@ -9,6 +9,7 @@ constant time (neuron_serving/bearer.py).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -65,7 +66,10 @@ def make_admin_app(
         return unit
 
     async def list_units(request: web.Request) -> web.Response:
-        return web.json_response({"units": [unit_summary(u) for u in registry.units.values()]})
+        # With each unit's spec: what POST /admin/units takes, so a replica that restarted
+        # can be given a sibling's units as they are (neuron_serving/proxy_admin.py).
+        units = [{**unit_summary(u), "spec": asdict(u.spec)} for u in registry.units.values()]
+        return web.json_response({"units": units})
 
     async def add_unit(request: web.Request) -> web.Response:
         body = await read_json(request)

@@ -362,6 +362,10 @@ class UnitSpec:
 class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8080
+    # SO_REUSEPORT on the client port: several proxy replicas on one host bind the same
+    # port and the kernel spreads new connections among them (`up --proxies K`). Each
+    # replica keeps its own admin_port.
+    reuse_port: bool = False
     admin_host: str = "127.0.0.1"
     admin_port: int = 8081
     admin_token_file: str | None = None
@@ -403,6 +407,7 @@ class ProxyConfig:
         _check(
             isinstance(self.allow_unauthenticated, bool), "allow_unauthenticated must be a boolean"
         )
+        _check(isinstance(self.reuse_port, bool), "reuse_port must be a boolean")
         _check(
             self.upstream_protocol in ("grpc", "http"),
             f"upstream_protocol must be 'grpc' or 'http', got {self.upstream_protocol!r}",

@@ -349,14 +349,18 @@ class ProxyServer:
         self.health.start()
         if self.config.batch.enabled:
             await self._open_batch()
-        for app, host, port, attr in (
-            (self.make_app(), self.config.host, self.config.port, "port"),
-            (
-                make_admin_app(self.registry, token, self.body_guard, self.config.max_body_bytes),
-                self.config.admin_host,
-                self.config.admin_port,
-                "admin_port",
-            ),
+        admin_app = make_admin_app(
+            self.registry, token, self.body_guard, self.config.max_body_bytes
+        )
+        # This replica's own view, behind the admin token: with replicas sharing the client
+        # port (reuse_port), the client port's /status and /metrics are whichever replica
+        # the kernel picked.
+        admin_app.add_routes(
+            [web.get("/status", self.status), web.get("/metrics", self.metrics_handler)]
+        )
+        for app, host, port, attr, reuse_port in (
+            (self.make_app(), self.config.host, self.config.port, "port", self.config.reuse_port),
+            (admin_app, self.config.admin_host, self.config.admin_port, "admin_port", False),
         ):
             runner = GuardedAppRunner(
                 app,
@@ -367,7 +371,7 @@ class ProxyServer:
             )
             await runner.setup()
             # A burst of connects waits in the kernel, not in SYN retransmits (default 128).
-            site = web.TCPSite(runner, host, port, backlog=1024)
+            site = web.TCPSite(runner, host, port, backlog=1024, reuse_port=reuse_port)
             await site.start()
             self._runners.append(runner)
             setattr(self, attr, runner.addresses[0][1])

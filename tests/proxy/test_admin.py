@@ -1,4 +1,5 @@
 import asyncio
+import socket
 
 from tests.neuron_serving.test_bearer import hostile_authorizations
 from tests.proxy.conftest import ADMIN_TOKEN, url
@@ -114,3 +115,54 @@ async def test_admin_token_check_survives_hostile_headers(fleet):
     assert await _admin_status(proxy, b"bEARER " + ADMIN_TOKEN.encode()) == 200
     for value in hostile_authorizations(ADMIN_TOKEN):
         assert await _admin_status(proxy, value) == 401, value[:40]
+
+
+async def test_admin_list_carries_each_units_spec_as_post_takes_it(fleet):
+    """What a restarted replica is given from a sibling (neuron_serving/proxy_admin.py):
+    each listed unit's spec, which POST /admin/units takes back unchanged."""
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    first = await fleet.proxy([a, b])
+    second = await fleet.proxy([])
+    s = fleet.session()
+    async with s.get(url(first, "/admin/units", admin=True), headers=AUTH) as r:
+        listed = (await r.json())["units"]
+    assert listed[0]["spec"]["leader_grpc"] == a.triton.addr
+    for unit in listed:
+        body = {**unit["spec"], "draining": unit["unit_id"] == "u1"}
+        async with s.post(url(second, "/admin/units", admin=True), json=body, headers=AUTH) as r:
+            assert r.status == 201
+    assert second.registry.get("u0").spec == first.registry.get("u0").spec
+    assert second.registry.get("u1").draining and not second.registry.get("u0").draining
+
+
+async def test_the_admin_port_serves_this_replicas_status_and_metrics(fleet):
+    a = await fleet.unit("u0")
+    proxy = await fleet.proxy([a])
+    s = fleet.session()
+    async with s.get(url(proxy, "/status", admin=True)) as r:
+        assert r.status == 401  # the admin port's token, as for every admin route
+    async with s.get(url(proxy, "/status", admin=True), headers=AUTH) as r:
+        body = await r.json()
+    assert not body["redacted"] and body["units"][0]["state"] == "routable"
+    assert body["batches"]["replica_id"] == f"{socket.gethostname()}:{proxy.port}"
+    async with s.get(url(proxy, "/metrics", admin=True), headers=AUTH) as r:
+        assert r.status == 200 and "proxy_unit_healthy" in await r.text()
+
+
+async def test_replicas_with_reuse_port_share_the_client_port(fleet):
+    from neuron_serving.triton.launcher import free_port
+
+    a = await fleet.unit("u0")
+    port = free_port()
+    one = await fleet.proxy([a], port=port, reuse_port=True, batch={"replica_id": "proxy-0"})
+    two = await fleet.proxy([a], port=port, reuse_port=True, batch={"replica_id": "proxy-1"})
+    assert one.port == two.port == port and one.admin_port != two.admin_port
+    s = fleet.session()
+    for _ in range(8):  # a fresh connection each: the kernel picks a replica
+        async with s.post(
+            url(one, "/v1/completions"),
+            json={"model": "llm", "prompt": "hi"},
+            headers={"Connection": "close"},
+        ) as r:
+            assert r.status == 200
+    assert a.behavior.started == 8

@@ -25,8 +25,8 @@ where a more urgent request can still pass it, not in a unit's engine queue. A
 unit has room for class c while
 
     load < unit_share(c) x limit,   load  = the engine's running + waiting, plus
-                                            the attempts this proxy started there
-                                            since that report was taken
+                                            the change of this proxy's in-flight
+                                            count there since that report arrived
                                     limit = admission.unit_max_in_flight, or the
                                             engine's max_num_seqs
 
@@ -35,9 +35,11 @@ its OpenAI channel; counts other proxies' requests too). The engine's count, not
 the proxy's in-flight one: a request whose generation is over but whose answer is
 still being relayed, or that a client reads slowly, holds no engine slot, and
 counting it kept every engine ~3 sequences short of max_num_seqs at saturation
-(measured with ``bench classes``). "Since that report" is from ``LOAD_SETTLE_S``
-before it arrived, so a request still on its way into the engine when the engine
-took its snapshot is not missed (one counted twice only makes room later). A
+(measured with ``bench classes``). Between reports the proxy's own starts and
+ends move the figure (counting only starts, ~30 a second per unit here, overstated
+the load by 3-4 within one report's age), and what it started ``LOAD_SETTLE_S``
+before the report counts too: still on its way into the engine when the engine
+took its snapshot (one counted twice only makes room later). A
 report older than ``load_max_age_s`` is not trusted; with none the proxy's
 in-flight count is the load, and with no limit known a unit always has room (the
 global ``max_concurrent`` still bounds). A unit whose KV cache is at least ``unit_max_kv_usage`` full takes only
@@ -183,7 +185,11 @@ class FlowController:
         limit = self.cfg.unit_max_in_flight
         report = unit.engine_load
         if report is not None and time.monotonic() - report.at <= self.cfg.load_max_age_s:
-            load = report.running + report.waiting + unit.started_since(report.at - LOAD_SETTLE_S)
+            # Since the report: + what this proxy started there, - what it saw end
+            # (in-flight's change), + what it started just before (still on its way).
+            since = unit.in_flight - unit.in_flight_at_load
+            en_route = unit.started_between(report.at - LOAD_SETTLE_S, report.at)
+            load = report.running + report.waiting + since + en_route
             limit = limit or report.max_num_seqs
             if cls != TrafficClass.REAL_TIME and report.kv_usage >= self.cfg.unit_max_kv_usage:
                 return False

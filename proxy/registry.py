@@ -70,11 +70,14 @@ class UnitState:
     draining: bool = False
     in_flight: int = 0
     # time.monotonic() of this unit's latest attempt starts, oldest first (bounded):
-    # what flow control adds to an engine report that cannot include them yet.
+    # the ones just before a load report may not have reached its engine yet.
     recent_starts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STARTS))
     # The leader's last load report; None while its channel is not connected (then
     # flow control has only the proxy's own in-flight count).
     engine_load: EngineLoad | None = None
+    # ``in_flight`` when that report arrived: flow control adds what this proxy has
+    # started and finished there since (the report cannot know yet).
+    in_flight_at_load: int = 0
     # Outlier detection (written only by proxy.outlier).
     consecutive_errors: int = 0
     times_ejected: int = 0
@@ -92,13 +95,13 @@ class UnitState:
     def leader(self) -> NodeHealth:
         return self.nodes[0]
 
-    def started_since(self, t: float) -> int:
-        """Attempts started here at or after ``t`` (time.monotonic()), finished or not."""
+    def started_between(self, t0: float, t1: float) -> int:
+        """Attempts started here in [t0, t1) (time.monotonic()), finished or not."""
         n = 0
         for s in reversed(self.recent_starts):
-            if s < t:
+            if s < t0:
                 break
-            n += 1
+            n += s < t1
         return n
 
     def nodes_healthy(self) -> bool:

@@ -269,18 +269,24 @@ async def test_room_follows_the_engines_own_load_report():
     # Requests this proxy has in flight that the engine no longer holds (answers being
     # relayed, slow readers) take no engine slot: the report decides.
     u1.engine_load = dataclasses.replace(u1.engine_load, running=0, kv_usage=0.1)
-    u1.in_flight = 8
+    u1.in_flight = u1.in_flight_at_load = 8
     assert flow.has_room(u1, RT) and flow.has_room(u1, BATCH)
-    # Attempts started since the report (and just before it: on their way into the
-    # engine) count on top of it until the next report.
+    # What this proxy started since the report counts on top of it, what ended comes
+    # off, and what it started just before the report (on its way into the engine
+    # when the engine took its snapshot) counts too.
+    u1.in_flight = 8 + 4
+    assert flow.has_room(u1, BATCH)  # 4 < 6
     u1.recent_starts.extend([now - 1.0] * 8 + [now - LOAD_SETTLE_S / 2] * 2 + [now] * 4)
-    assert flow.has_room(u1, RT) and not flow.has_room(u1, BATCH)  # 6 >= 0.75 x 8
-    u1.recent_starts.append(now + 0.01)
-    u1.recent_starts.append(now + 0.02)
-    assert not flow.has_room(u1, RT)  # 8 of 8
-    later = now + 0.03 + LOAD_SETTLE_S
-    u1.engine_load = dataclasses.replace(u1.engine_load, running=7, at=later)
-    assert flow.has_room(u1, RT)  # a later report counts them itself: 7 of 8
+    assert flow.has_room(u1, RT) and not flow.has_room(u1, BATCH)  # 4 + 2 >= 0.75 x 8
+    u1.in_flight = 8 + 6
+    assert not flow.has_room(u1, RT)  # 6 + 2, 8 of 8
+    u1.in_flight = 8 + 6 - 3
+    assert flow.has_room(u1, RT)  # three ended: 5 of 8
+    # A later report counts them itself.
+    u1.engine_load = dataclasses.replace(u1.engine_load, running=7, at=now + 1.0)
+    u1.in_flight_at_load = u1.in_flight
+    assert flow.has_room(u1, RT) and not flow.has_room(u1, BATCH)  # 7 of 8
+    u1.in_flight_at_load = u1.in_flight = 0
     # A stale report is not trusted: no limit known, room.
     u1.in_flight = 0
     u0.engine_load = dataclasses.replace(u0.engine_load, at=now - 60)

@@ -223,6 +223,14 @@ class Event(msgspec.Struct, tag=0, array_like=True):
     # INTERNAL): the same errors the Triton transports carry, classified alike.
     error: str | None = None
     error_code: str | None = None
+    # The prompt tokens vLLM found in its prefix cache for this call
+    # (``RequestOutput.num_cached_tokens``, vllm/outputs.py), on the last event only;
+    # None: not one fresh prompt (a resumed call, batched prompts) or not known. The
+    # proxy compares it with the hit it predicted when routing (proxy/kv_accuracy.py).
+    # Appended with a default, so the magic stays: a proxy that predates it ignores
+    # the extra trailing element (msgspec ignores an array-like struct's extra
+    # trailing elements), and a leader that predates it sends none (None).
+    cached_tokens: int | None = None
 
     @property
     def final(self) -> bool:

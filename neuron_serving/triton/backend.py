@@ -264,6 +264,7 @@ class LLMBackend:
             except (ValueError, TypeError) as e:
                 raise RequestError(f"invalid sampling parameters: {e}") from None
             completion_tokens = 0
+            cached: int | None = None  # the first output's (openai_serving.EngineTap)
             # The priority: the proxy's traffic class (the ``priority`` input, or the
             # channel's Generate.priority), never a sampling parameter a client sets.
             outputs = self.engine.generate(
@@ -274,6 +275,8 @@ class LLMBackend:
                     if out.cancelled:  # noticed before the task's future existed
                         raise asyncio.CancelledError
                     first, produced = not produced, True
+                    if first:
+                        cached = output.num_cached_tokens
                     seq = output.outputs[0]
                     n = len(seq.token_ids)
                     completion_tokens = completion_tokens + n if req.stream else n
@@ -290,6 +293,7 @@ class LLMBackend:
                         logprobs,
                         token_ids=list(seq.token_ids) if req.return_token_ids else None,
                         first=first,
+                        cached_tokens=cached,
                     )
                     sent = out.send(event, output.finished)
                     if sent is not None:
@@ -531,6 +535,7 @@ class LLMBackend:
         *,
         token_ids: list[int] | None = None,
         first: bool = False,
+        cached_tokens: int | None = None,
     ) -> Event:
         """One response of a text request, for either output (the text as ``body``).
         The counts and the finish reason go with the first and the last response
@@ -539,10 +544,13 @@ class LLMBackend:
         end, and text alone on the middle ones cut the leader's CPU per streamed token
         by ~20 % (stub 185 -> 147 us, tritonserver 112 -> 95 us; Triton README).
         Readers take counts as a maximum over the responses they saw
-        (proxy/grpc_upstream.py)."""
+        (proxy/grpc_upstream.py). ``cached_tokens`` goes with the last response only:
+        the proxy reads it with the request's final response."""
         event = Event(0, text.encode("utf-8"), finish_reason=finish_reason)
         if first or finish_reason is not None:
             event.prompt_tokens, event.completion_tokens = prompt_tokens, completion_tokens
+        if finish_reason is not None:
+            event.cached_tokens = cached_tokens
         event.logprobs = logprobs
         event.token_ids = token_ids
         if first and self.config.model_version:
@@ -559,6 +567,8 @@ class LLMBackend:
                 T("prompt_tokens", np.array([e.prompt_tokens], dtype=np.int32)),
                 T("completion_tokens", np.array([e.completion_tokens], dtype=np.int32)),
             ]
+        if e.cached_tokens is not None:
+            tensors.append(T("cached_tokens", np.array([e.cached_tokens], dtype=np.int32)))
         if e.logprobs is not None:
             tensors.append(
                 T("logprobs", np.array([json.dumps(e.logprobs).encode()], dtype=np.object_))
@@ -575,8 +585,11 @@ class LLMBackend:
     ) -> Event:
         """One response of an OpenAI call, for either output. ``status`` (and the
         prompt ids, model version) go with the first response only, counts with the
-        first and the last, the finish reason with the last: fewer tensors per
-        streamed Triton response, as on the text path."""
+        first and the last, the finish reason and the cached tokens with the last:
+        fewer tensors per streamed Triton response, as on the text path. The cached
+        tokens are not the body's: vLLM's ``usage`` shows them only with
+        ``enable_prompt_tokens_details`` (off, as in ``vllm serve``), and a stream has
+        ``usage`` only when the client asked; the proxy needs them for every call."""
         event = Event(0, body)
         first = status is not None
         ids = env.token_ids and env.endpoint in GENERATE_ENDPOINTS
@@ -593,6 +606,7 @@ class LLMBackend:
             event.completion_tokens = tap.completion_tokens
         if last:
             event.finish_reason = tap.finish_reason or "done"
+            event.cached_tokens = tap.cached_tokens
         return event
 
     def _openai_response(self, e: Event) -> Any:
@@ -617,6 +631,8 @@ class LLMBackend:
             tensors.append(
                 T("finish_reason", np.array([e.finish_reason.encode()], dtype=np.object_))
             )
+        if e.cached_tokens is not None:
+            tensors.append(T("cached_tokens", np.array([e.cached_tokens], dtype=np.int32)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
     def _error(self, message: str, code: str) -> Any:

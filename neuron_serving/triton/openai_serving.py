@@ -15,7 +15,8 @@ handler task sets) to
 
 - record the prompt token ids and every generated token id of choice 0, which the
   backend sends as the ``prompt_token_ids`` / ``token_ids`` outputs (a migration
-  needs them), and the finish reason and counts;
+  needs them), the finish reason and counts, and the prompt tokens vLLM found in its
+  prefix cache (``cached_tokens``: the proxy checks its routing prediction with it);
 - on ``resume``, feed the engine ``prompt_token_ids + output_token_ids`` instead of
   the rendered prompt, with ``max_tokens``/``min_tokens`` reduced by the tokens
   already generated (the body is still rendered and validated as for a fresh
@@ -107,6 +108,8 @@ class EngineTap:
         "completion_tokens",
         "finish_reason",
         "fault",
+        "engine_requests",
+        "_cached",
     )
 
     def __init__(self, resume: Resume | None = None, priority: int = 0) -> None:
@@ -125,6 +128,22 @@ class EngineTap:
         self.completion_tokens = 0  # every choice
         self.finish_reason: str | None = None  # choice 0's, once finished
         self.fault: BaseException | None = None
+        self.engine_requests = 0  # generate() calls: one per prompt of the request
+        self._cached: int | None = None  # num_cached_tokens of the first output
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens vLLM found in its prefix cache, as its serving layer puts
+        them in ``usage.prompt_tokens_details.cached_tokens`` (the first output's
+        ``RequestOutput.num_cached_tokens``: vLLM sets it from the prefill stats that
+        come with the request's first engine output, before that output is made,
+        vllm/v1/engine/output_processor.py; chat_completion/serving.py reads it on the
+        first iteration too). None when the figure would not be about the request's
+        prompt: a resumed call's engine prompt is the prompt plus the tokens already
+        generated, and batched prompts are several engine requests."""
+        if self.resume is not None or self.engine_requests != 1:
+            return None
+        return self._cached
 
     def carry(self) -> None:
         """An event (or a whole body) was produced from everything observed so far."""
@@ -136,6 +155,8 @@ class EngineTap:
         return ids
 
     def observe(self, out: Any, kind: RequestOutputKind) -> None:
+        if self._cached is None:
+            self._cached = out.num_cached_tokens
         for seq in out.outputs:
             ids = seq.token_ids
             seen = self._seen.get(seq.index, 0)
@@ -165,6 +186,7 @@ class TeeEngineClient:
         if tap is None:
             outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         else:
+            tap.engine_requests += 1
             kwargs["priority"] = tap.priority
             if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
                 tap.prompt_token_ids = list(prompt["prompt_token_ids"])

@@ -76,7 +76,7 @@ def test_event_final_and_compact_encoding() -> None:
     # An array on the wire (no field names): a middle event is its tag (0, one
     # byte), the id, the body and one byte per absent field.
     middle = msgspec.msgpack.encode(oc.Event(7, b"data: {}\n\n"))
-    assert msgspec.msgpack.decode(middle) == [0, 7, b"data: {}\n\n"] + [None] * 10
+    assert msgspec.msgpack.decode(middle) == [0, 7, b"data: {}\n\n"] + [None] * 11
     decoded = msgspec.msgpack.decode(middle, type=oc.Event)
     assert decoded.id == 7 and decoded.status is None
 
@@ -199,3 +199,27 @@ def test_a_replay_request_is_bounded_as_vllms_8_byte_seq() -> None:
     for bad in (-1, 1 << 63, (1 << 64) - 1, "5", None):
         with pytest.raises(msgspec.ValidationError):
             decoder.decode(msgspec.msgpack.encode([["kv_replay", bad]]))
+
+
+def test_event_cached_tokens_is_a_compatible_trailing_field() -> None:
+    """``Event.cached_tokens`` (vLLM's prefix cache hit, on a call's last event) was
+    appended with a default, so the magic did not change: an event of a leader that
+    predates it decodes with None, and a proxy that predates it reads the fields it
+    knows."""
+    decoder = msgspec.msgpack.Decoder(oc.ToProxy)
+    fields = [0, 4, b"", None, "stop", None, None, 3, 1, None, None, None, None]
+    (old,) = decoder.decode(msgspec.msgpack.encode([fields]))
+    assert old.finish_reason == "stop" and old.cached_tokens is None
+    event = oc.Event(4, finish_reason="stop", prompt_tokens=3, completion_tokens=1)
+    event.cached_tokens = 2
+    new = msgspec.msgpack.encode([event])
+    assert msgspec.msgpack.decode(new)[0] == [*fields, 2]
+    assert decoder.decode(new)[0].cached_tokens == 2
+
+    class Older(msgspec.Struct, tag=0, array_like=True):  # the fields an old proxy knows
+        id: int
+        body: bytes
+        status: int | None
+        finish_reason: str | None
+
+    assert msgspec.msgpack.decode(new, type=list[Older]) == [Older(4, b"", None, "stop")]

@@ -116,6 +116,8 @@ class Engine:
         # one engine step's outputs wake every running request in one loop iteration.
         self.lockstep = False
         self._step: asyncio.Future | None = None
+        # Each output's RequestOutput.num_cached_tokens (vLLM: the prompt's prefix hit).
+        self.cached_tokens = 0
 
     async def _sleep_step(self) -> None:
         if not self.lockstep:
@@ -166,7 +168,9 @@ class Engine:
                     finish_reason="length" if last else None,
                     logprobs=None,
                 )
-                yield SimpleNamespace(finished=last, outputs=[seq])
+                yield SimpleNamespace(
+                    finished=last, outputs=[seq], num_cached_tokens=self.cached_tokens
+                )
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(request_id)
             raise
@@ -199,7 +203,9 @@ class Engine:
                     finish_reason="length" if last else None,
                     logprobs=None,
                 )
-                yield SimpleNamespace(finished=last, outputs=[seq])
+                yield SimpleNamespace(
+                    finished=last, outputs=[seq], num_cached_tokens=self.cached_tokens
+                )
         except (asyncio.CancelledError, GeneratorExit):
             self.aborted.append(request_id)
             raise
@@ -311,6 +317,23 @@ def test_streaming_sends_deltas_and_cumulative_counts(backend) -> None:
     assert first["prompt_tokens"][0] == last["prompt_tokens"][0] == 1
 
 
+def test_the_prefix_cache_hit_rides_on_the_last_response(backend) -> None:
+    """``cached_tokens``: vLLM's ``num_cached_tokens`` of the request, on its last
+    response only (streamed or not); the proxy reads it with the final response."""
+    backend.engine.cached_tokens = 1
+    s = Sender()
+    backend.execute(
+        [Request(s, text_input=b"hi", stream=True, sampling_parameters='{"max_tokens": 3}')]
+    )
+    wait_final(s)
+    assert ["cached_tokens" in r.outputs for r, _ in s.sent] == [False, False, True]
+    assert s.sent[-1][0].outputs["cached_tokens"].tolist() == [1]
+    assert s.sent[-1][0].outputs["cached_tokens"].dtype == np.int32  # as config.pbtxt says
+    s = Sender()
+    backend.execute([Request(s, text_input=b"hi", sampling_parameters='{"max_tokens": 2}')])
+    assert wait_final(s).outputs["cached_tokens"].tolist() == [1]
+
+
 @pytest.mark.parametrize(
     ("inputs", "fragment"),
     [
@@ -420,6 +443,23 @@ def test_the_channels_generate_priority_reaches_the_engine(backend) -> None:
     assert call.done.wait(5.0) and call.errors[0][1] == "INVALID_ARG"
     assert "priority must be an integer in [0, 16)" in call.errors[0][0]
     assert [p for rid, p in calls if rid.startswith("channel-")] == [2, 0]
+
+
+def test_channel_calls_end_with_the_prefix_cache_hit(openai_backend) -> None:
+    """Over the channel ``Event.cached_tokens`` is on each call's last event, for a
+    text request and an OpenAI call alike."""
+    from neuron_serving.openai_channel import Generate, Open
+
+    async def open_call(call, message) -> None:
+        openai_backend._open_channel_call(call, message)
+
+    openai_backend.engine.cached_tokens = 2
+    envelope = json.dumps({"endpoint": "completions", "body": {"max_tokens": 3, "stream": True}})
+    for message in (Generate(1, "hi", '{"max_tokens": 3}'), Open(2, envelope.encode())):
+        call = ChannelCall(message.id)
+        openai_backend.engine_thread.call(open_call(call, message), 5.0)
+        assert call.done.wait(5.0) and not call.errors
+        assert [e.cached_tokens for e in call.events] == [None] * (len(call.events) - 1) + [2]
 
 
 def test_the_load_report_turns_idle_when_the_last_request_ends(backend) -> None:
@@ -683,6 +723,28 @@ def test_openai_stream_status_first_ids_per_response_done_last(openai_backend) -
     # The last event and [DONE] were ready together: one response, the FINAL one.
     assert body_of(s.sent[-1][0]).endswith("data: [DONE]\n\n")
     assert body_of(s.sent[-1][0]).startswith("data: {")
+
+
+def test_openai_prefix_cache_hit_on_the_last_response_but_not_for_a_resume(
+    openai_backend,
+) -> None:
+    """vLLM's ``num_cached_tokens`` goes with an OpenAI call's last response whether or
+    not the client asked for usage; a resumed call's engine prompt (prompt plus the
+    tokens already streamed) is not the request's, so it sends none."""
+    openai_backend.engine.cached_tokens = 2
+    for body in ({"max_tokens": 3, "stream": True}, {"max_tokens": 3}):
+        s = Sender()
+        openai_backend.execute([openai_request(s, body)])
+        wait_final(s)
+        assert not any("cached_tokens" in r.outputs for r, _ in s.sent[:-1])
+        assert s.sent[-1][0].outputs["cached_tokens"].tolist() == [2]
+    s = Sender()
+    resume = {"prompt_token_ids": [7, 8, 9], "output_token_ids": [0]}
+    body = {"max_tokens": 3, "stream": True}
+    openai_backend.execute([openai_request(s, body, token_ids=True, resume=resume)])
+    wait_final(s)
+    assert s.sent[-1][0].outputs["finish_reason"][0] == b"length"
+    assert not any("cached_tokens" in r.outputs for r, _ in s.sent)
 
 
 def test_openai_without_token_ids_sends_no_ids(openai_backend) -> None:

@@ -247,6 +247,35 @@ def test_resume_continues_token_exactly(served) -> None:
     assert head + rest_text == text, (head, rest_text, text)
 
 
+def test_the_tap_reports_vllms_prefix_cache_hit(served) -> None:
+    """``EngineTap.cached_tokens`` (the leader's ``cached_tokens`` output) is what vLLM
+    shows as ``usage.prompt_tokens_details.cached_tokens`` with
+    ``enable_prompt_tokens_details`` (off by default, so the client's body says
+    null): none on a prompt's first run, then its whole blocks up to the last
+    token (vLLM recomputes a fully cached prompt's last token,
+    vllm/v1/core/kv_cache_manager.py); batched prompts report none."""
+    thread, serving = served
+    block = thread.engine.vllm_config.cache_config.block_size
+    prompt = "Cached tokens " + " ".join(f"item{i}" for i in range(90))
+    body = {"model": SERVED, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    status, raw, tap, _ = call(served, "completions", body)
+    assert status == 200 and tap.cached_tokens == 0, raw
+    assert json.loads(raw)["usage"]["prompt_tokens_details"] is None
+    n = json.loads(raw)["usage"]["prompt_tokens"]
+    assert n > 2 * block, "the prompt must span blocks"
+    serving.completion.enable_prompt_tokens_details = True  # vLLM's own figure, for once
+    try:
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        status, pulls, tap, _ = call(served, "completions", stream)
+    finally:
+        serving.completion.enable_prompt_tokens_details = False
+    usage = events(pulls)[-1]["usage"]
+    assert status == 200 and tap.cached_tokens == (n - 1) // block * block
+    assert usage["prompt_tokens_details"]["cached_tokens"] == tap.cached_tokens
+    status, _, tap, _ = call(served, "completions", {**body, "prompt": [prompt, "x"]})
+    assert status == 200 and tap.engine_requests == 2 and tap.cached_tokens is None
+
+
 def test_version(served) -> None:
     status, body, _, _ = call(served, "version", {})
     assert status == 200 and set(json.loads(body)) == {"version"}

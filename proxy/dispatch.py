@@ -46,7 +46,7 @@ from proxy.outlier import OutlierDetector, unroutable_reason
 from proxy.protocol import OpenAIRequest
 from proxy.registry import Registry, UnitState
 from proxy.resume import ResumedStream, first_event, response_id_suffix
-from proxy.routing import RouteRequest, RoutingPolicy
+from proxy.routing import PromptTokens, RouteRequest, RoutingPolicy
 from proxy.traffic_class import TrafficClass
 from proxy.upstream import (
     AttemptTiming,
@@ -111,6 +111,14 @@ class Job:
     # Pinned checkpoint version (None: any); fixed to the serving unit's version
     # once the first token has been produced.
     version: str | None = None
+    # The prompt's token ids as the leader computes them, for exact KV-aware routing
+    # (None: not computed, e.g. no tokenizer or a request the proxy cannot render).
+    prompt_tokens: PromptTokens | None = None
+    # Prompt tokens the routing policy predicted the latest attempt's unit serves
+    # from its prefix cache: the exact KV index's leading blocks x block size, capped
+    # at (prompt tokens - 1) // block size x block size (vLLM computes a prompt's last
+    # token, KVCacheManager.get_computed_blocks); None when it could not tell.
+    predicted_cached_tokens: int | None = None
     # Filled in as the job runs; read by the front end and by tests.
     units: list[str] = field(default_factory=list)
     attempts: int = 0
@@ -208,8 +216,9 @@ class Dispatcher:
             if not fresh:
                 return None
         decision = self.policy.choose(
-            RouteRequest(job.model, job.routing_key, job.session_id), fresh
+            RouteRequest(job.model, job.routing_key, job.session_id, job.prompt_tokens), fresh
         )
+        job.predicted_cached_tokens = decision.cached_tokens
         self.metrics.child(
             self.metrics.routing_decisions,
             self.policy.name,

@@ -8,13 +8,13 @@ draining, ejection, panic, units already tried), so a policy only ranks.
 from __future__ import annotations
 
 from proxy.config import RoutingConfig
-from proxy.routing.base import RouteRequest, RoutingDecision, RoutingPolicy
+from proxy.routing.base import PromptTokens, RouteRequest, RoutingDecision, RoutingPolicy
 from proxy.routing.cache_aware import PrefixCacheAwarePolicy
 from proxy.routing.least_loaded import LeastLoadedPolicy
 from proxy.routing.round_robin import RoundRobinPolicy
 from proxy.routing.session_affinity import SessionAffinityPolicy
 
-__all__ = ["RouteRequest", "RoutingDecision", "RoutingPolicy", "make_policy"]
+__all__ = ["PromptTokens", "RouteRequest", "RoutingDecision", "RoutingPolicy", "make_policy"]
 
 
 def make_policy(cfg: RoutingConfig, seed: int | None = None) -> RoutingPolicy:

@@ -11,16 +11,30 @@ from proxy.registry import UnitState
 
 
 @dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """A prompt as the leader's vLLM will see it: its token ids (the chat template
+    applied, special tokens as vLLM adds them; ``proxy/prompt_tokens.py``) and the
+    request's ``cache_salt``, which vLLM mixes into the first block's hash."""
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RouteRequest:
     model: str
-    prompt: str  # the text sent upstream (chat already rendered through its template)
+    prompt: str  # the routing key: the prompt's text (chat: roles and texts in order)
     session_id: str | None = None  # from the configured session header, if any
+    tokens: PromptTokens | None = None  # None: not computed (see PromptTokens)
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingDecision:
     unit: UnitState
     reason: str  # a small fixed vocabulary, used as a metrics label
+    # Prompt tokens the policy predicts ``unit`` serves from its prefix cache (an
+    # exact KV index's match), None when it cannot tell.
+    cached_tokens: int | None = None
 
 
 class RoutingPolicy(Protocol):

@@ -29,12 +29,12 @@ def free_port_block(n: int = 4) -> int:
     return ports.free_port_block(n)
 
 
-def up_ports(units_block: int) -> tuple[int, int, int]:
-    """(proxy port, admin port, units' base port) for `up`, from one free block: drawn
-    separately, the proxy's ports can land inside the units' block (seen in CI:
-    "proxy ports collide with unit ports")."""
-    base = free_port_block(units_block + 2)
-    return base, base + 1, base + 2
+def up_ports(units_block: int, proxies: int = 1) -> tuple[int, int, int]:
+    """(proxy port, first admin port, units' base port) for `up` with ``proxies`` replicas
+    (admin ports consecutive), from one free block: drawn separately, the proxy's ports
+    can land inside the units' block (seen in CI: "proxy ports collide with unit ports")."""
+    base = free_port_block(units_block + 1 + proxies)
+    return base, base + 1, base + 1 + proxies
 
 
 def unit_env(**extra: str) -> dict[str, str]:

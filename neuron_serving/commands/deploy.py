@@ -1,13 +1,15 @@
 """`neuron-serving deploy --version V --source SRC`: rolling update of a running cluster.
 
-See neuron_serving/deploy/README.md. Talks to the proxy's admin API (drain,
-undrain, /status) and to what runs the units (deploy/recreator.py):
+See neuron_serving/deploy/README.md. Talks to every proxy replica's admin API (drain,
+undrain, its own /status; neuron_serving/proxy_admin.py) and to what runs the units
+(deploy/recreator.py):
 
 - default: the `neuron-serving up` supervisor's control socket (recreate a unit on
-  a model directory); both need the cluster's admin token, read from the run directory.
+  a model directory); both need the cluster's admin token, read from the run directory,
+  whose state file lists the replicas' admin addresses.
 - ``--unit-spec FILE``: an ECS deployment (the spec `neuron-serving ecs` takes); a
   unit is a group of tasks, recreated on task definitions that fetch the version from
-  ``--source s3://...``; the proxy admin URL and token come from the spec.
+  ``--source s3://...``; the replicas' admin URLs and the token come from the spec.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from neuron_serving.deploy.recreator import UnitRecreator
     from neuron_serving.deploy.rollout import ProxyAdmin
     from neuron_serving.deploy.source import Release
+    from neuron_serving.proxy_admin import Replica
 
 PROG = "neuron-serving deploy"
 DEFAULT_PROXY = "http://127.0.0.1:8080"
@@ -50,12 +53,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "be s3://, --proxy is required",
     )
     p.add_argument(
-        "--proxy", default=None, help=f"proxy base URL (default {DEFAULT_PROXY} without ECS)"
+        "--proxy",
+        default=None,
+        help=f"the local cluster's proxy URL, whose port names its run dir (default {DEFAULT_PROXY})",
     )
     p.add_argument(
         "--admin-url",
+        action="append",
         default=None,
-        help="proxy admin URL (default: port + 1; ECS: the spec's proxy_admin_url)",
+        help="a proxy replica's admin URL, once per replica (default: the replicas in the "
+        "run dir's state file, else port + 1; ECS: the spec's proxy_admin_urls)",
     )
     p.add_argument("--run-dir", default=None, help="the `up` run dir (default: from the port)")
     p.add_argument("--max-unavailable", type=int, default=1, help="units recreated at a time")
@@ -87,17 +94,30 @@ class Target:
     done_note: Callable[[Release], str] | None = None  # said after a successful deploy
 
 
+def _local_replicas(args: argparse.Namespace, run_dir: Path, port: int) -> list[Replica]:
+    """The proxy replicas of the `up` in ``run_dir``: ``--admin-url``, else its state
+    file's, else the one proxy's default admin port."""
+    from neuron_serving.local.cluster import read_state
+    from neuron_serving.proxy_admin import Replica, replicas_from_urls
+
+    if args.admin_url:
+        return replicas_from_urls(args.admin_url)
+    state = read_state(run_dir / "supervisor.json") or {}
+    listed = [Replica(p["replica_id"], p["admin_url"]) for p in state.get("proxies", [])]
+    return listed or [Replica("proxy-0", f"http://127.0.0.1:{port + 1}")]
+
+
 def local_target(args: argparse.Namespace) -> Target:
     from neuron_serving.deploy.rollout import ProxyAdmin
     from neuron_serving.deploy.source import DeployError, resolve
     from neuron_serving.deploy.supervisor import SupervisorRecreator
     from neuron_serving.local.cache import default_run_dir
     from neuron_serving.local.supervisor_api import SOCKET_NAME, SupervisorApiClient
+    from neuron_serving.proxy_admin import AdminFanOut
 
     proxy_url = args.proxy or DEFAULT_PROXY
     port = urlparse(proxy_url).port or 80
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(port)
-    admin_url = args.admin_url or f"http://127.0.0.1:{port + 1}"
     token_file = run_dir / "admin-token"
     try:
         token = token_file.read_text().strip()
@@ -108,7 +128,7 @@ def local_target(args: argparse.Namespace) -> Target:
         ) from None
     return Target(
         SupervisorRecreator(SupervisorApiClient(run_dir / SOCKET_NAME, token)),
-        ProxyAdmin(proxy_url, admin_url, token),
+        ProxyAdmin(AdminFanOut(_local_replicas(args, run_dir, port), token)),
         lambda shape: resolve(
             args.version, args.source, run_dir, shape, endpoint_url=args.endpoint_url
         ),
@@ -123,15 +143,14 @@ def ecs_target(args: argparse.Namespace) -> Target:
     from neuron_serving.deploy.source import DeployError, resolve_published
     from neuron_serving.ecs.registrar import admin_token
     from neuron_serving.ecs.spec import load_spec
+    from neuron_serving.proxy_admin import AdminFanOut, replicas_from_urls
 
     spec = load_spec(args.unit_spec)
-    if not args.proxy:
-        raise DeployError("--unit-spec needs --proxy URL: the proxy in front of the units")
-    admin_url = args.admin_url or spec.proxy_admin_url
-    if not admin_url:
+    admin_urls = args.admin_url or list(spec.proxy_admin_urls)
+    if not admin_urls:
         raise DeployError(
-            f"{args.unit_spec} has no proxy_admin_url (nor --admin-url): a deploy drains and "
-            "re-admits units through the proxy's admin API"
+            f"{args.unit_spec} has no proxy_admin_urls (nor --admin-url): a deploy drains and "
+            "re-admits units through every proxy replica's admin API"
         )
     token = admin_token(spec)
     units = EcsRecreator(controller(spec), endpoint_url=args.endpoint_url)
@@ -140,7 +159,7 @@ def ecs_target(args: argparse.Namespace) -> Target:
     uri = f"{args.source.rstrip('/')}/{args.version}"
     return Target(
         units,
-        ProxyAdmin(args.proxy, admin_url, token),
+        ProxyAdmin(AdminFanOut(replicas_from_urls(admin_urls), token)),
         lambda shape: resolve_published(
             args.version, args.source, shape, endpoint_url=args.endpoint_url
         ),

@@ -17,10 +17,13 @@ The table fits the terminal (``--width``, else ``$COLUMNS``, else the terminal's
 size; no limit into a pipe): columns are dropped in ``COLUMNS``' order of
 ``drop_rank`` as `kubectl get` does (status_view.py), so each unit and node stays one
 line. Below the units: one line per traffic class (queued, active, dispatched, shed,
-deadline misses) and the Batch API's unfinished batches (with a key only). ``--json``
-is for scripts: the whole merged view with every key always present (``proxy``,
-``reachable``, ``error``, ``redacted``, ``warning``, ``routing``, ``classes``,
-``batches``, ``units``).
+deadline misses) and the Batch API's unfinished batches (with a key only), then,
+from the state file, one line per proxy replica of a local cluster (`up --proxies K`
+share the client port: the view above is the one replica the kernel picked; each
+one's own is ``GET /status`` on its admin port). ``--json`` is for scripts: the whole
+merged view with every key always present (``proxy``, ``reachable``, ``error``,
+``redacted``, ``warning``, ``routing``, ``classes``, ``batches``, ``proxies``,
+``units``).
 """
 
 from __future__ import annotations
@@ -156,6 +159,7 @@ def json_view(
     problem: str,
     warning: str | None,
     rows: list[dict[str, Any]],
+    proxies: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``--json``: every key always present (null when it does not apply)."""
     routing = None
@@ -178,6 +182,8 @@ def json_view(
         "classes": None if proxy is None else proxy.get("admission", {}).get("classes") or {},
         # The Batch API's runner and its unfinished batches (None when redacted or off).
         "batches": None if proxy is None else proxy.get("batches"),
+        # A local cluster's proxy replicas as its supervisor sees them (None: no state).
+        "proxies": proxies,
         "units": rows,
     }
 
@@ -207,10 +213,14 @@ def run(args: argparse.Namespace) -> int:
     if state is not None and not _pid_alive(state.get("pid")):
         state = None  # a dead supervisor's file describes nothing that runs
     rows = merge(proxy, state)
+    proxies = None if state is None else state.get("proxies")
     if args.json:
-        print(json.dumps(json_view(base, proxy, problem, warning, rows)))
+        print(json.dumps(json_view(base, proxy, problem, warning, rows, proxies)))
         return ExitCode.OK if proxy is not None else ExitCode.FAILED
     console = Console(highlight=False, soft_wrap=True)
-    for line in render_text(base, proxy, state is not None, problem, warning, rows, width(args)):
+    lines = render_text(
+        base, proxy, state is not None, problem, warning, rows, width(args), proxies
+    )
+    for line in lines:
         console.print(line)
     return ExitCode.OK if proxy is not None else ExitCode.FAILED

@@ -209,8 +209,10 @@ def render_text(
     warning: str | None,
     rows: list[dict[str, Any]],
     width: int,
+    proxies: list[dict[str, Any]] | None = None,
 ) -> list[Text]:
-    """The whole human view, every line at most ``width`` cells (0 = no limit)."""
+    """The whole human view, every line at most ``width`` cells (0 = no limit);
+    ``proxies``: the state file's replicas of a local cluster, one line each."""
     from rich.text import Text
 
     def wrap(text: str, style: str = "") -> list[Text]:
@@ -241,7 +243,19 @@ def render_text(
             lines += [Text(""), *wrap(_batch_summary(batches))]
             if batches.get("active"):
                 lines += render(BATCH_COLUMNS, batch_rows(batches["active"]), width)
+    if proxies:
+        lines.append(Text(""))
+        for p in proxies:
+            lines += wrap(_replica_line(p), "" if p.get("phase") == "ready" else "yellow")
     return lines
+
+
+def _replica_line(p: dict[str, Any]) -> str:
+    pids = [str(x["pid"]) for x in p.get("processes", []) if x.get("running")]
+    return (
+        f"{p.get('replica_id')}: {p.get('phase')}, pid {', '.join(pids) or '-'}, "
+        f"{p.get('restarts', 0)} restarts; admin {p.get('admin_url')}"
+    )
 
 
 def _batch_summary(b: dict[str, Any]) -> str:

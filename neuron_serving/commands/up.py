@@ -39,7 +39,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="model name of the OpenAI API (default: the manifest's model name, else the "
         "model directory's name)",
     )
-    p.add_argument("--admin-port", type=int, default=0, help="proxy admin port (default port+1)")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=0,
+        help="proxy admin port (default port+1); replica j's is this + j",
+    )
+    p.add_argument(
+        "--proxies",
+        type=int,
+        default=1,
+        help="proxy replicas sharing the client port (SO_REUSEPORT), each with its own "
+        "admin port, log and status (default 1)",
+    )
     p.add_argument(
         "--base-port", type=int, default=29600, help="first port of the units' port blocks"
     )
@@ -143,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
             tp=args.tp,
             port=args.port,
             admin_port=args.admin_port,
+            proxies=args.proxies,
             base_port=args.base_port,
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes,
@@ -186,14 +199,16 @@ def run(args: argparse.Namespace) -> int:
         status_cmd = f"neuron-serving status --proxy {base}"
         if spec.run_dir != default_run_dir(spec.port):
             status_cmd += f" --state {spec.state_file}"
+        admin = "  ".join(f"{r.replica_id} {r.admin_url}" for r in spec.replicas())
+        proxies = f" behind {spec.proxies} proxy replicas" if spec.proxies > 1 else ""
         say(
             f"""
-neuron-serving up: {spec.units} unit(s) x TP={spec.tp} ready in {took:.1f} s
+neuron-serving up: {spec.units} unit(s) x TP={spec.tp}{proxies} ready in {took:.1f} s
   OpenAI API  {base}/v1        model "{spec.served_model_name}"
   Triton API  {base}/v2/models/{spec.served_model_name}/generate_stream
   status      {base}/status    (or: {status_cmd})
   metrics     {base}/metrics   dashboard {base}/dashboard
-  admin       {spec.admin_url}  (bearer token in {spec.run_dir / "admin-token"})
+  admin       {admin}  (bearer token in {spec.run_dir / "admin-token"})
   API key     {cluster.api_key}  (tenant "local"; also in {spec.api_key_file})
   logs        {spec.run_dir / "logs"}/<unit>/<process>.log  (rotated at {spec.log_max_bytes / (1 << 20):g} MiB)
 

@@ -3,15 +3,16 @@
     pre-flight   version resolved + verified + tp checked (source.py); every unit ready
                  in the supervisor and known to the proxy; max_unavailable < units
     per batch of ``max_unavailable`` units (in parallel within a batch):
-      drain      proxy admin API: no new requests; wait for in-flight -> 0 (bounded;
-                 what is left is migrated by the proxy when the unit goes away)
+      drain      every proxy replica's admin API: no new requests; wait for in-flight
+                 -> 0 on all of them (bounded; what is left is migrated by the proxy
+                 when the unit goes away)
       recreate   the UnitRecreator (recreator.py: the local supervisor, or ECS): the
                  whole unit restarts on the new version
       ready      the new generation is ready (a crash, failed launch or timeout =
                  startup failure)
       canary     the manifest's prompts, greedy, token ids compared (canary.py)
-      version    the proxy reports the unit healthy at the new version
-      admit      undrain; the proxy routes to it again
+      version    every replica reports the unit healthy at the new version
+      admit      undrain on every replica; each routes to it again
     on a failure: stop; roll the failed unit back to what it ran (same steps, its own
     canaries when it is a versioned checkpoint), then every unit this deploy already
     moved, newest first, so the fleet ends on one version. Exit non-zero.
@@ -38,7 +39,7 @@ from neuron_serving.deploy.recreator import (
     UnitState,
 )
 from neuron_serving.deploy.source import DeployError, Release
-from neuron_serving.local.probe import admin_call, get_json
+from neuron_serving.proxy_admin import AdminError, AdminFanOut, FanOut
 
 _POLL_S = 0.5
 
@@ -106,32 +107,58 @@ class DeployReport:
         }
 
 
-class ProxyAdmin:
-    """The proxy's admin API (drain/undrain) and /status, every call bounded."""
+def merge_units(statuses: dict[str, dict[str, Any] | None]) -> dict[str, dict[str, Any]]:
+    """One view of each unit over every proxy replica's /status: routable (healthy, at
+    a version) only as far as it is on *every* replica, since each routes on its own;
+    a replica that did not answer, or does not list the unit, counts as "unknown".
+    In-flight requests add up; ``model_version`` is None while replicas disagree."""
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for status in statuses.values():
+        for u in (status or {}).get("units", []):
+            rows.setdefault(u["unit_id"], []).append(u)
+    merged = {}
+    for unit_id, seen in rows.items():
+        states = [u.get("state") for u in seen] + ["unknown"] * (len(statuses) - len(seen))
+        versions = {u.get("model_version") for u in seen}
+        merged[unit_id] = {
+            "unit_id": unit_id,
+            "state": next((s for s in states if s != "routable"), "routable"),
+            "healthy": len(seen) == len(statuses) and all(u.get("healthy") for u in seen),
+            "model_version": versions.pop() if len(versions) == 1 else None,
+            "in_flight": sum(int(u.get("in_flight", 0)) for u in seen),
+        }
+    return merged
 
-    def __init__(self, proxy_url: str, admin_url: str, token: str) -> None:
-        self.proxy_url = proxy_url.rstrip("/")
-        self.admin_url = admin_url.rstrip("/")
-        self.token = token
+
+class ProxyAdmin:
+    """Every proxy replica's admin API (drain, undrain: a change reaches all of them,
+    neuron_serving/proxy_admin.py) and each one's own /status, merged."""
+
+    def __init__(self, admin: AdminFanOut) -> None:
+        self.admin = admin
 
     def units(self) -> dict[str, dict[str, Any]]:
-        status = get_json(f"{self.proxy_url}/status", 5.0)
-        if status is None:
-            raise DeployError(f"proxy {self.proxy_url}/status unreachable")
-        return {u["unit_id"]: u for u in status.get("units", [])}
+        statuses = self.admin.statuses()
+        if not any(statuses.values()):
+            ids = ", ".join(r.admin_url for r in self.admin.replicas) or "none listed"
+            raise DeployError(f"no proxy replica answered /status on its admin port ({ids})")
+        return merge_units(statuses)
 
-    def _admin(self, unit_id: str, action: str) -> None:
-        code, body = admin_call(
-            "POST", f"{self.admin_url}/admin/units/{unit_id}/{action}", self.token
-        )
-        if code != 200:
-            raise DeployError(f"proxy admin {action} {unit_id}: {code} {body}")
+    def _admin(self, out: FanOut) -> list[str]:
+        """Raise DeployError when a replica refused the change or none applied it; the
+        replicas that did not answer, described (one that is down is given a sibling's
+        drain states when it is back, neuron_serving/local/README.md)."""
+        try:
+            out.check(allow_unanswered=True)
+        except AdminError as e:
+            raise DeployError(str(e)) from None
+        return [a.describe() for a in out.unanswered()]
 
-    def drain(self, unit_id: str) -> None:
-        self._admin(unit_id, "drain")
+    def drain(self, unit_id: str) -> list[str]:
+        return self._admin(self.admin.drain(unit_id))
 
-    def undrain(self, unit_id: str) -> None:
-        self._admin(unit_id, "undrain")
+    def undrain(self, unit_id: str) -> list[str]:
+        return self._admin(self.admin.undrain(unit_id))
 
     def in_flight(self, unit_id: str) -> int:
         return int(self.units().get(unit_id, {}).get("in_flight", 0))
@@ -169,6 +196,10 @@ class Rollout:
 
     # ---- steps -----------------------------------------------------------------------
 
+    def _unanswered(self, unit_id: str, action: str, replicas: list[str]) -> None:
+        for replica in replicas:
+            self.say(f"{unit_id}: {action} not applied on {replica}")
+
     def _unit(self, unit_id: str) -> UnitState:
         units = self.units.fleet().units
         if unit_id not in units:
@@ -179,7 +210,7 @@ class Rollout:
         """Drain, recreate on ``release``, check, re-admit. Raises StepFailed."""
         s = self.settings
         try:
-            self.proxy.drain(unit_id)
+            self._unanswered(unit_id, "drain", self.proxy.drain(unit_id))
         except DeployError as e:
             raise StepFailed(unit_id, "drain", str(e)) from None
         start = time.monotonic()
@@ -223,12 +254,12 @@ class Rollout:
             raise StepFailed(
                 unit_id,
                 "proxy",
-                f"not healthy at version {release.version} in the proxy after "
-                f"{s.proxy_timeout_s:.0f} s (proxy sees {u.get('state')} "
+                f"not healthy at version {release.version} on every proxy replica after "
+                f"{s.proxy_timeout_s:.0f} s (they see {u.get('state')} "
                 f"version {u.get('model_version')!r})",
             )
         try:
-            self.proxy.undrain(unit_id)
+            self._unanswered(unit_id, "undrain", self.proxy.undrain(unit_id))
         except DeployError as e:
             raise StepFailed(unit_id, "admit", str(e)) from None
         if not _wait(

@@ -1,23 +1,31 @@
-"""Registration of a ready unit with the proxy: pluggable, so tests use a real proxy.
+"""Registration of a ready unit with the proxy replicas: pluggable, so tests use real proxies.
 
-``ProxyRegistrar`` is what the controller calls; ``AdminApiRegistrar`` speaks the
-proxy's admin API (proxy/admin.py: bearer token, ``/admin/units``) with the
-standard library, bounded by a timeout; ``NullRegistrar`` is for deployments
-without a proxy (clients find leaders some other way).
+``ProxyRegistrar`` is what the controller calls; ``AdminApiRegistrar`` speaks every
+proxy replica's admin API (proxy/admin.py: bearer token, ``/admin/units``) through
+the fan-out client (neuron_serving/proxy_admin.py: each change to every replica, each
+call bounded by a timeout); ``NullRegistrar`` is for deployments without a proxy
+(clients find leaders some other way).
+
+A replica that does not answer is logged, not an error: the next reconcile (`ecs
+watch`, every 10 s) adds what it lacks, since ``units()`` lists only the units every
+replica that answered knows. A replica that answers with a refusal is an error.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
+import logging
 from typing import Any, Protocol
 
 from neuron_serving.ecs.spec import TRITON_GRPC_PORT, TRITON_HTTP_PORT, DeploymentSpec
+from neuron_serving.proxy_admin import AdminError, AdminFanOut, FanOut, replicas_from_urls
+
+log = logging.getLogger(__name__)
+
+ADMIN_TIMEOUT_S = 10.0  # per call: the proxies may be across the VPC and busy
 
 
 class RegistrarError(RuntimeError):
-    """The proxy refused or did not answer."""
+    """A proxy replica refused a change, or none answered."""
 
 
 class ProxyRegistrar(Protocol):
@@ -56,66 +64,42 @@ class NullRegistrar:
 
 
 class AdminApiRegistrar:
-    def __init__(self, base_url: str, token: str, timeout_s: float = 10.0) -> None:
-        if not token:
-            raise ValueError("the proxy admin API needs a bearer token")
-        self.base_url = base_url.rstrip("/")
-        self.token = token
-        self.timeout_s = timeout_s
+    def __init__(self, admin: AdminFanOut) -> None:
+        self.admin = admin
 
-    def _call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(
-            self.base_url + path,
-            data=data,
-            method=method,
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-        )
+    def _check(self, out: FanOut, ok: tuple[int, ...]) -> None:
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            payload = e.read()
-            try:
-                return e.code, json.loads(payload)
-            except ValueError:
-                return e.code, payload.decode(errors="replace")
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
-            raise RegistrarError(f"proxy admin {method} {path}: {e}") from None
-
-    def _check(self, method: str, path: str, status: int, body: Any, ok: tuple[int, ...]) -> None:
-        if status not in ok:
-            raise RegistrarError(f"proxy admin {method} {path}: HTTP {status}: {body}")
+            out.check(ok, allow_unanswered=True)
+        except AdminError as e:
+            raise RegistrarError(str(e)) from None
+        for answer in out.unanswered():
+            log.warning("proxy admin %s not applied on %s", out.what, answer.describe())
 
     def units(self) -> set[str]:
-        status, body = self._call("GET", "/admin/units")
-        self._check("GET", "/admin/units", status, body, (200,))
-        return {u["unit_id"] for u in body["units"]}
+        """The units every replica that answered knows."""
+        listed = [u for u in self.admin.units().values() if u is not None]
+        if not listed:
+            raise RegistrarError("proxy admin GET /admin/units: no replica answered")
+        return set.intersection(*(set(u) for u in listed))
 
     def add(self, unit: dict[str, Any], draining: bool = False) -> None:
-        body_in = {**unit, "draining": True} if draining else unit
-        status, body = self._call("POST", "/admin/units", body_in)
-        if status == 409:  # a predecessor with old addresses: replace it
-            self.remove(unit["unit_id"])
-            status, body = self._call("POST", "/admin/units", body_in)
-        self._check("POST", "/admin/units", status, body, (200, 201))
+        # A replica with a predecessor of other addresses has it replaced; one with this
+        # very unit keeps it (AdminFanOut.add).
+        self._check(self.admin.add(unit, draining), (200, 201))
 
     def drain(self, unit_id: str) -> None:
-        path = f"/admin/units/{unit_id}/drain"
-        status, body = self._call("POST", path)
-        self._check("POST", path, status, body, (200, 404))
+        self._check(self.admin.drain(unit_id), (200, 404))
 
     def remove(self, unit_id: str) -> None:
-        path = f"/admin/units/{unit_id}"
-        status, body = self._call("DELETE", path)
-        self._check("DELETE", path, status, body, (200, 404))
+        self._check(self.admin.remove(unit_id), (200, 404))
 
 
 def registrar_for(spec: DeploymentSpec) -> ProxyRegistrar:
     """The spec's proxy, or none."""
-    if not spec.proxy_admin_url:
+    if not spec.proxy_admin_urls:
         return NullRegistrar()
-    return AdminApiRegistrar(spec.proxy_admin_url, admin_token(spec))
+    replicas = replicas_from_urls(spec.proxy_admin_urls)
+    return AdminApiRegistrar(AdminFanOut(replicas, admin_token(spec), ADMIN_TIMEOUT_S))
 
 
 def admin_token(spec: DeploymentSpec) -> str:
@@ -129,7 +113,7 @@ def admin_token(spec: DeploymentSpec) -> str:
         token = Path(spec.proxy_admin_token_file).expanduser().read_text().strip()
     if not token:
         raise ValueError(
-            "proxy_admin_url is set but no admin token: set proxy_admin_token_file "
+            "proxy_admin_urls is set but no admin token: set proxy_admin_token_file "
             "or NEURON_SERVING_PROXY_ADMIN_TOKEN"
         )
     return token

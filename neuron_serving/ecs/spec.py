@@ -116,7 +116,9 @@ class DeploymentSpec:
     proxy_security_group: str | None = None  # Triton HTTP/gRPC, node health gRPC
     deployer_security_group: str | None = None  # deploy canaries: Triton HTTP
     metrics_security_group: str | None = None  # the Prometheus scraper
-    proxy_admin_url: str | None = None  # e.g. http://proxy.internal:8081
+    # Every proxy replica's own admin URL (a change must reach each: a load balancer
+    # would deliver it to one), e.g. [http://proxy-0.neuron.internal:8081, ...].
+    proxy_admin_urls: tuple[str, ...] = ()
     proxy_admin_token_file: str | None = None  # else NEURON_SERVING_PROXY_ADMIN_TOKEN
     control_port: int = 29500  # +1 store, +2 dist, +3 Neuron CC bootstrap
     health_port: int = 9100  # grpc.health.v1; HTTP /healthz on +1
@@ -191,8 +193,9 @@ class DeploymentSpec:
                     "unit's shared join secret in Secrets Manager or SSM)"
                 )
         p.extend(self._security_group_problems())
-        if self.proxy_admin_url and not re.match(r"^https?://", self.proxy_admin_url):
-            p.append("proxy_admin_url must start with http:// or https://")
+        for url in self.proxy_admin_urls:
+            if not re.match(r"^https?://", url):
+                p.append(f"proxy_admin_urls: {url!r} must start with http:// or https://")
         p.extend(self._port_problems())
         for key in ("model_dir", "host_model_dir"):
             value = getattr(self, key)
@@ -282,7 +285,7 @@ class DeploymentSpec:
         if problems:
             raise SpecError(source, problems)
         data = dict(raw)
-        for key in ("subnets", "security_groups", "leader_args"):
+        for key in ("subnets", "security_groups", "leader_args", "proxy_admin_urls"):
             if key in data:
                 if not isinstance(data[key], list | tuple):
                     raise SpecError(source, [f"{key} must be a list"])

@@ -1,22 +1,26 @@
-"""`ClusterSupervisor`: the proxy and K inference units of one `up`, started and stopped together.
+"""`ClusterSupervisor`: the proxy replicas and K inference units of one `up`, started and
+stopped together.
 
     prepare()   run dir (0700), ports free?, unit token + admin token + client API key
-                (0600), proxy.yaml
-    start()     proxy group (one process) + one GroupSupervisor per unit, all in parallel
-    wait_ready  until the proxy and every unit are ready at the same time (a unit that
-                failed after its first ready is being recreated: not ready yet); a
-                group failing ``max_start_failures`` times during start-up aborts it
+                (0600), proxy-<j>.yaml per replica
+    start()     one group per proxy replica (replicas.py) + one GroupSupervisor per unit,
+                all in parallel
+    wait_ready  until every replica and every unit are ready at the same time (a unit that
+                failed after its first ready is being recreated: not ready yet) and every
+                replica routes to every unit; a group failing ``max_start_failures``
+                times during start-up aborts it
     serve()     every second, write_state() keeps supervisor.json fresh for
                 `neuron-serving status`; a failed write (full disk) is reported once
                 and retried on the next tick: the units keep serving
     API         supervisor.sock (supervisor_api.py): `deploy` recreates a unit on another
                 model directory through it (admin token required)
-    shutdown()  drain through the proxy admin API (stop admitting, wait for in-flight
-                up to drain_timeout_s), then stop every unit in parallel, then the
-                proxy; finally check the process table: nothing of ours may remain.
+    shutdown()  drain through every replica's admin API (stop admitting, wait for
+                in-flight up to drain_timeout_s), then stop every unit in parallel, then
+                the replicas; finally check the process table: nothing of ours may remain.
 
-Units are independent: one unit's crash loop never touches another unit or the
-proxy. The proxy is supervised as a group of one (restarted with backoff if it dies).
+Units are independent: one unit's crash loop never touches another unit or a
+replica. Each replica is supervised as a group of one (restarted with backoff if it
+dies, and ready again once it has a live sibling's drain states: replicas.py).
 """
 
 from __future__ import annotations
@@ -31,16 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.local import plan
-from neuron_serving.local.backoff import RestartBackoff
 from neuron_serving.local.group_supervisor import GroupPhase, GroupPlan, GroupSupervisor
-from neuron_serving.local.probe import admin_call, get_json, http_status
-from neuron_serving.local.process import ProcessSpec
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
+from neuron_serving.local.replicas import ProxyReplicas
 from neuron_serving.local.spec import ClusterSpec
 from neuron_serving.local.supervisor_api import SOCKET_NAME, SupervisorApiServer
 from neuron_serving.logsafe import RateLimitedLog
 
-STATE_VERSION = 1
+# 2: "proxies" (every replica's client and admin address and group state) replaced
+# "proxy" and "admin_url".
+STATE_VERSION = 2
 
 
 class StartupFailed(RuntimeError):
@@ -75,7 +79,7 @@ class ClusterSupervisor:
         self.max_start_failures = max_start_failures
         self.admin_token = ""
         self.api_key = ""
-        self.proxy: GroupSupervisor | None = None
+        self.replicas: ProxyReplicas | None = None
         self.units: list[GroupSupervisor] = []
         self.started_at: float | None = None
         self.stopping = threading.Event()
@@ -102,26 +106,9 @@ class ClusterSupervisor:
         write_secret(token_file)
         self._token_file = token_file
         self.unit_models = {spec.unit_id(i): spec.model_dir for i in range(spec.units)}
-        config_path, self.admin_token, self.api_key = write_proxy_config(spec)
+        configs, self.admin_token, self.api_key = write_proxy_config(spec)
         logs = spec.run_dir / "logs"
-        self.proxy = GroupSupervisor(
-            GroupPlan(
-                "proxy",
-                [
-                    ProcessSpec(
-                        "proxy", plan.cli("proxy", "--config", str(config_path)), plan.child_env({})
-                    )
-                ],  # fmt: skip
-                logs / "proxy",
-                ready=lambda: http_status(f"{spec.proxy_url}/healthz", 1.0) == 200,
-                ready_timeout_s=60.0,
-                stop_timeout_s=spec.stop_timeout_s,
-                backoff=RestartBackoff(spec.backoff_base_s, spec.backoff_max_s, spec.stable_s),
-                log_max_bytes=spec.log_max_bytes,
-                log_backups=spec.log_backups,
-            ),
-            self.on_event,
-        )
+        self.replicas = ProxyReplicas(spec, configs, self.admin_token, self.on_event)
         self.units = [
             GroupSupervisor(
                 GroupPlan(
@@ -142,11 +129,11 @@ class ClusterSupervisor:
         ]
 
     def start(self) -> None:
-        if self.proxy is None:
+        if self.replicas is None:
             self.prepare()
-        assert self.proxy is not None
+        assert self.replicas is not None
         self.started_at = time.time()
-        self.proxy.start()
+        self.replicas.start()
         for u in self.units:
             u.start()
         self.supervisor_api = SupervisorApiServer(
@@ -156,22 +143,25 @@ class ClusterSupervisor:
         self.write_state()
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Block until the proxy and every unit are ready, all at once, and the proxy
-        routes to every unit; returns seconds taken. "Were ready once" (``ever_ready``)
-        is not enough: a unit that failed after its first ready is being recreated
-        (about 30 s on 2 cores) and is not routable meanwhile, so `up` would say ready
-        with a unit down. Nor is a unit's own readiness: the proxy routes by its own
+        """Block until every proxy replica and every unit are ready, all at once, and
+        every replica routes to every unit; returns seconds taken. "Were ready once"
+        (``ever_ready``) is not enough: a unit that failed after its first ready is being
+        recreated (about 30 s on 2 cores) and is not routable meanwhile, so `up` would say
+        ready with a unit down. Nor is a unit's own readiness: a proxy routes by its own
         probes, which see a leader ready up to a probe interval later (longer when a
         probe times out on a busy host), and until then a request gets a 503.
 
         Raises StartupFailed naming the process and with its log tail when a group
         fails ``max_start_failures`` times during start-up, or on timeout.
         """
-        assert self.started_at is not None and self.proxy is not None
+        assert self.started_at is not None and self.replicas is not None
         deadline = time.monotonic() + timeout_s
-        groups = [self.proxy, *self.units]
+        groups = [*self.replicas.groups, *self.units]
+        unit_ids = [u.group_id for u in self.units]
         while time.monotonic() < deadline and not self.stopping.is_set():
-            if all(g.phase == GroupPhase.READY for g in groups) and self._proxy_routes_all():
+            if all(g.phase == GroupPhase.READY for g in groups) and self.replicas.routes_all(
+                unit_ids
+            ):
                 return time.time() - self.started_at
             for g in groups:
                 if g.restarts >= self.max_start_failures:
@@ -186,16 +176,8 @@ class ClusterSupervisor:
             raise StartupFailed("interrupted during start-up")
         pending = [g.group_id for g in groups if g.phase != GroupPhase.READY]
         if not pending:
-            pending = ["the proxy routing to every unit (see its /status)"]
+            pending = ["every proxy replica routing to every unit (see each one's admin /status)"]
         raise StartupFailed(f"not ready within {timeout_s:.0f} s: {pending}")
-
-    def _proxy_routes_all(self) -> bool:
-        """The proxy's /status shows every unit routable."""
-        status = get_json(f"{self.spec.proxy_url}/status", 2.0, token=self.admin_token)
-        if status is None:
-            return False
-        states = {u.get("unit_id"): u.get("state") for u in status.get("units", [])}
-        return all(states.get(u.group_id) == "routable" for u in self.units)
 
     # ---- serving -------------------------------------------------------------------
 
@@ -250,8 +232,7 @@ class ClusterSupervisor:
             "units_requested": spec.units,
             "tp": spec.tp,
             "proxy_url": spec.proxy_url,
-            "admin_url": spec.admin_url,
-            "proxy": self.proxy.snapshot() if self.proxy else None,
+            "proxies": self.replicas.snapshot() if self.replicas else [],
             "units": [self._unit_snapshot(u) for u in self.units],
         }
 
@@ -285,29 +266,21 @@ class ClusterSupervisor:
             self.write_state()
 
     def pids(self) -> list[int]:
-        groups = [g for g in (self.proxy, *self.units) if g is not None]
-        return sorted({pid for g in groups for pid in g.pids()})
+        proxies = self.replicas.pids() if self.replicas else []
+        return sorted({*proxies, *(pid for g in self.units for pid in g.pids())})
 
     # ---- stop ----------------------------------------------------------------------
 
     def drain(self, timeout_s: float) -> tuple[int, float]:
-        """Stop admitting (every unit drained in the proxy) and wait for in-flight
+        """Stop admitting (every unit drained on every replica) and wait for in-flight
         requests to finish. Returns (requests still in flight, seconds waited)."""
+        assert self.replicas is not None
         start = time.monotonic()
-        for u in self.units:
-            status, body = admin_call(
-                "POST", f"{self.spec.admin_url}/admin/units/{u.group_id}/drain", self.admin_token
-            )
-            if status != 200:
-                self.on_event(f"drain {u.group_id}: admin API answered {status}: {body}")
+        self.replicas.drain([u.group_id for u in self.units])
         left = 0
         while time.monotonic() - start < timeout_s:
-            status = get_json(f"{self.spec.proxy_url}/status", 2.0, token=self.admin_token)
-            if status is None:
-                left = 0  # no proxy, nothing in flight through it
-                break
-            left = sum(int(u.get("in_flight", 0)) for u in status.get("units", []))
-            left += int(status.get("admission", {}).get("queued", 0))
+            # A replica that does not answer has nothing in flight through it.
+            left = self.replicas.in_flight()
             if left == 0:
                 break
             time.sleep(0.2)
@@ -318,7 +291,7 @@ class ClusterSupervisor:
         self.stopping.set()
         if self.supervisor_api is not None:
             self.supervisor_api.stop()
-        if drain and self.proxy is not None and self.proxy.phase == GroupPhase.READY:
+        if drain and self.replicas is not None and self.replicas.any_ready():
             self.on_event(f"draining (up to {self.spec.drain_timeout_s:.0f} s) ...")
             left, took = self.drain(self.spec.drain_timeout_s)
             if left:
@@ -327,14 +300,14 @@ class ClusterSupervisor:
                 self.on_event(f"drained in {took:.1f} s")
         self.on_event("stopping units ...")
         # Units first (in parallel; each tears its own processes down in parallel), so
-        # the proxy can still answer clients with a clean 503 meanwhile.
+        # the replicas can still answer clients with a clean 503 meanwhile.
         threads = [threading.Thread(target=u.stop, daemon=True) for u in self.units]
         for t in threads:
             t.start()
         for t in threads:
             t.join(self.spec.stop_timeout_s + 30.0)
-        if self.proxy is not None:
-            self.proxy.stop()
+        if self.replicas is not None:
+            self.replicas.stop()
         survivors = self.pids()
         try:
             self.write_state()

@@ -1,4 +1,5 @@
-"""Small bounded HTTP calls the supervisor makes: readiness, /healthz, proxy admin.
+"""Small bounded HTTP calls: a unit's readiness, a node's /healthz, a proxy's /status
+(the proxy's admin API: neuron_serving/proxy_admin.py).
 
 Standard library only (``neuron-serving status`` must start fast), every call
 with a timeout, failures returned as values rather than raised: a probe that
@@ -43,29 +44,6 @@ def get_json(url: str, timeout_s: float = 2.0, token: str | None = None) -> Any 
             return json.loads(r.read())
     except (OSError, ValueError, http.client.HTTPException):
         return None
-
-
-def admin_call(
-    method: str, url: str, token: str, body: Any = None, timeout_s: float = 5.0
-) -> tuple[int, Any]:
-    """Call the proxy's admin API with a bearer token: (status, decoded body or text)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Authorization", f"Bearer {token}")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            raw = r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        raw, status = e.read(), e.code
-    except (OSError, http.client.HTTPException) as e:
-        return 0, str(e)
-    try:
-        return status, json.loads(raw)
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 def node_state(healthz_url: str, timeout_s: float = 1.0) -> str | None:

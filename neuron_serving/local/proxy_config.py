@@ -59,8 +59,10 @@ def read_api_key(path: Path) -> str | None:
 
 
 def proxy_config(
-    spec: ClusterSpec, admin_token_file: Path, api_keys_file: Path | None = None
+    spec: ClusterSpec, admin_token_file: Path, api_keys_file: Path | None = None, replica: int = 0
 ) -> dict[str, Any]:
+    """Replica ``replica``'s config. Replicas differ only in their admin port and
+    replica id: the same units, keys, probes and batch store, so they route alike."""
     units = []
     for i in range(spec.units):
         ports = spec.unit_ports(i)
@@ -78,8 +80,11 @@ def proxy_config(
     return {
         "host": spec.host,
         "port": spec.port,
+        # Several replicas share the client port: the kernel spreads new connections and
+        # stops giving any to a replica as soon as it dies (its socket closes with it).
+        "reuse_port": spec.proxies > 1,
         "admin_host": spec.host,
-        "admin_port": spec.admin_port,
+        "admin_port": spec.admin_ports()[replica],
         "admin_token_file": str(admin_token_file),
         **({"api_keys_file": str(api_keys_file)} if api_keys_file else {}),
         # A dead unit leaves rotation within unhealthy_threshold x interval (+ timeout);
@@ -98,9 +103,13 @@ def proxy_config(
         # (the default budget allows 3 concurrent retries, which would turn the rest
         # of a killed unit's streams into client-visible errors).
         "retry": {"max_migrations": 3, "budget_pct": 100.0, "min_retry_concurrency": 64},
-        # The Batch API's store and files live with the cluster's run dir; the replica
-        # id is fixed, so a restarted proxy takes its own leased lines back at once.
-        "batch": {"data_dir": str(spec.run_dir / "proxy-data"), "replica_id": "proxy-0"},
+        # The Batch API's store and files live with the cluster's run dir, shared by the
+        # replicas (SQLite in WAL mode on one host; a lease per line, owned by a replica
+        # id). Ids are fixed, so a restarted replica takes its own leased lines back at once.
+        "batch": {
+            "data_dir": str(spec.run_dir / "proxy-data"),
+            "replica_id": spec.replica_id(replica),
+        },
         "models": [
             {
                 "name": spec.served_model_name,
@@ -112,12 +121,16 @@ def proxy_config(
     }
 
 
-def write_proxy_config(spec: ClusterSpec) -> tuple[Path, str, str]:
-    """Write ``proxy.yaml``, ``admin-token`` and the API key files; returns
-    (config path, admin token, client API key)."""
+def write_proxy_config(spec: ClusterSpec) -> tuple[list[Path], str, str]:
+    """Write each replica's ``proxy-<j>.yaml``, ``admin-token`` and the API key files;
+    returns (config path of each replica, admin token, client API key)."""
     token_file = spec.run_dir / "admin-token"
     token = write_secret(token_file)
     keys_file, api_key = write_api_key(spec)
-    path = spec.run_dir / "proxy.yaml"
-    path.write_text(yaml.safe_dump(proxy_config(spec, token_file, keys_file), sort_keys=False))
-    return path, token, api_key
+    paths = []
+    for j in range(spec.proxies):
+        path = spec.run_dir / f"{spec.replica_id(j)}.yaml"
+        config = proxy_config(spec, token_file, keys_file, replica=j)
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        paths.append(path)
+    return paths, token, api_key

@@ -1,7 +1,9 @@
 """`ClusterSpec`: what `neuron-serving up` runs, and where every process listens.
 
-Port layout (all on loopback). The proxy takes ``port`` (clients) and
-``admin_port``. Unit ``i`` owns the block starting at ``base_port + i * stride``:
+Port layout (all on loopback). The ``proxies`` replicas share ``port`` (clients;
+SO_REUSEPORT when there are several, the kernel spreads connections) and replica
+``j`` (``proxy-j``) has its own admin port ``admin_port + j``. Unit ``i`` owns the
+block starting at ``base_port + i * stride``:
 
     +0..+3   leader control plane (control, Gloo store, vLLM dist store, spare),
              fixed offsets of neuron_serving.unit.config.UnitConfig
@@ -25,8 +27,10 @@ from pathlib import Path
 
 from neuron_serving.checkpoint.served_name import default_served_name
 from neuron_serving.devices.cpu import default_cpu_bind
+from neuron_serving.proxy_admin import Replica
 
 CONTROL_PORTS = 4  # see UnitConfig: control, store, dist, Neuron bootstrap
+MAX_PROXIES = 16
 API_KEY_FILE = "api-key"  # in the run directory; `neuron-serving status` looks for it there
 
 
@@ -75,7 +79,8 @@ class ClusterSpec:
     tp: int = 2
     host: str = "127.0.0.1"
     port: int = 8080
-    admin_port: int = 0  # 0 = port + 1
+    admin_port: int = 0  # 0 = port + 1; replica j's is admin_port + j
+    proxies: int = 1  # proxy replicas, proxy-0 .. proxy-(K-1)
     base_port: int = 29600
     # "" = the checkpoint manifest's model name (so a deploy to another version's
     # directory keeps the name clients use), else the model directory's name.
@@ -116,10 +121,16 @@ class ClusterSpec:
             raise ValueError(f"--units must be >= 1, got {self.units}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
+        if not 1 <= self.proxies <= MAX_PROXIES:
+            raise ValueError(f"--proxies must be in 1..{MAX_PROXIES}, got {self.proxies}")
         if not 0 < self.port < 65536 or not 0 <= self.admin_port < 65536:
             raise ValueError(f"bad proxy ports {self.port}/{self.admin_port}")
         if self.admin_port == 0:
             object.__setattr__(self, "admin_port", self.port + 1)
+        if self.admin_port + self.proxies > 65536:
+            raise ValueError(f"admin ports {self.admin_port}+{self.proxies} out of range")
+        if self.admin_port <= self.port < self.admin_port + self.proxies:
+            raise ValueError(f"--port {self.port} is one of the replicas' admin ports")
         if not self.served_model_name:
             object.__setattr__(self, "served_model_name", default_served_name(self.model_dir))
         if self.cpu_bind and len(self.cpu_bind.split("|")) < self.tp and self.cpu_bind != "nobind":
@@ -128,7 +139,7 @@ class ClusterSpec:
         if not 1024 <= self.base_port or last >= 65536:
             raise ValueError(f"unit ports {self.base_port}..{last} out of range")
         unit_ports = set(range(self.base_port, last))
-        if {self.port, self.admin_port} & unit_ports:
+        if {self.port, *self.admin_ports()} & unit_ports:
             raise ValueError(f"proxy ports collide with unit ports {self.base_port}..{last - 1}")
         if self.max_model_len < 16 or self.kv_cache_bytes <= 0 or self.max_num_seqs < 1:
             raise ValueError("max_model_len >= 16, kv_cache_bytes > 0, max_num_seqs >= 1")
@@ -165,8 +176,22 @@ class ClusterSpec:
         ranks = default_cpu_bind(self.units * self.tp).split("|")
         return "|".join(ranks[index * self.tp : (index + 1) * self.tp])
 
+    def replica_id(self, index: int) -> str:
+        """Proxy replica ``index``'s id: its group, log directory, config file and batch
+        lease owner (fixed, so a restarted replica takes its own leased lines back)."""
+        return f"proxy-{index}"
+
+    def admin_ports(self) -> list[int]:
+        return [self.admin_port + j for j in range(self.proxies)]
+
+    def replicas(self) -> list[Replica]:
+        return [
+            Replica(self.replica_id(j), f"http://{self.host}:{port}")
+            for j, port in enumerate(self.admin_ports())
+        ]
+
     def all_ports(self) -> list[int]:
-        ports = [self.port, self.admin_port]
+        ports = [self.port, *self.admin_ports()]
         for i in range(self.units):
             ports += self.unit_ports(i).all()
         return ports
@@ -174,10 +199,6 @@ class ClusterSpec:
     @property
     def proxy_url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def admin_url(self) -> str:
-        return f"http://{self.host}:{self.admin_port}"
 
     @property
     def state_file(self) -> Path:

@@ -39,6 +39,7 @@ class Cluster:
     run_dir: Path
     model: str
     api_key: str = ""  # the key `up` generated (run_dir/api-key), read once it is ready
+    admin_token: str = ""  # run_dir/admin-token: each replica's own /status on its admin port
     seen_pids: set[int] = field(default_factory=set)
 
     def state(self) -> dict:
@@ -47,11 +48,36 @@ class Cluster:
     def unit_state(self, unit_id: str) -> dict:
         return next(u for u in self.state()["units"] if u["unit_id"] == unit_id)
 
+    def replicas(self) -> list[dict]:
+        """The proxy replicas in the state file (addresses, phase, processes)."""
+        return self.state()["proxies"]
+
+    def proxy_pids(self) -> list[int]:
+        """The proxy replicas' running processes, remembered for the final check."""
+        pids = [p["pid"] for r in self.replicas() for p in r["processes"] if p["running"]]
+        self.seen_pids.update(pids)
+        return pids
+
+    def replica_status(self, replica: dict) -> dict | None:
+        return get_json(f"{replica['admin_url']}/status", 2.0, token=self.admin_token)
+
     def proxy_unit(self, unit_id: str) -> dict | None:
-        status = get_json(f"{self.url}/status", 2.0, token=self.api_key)
-        if status is None:
+        """The unit over every proxy replica: counts added up, and a state that is
+        "routable" only if it is on every replica (each routes on its own); None when
+        no replica answers."""
+        seen = []
+        for replica in self.replicas():
+            status = self.replica_status(replica) or {"units": []}
+            seen.append(next((u for u in status["units"] if u["unit_id"] == unit_id), None))
+        if all(u is None for u in seen):
             return None
-        return next(u for u in status["units"] if u["unit_id"] == unit_id)
+        states = [u["state"] if u else "unknown" for u in seen]
+        known = [u for u in seen if u]
+        return {
+            "state": next((s for s in states if s != "routable"), "routable"),
+            "in_flight": sum(u["in_flight"] for u in known),
+            "requests_total": sum(u["requests_total"] for u in known),
+        }
 
     def routable(self, unit_id: str) -> bool:
         u = self.proxy_unit(unit_id)
@@ -88,14 +114,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | None = None):
-    """Run `up` on ``model`` until it says ready and both units are routable; yield
-    the cluster; stop it and check that no process it ever had is left."""
-    port, admin, base = up_ports(2 * 20)
+def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | None = None,
+                  proxies: int = 1):  # fmt: skip
+    """Run `up` on ``model`` with ``proxies`` proxy replicas until it says ready and both
+    units are routable on every replica; yield the cluster; stop it and check that no
+    process it ever had is left."""
+    port, admin, base = up_ports(2 * 20, proxies)
     run_dir = tmp / "run"
     args = ["up", "--model", str(model), "--port", str(port), "--admin-port",
-            str(admin), "--base-port", str(base), "--run-dir", str(run_dir),
-            *extra_args]  # fmt: skip
+            str(admin), "--proxies", str(proxies), "--base-port", str(base), "--run-dir",
+            str(run_dir), *extra_args]  # fmt: skip
     proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1"))
     c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, name or model.name)
     print("up:", " ".join(args), "logs in", run_dir)
@@ -109,15 +137,17 @@ def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | Non
                 pytest.fail(f"cluster not ready in {START_TIMEOUT_S:.0f} s:\n{c.log_tail()}")
             time.sleep(1.0)
         c.api_key = (run_dir / "api-key").read_text().strip()
+        c.admin_token = (run_dir / "admin-token").read_text().strip()
         try:
             wait_for(lambda: c.routable("unit-0") and c.routable("unit-1"), 60, what="routable")
         except TimeoutError:
-            status = get_json(f"{c.url}/status", 5.0, token=c.api_key)
+            status = [c.replica_status(r) for r in c.replicas()]
             pytest.fail(f"units not routable 60 s after `up` said ready: {status}\n{c.log_tail()}")
         print(f"cluster ready after {time.monotonic() - started:.1f} s")
         print(c.log_tail())
         for u in ("unit-0", "unit-1"):
             c.unit_tree(u)
+        c.proxy_pids()
         yield c
     finally:
         proc.terminate(120)

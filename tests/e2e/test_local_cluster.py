@@ -1,9 +1,11 @@
-"""`neuron-serving up` end to end: 2 units of TP=2 behind the proxy, real processes.
+"""`neuron-serving up` end to end: 2 units of TP=2 behind 2 proxy replicas (`--proxies 2`:
+one client port, SO_REUSEPORT), real processes.
 
-One module-scoped cluster (start-up is the expensive part on 2 cores); the tests
-run in file order and each leaves the cluster serving for the next:
-stream -> SIGKILL a follower under load -> SIGKILL a leader under load -> shutdown
-under load (last: it stops the cluster). Under each kill, 8 greedy streams must all
+One module-scoped cluster (start-up is the expensive part on 2 cores; a second proxy
+process costs little beside it); the tests run in file order and each leaves the
+cluster serving for the next: stream -> SIGKILL a follower under load -> SIGKILL a
+leader under load -> drain through both replicas, SIGKILL one under load -> a batch
+across a replica's SIGKILL -> shutdown under load (last: it stops the cluster). Under each kill, 8 greedy streams must all
 complete with exactly the text of an undisturbed run of the same 8 (token-exact
 migration to the other unit). Every wait is bounded. The only timing
 assertion is the issue's functional bound (a dead unit unhealthy in the proxy
@@ -15,13 +17,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
-from neuron_serving.local.probe import get_json
+from neuron_serving.proxy_admin import AdminFanOut, Replica
 from tests.e2e.local_cluster import (
     STREAMS,
     Cluster,
@@ -44,7 +48,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1500)]
 def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
     yield from start_cluster(
         demo_model, tmp_path_factory.mktemp("local-cluster"),
-        ["--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"],
+        ["--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"], proxies=2,
     )  # fmt: skip
 
 
@@ -111,12 +115,99 @@ def test_status_command_shows_restarts(cluster: Cluster) -> None:
     assert [n["name"] for n in units["unit-0"]["nodes"]] == ["leader", "follower-1"]
 
 
+def _unit_states(cluster: Cluster, unit_id: str) -> dict[str, str | None]:
+    """The unit's state on each replica, from each one's own /status (None: no answer)."""
+    out = {}
+    for r in cluster.replicas():
+        status = cluster.replica_status(r)
+        units = {u["unit_id"]: u for u in (status or {}).get("units", [])}
+        out[r["replica_id"]] = units[unit_id]["state"] if unit_id in units else None
+    return out
+
+
+def test_proxy_replicas_drain_together_and_one_sigkilled_loses_only_its_own(
+    cluster: Cluster,
+) -> None:
+    """Issue 20. A drain through the fan-out client reaches both replicas. One replica is
+    SIGKILLed under load: what it had in flight is lost, clients retry (the openai
+    client's own retries, a fresh connection per request so the kernel spreads them over
+    both replicas), every request gets its answer, the other replica goes on; `up`
+    restarts the killed one, which comes back with the drain it had missed nothing of
+    (given by its sibling before it is ready)."""
+    replicas = cluster.replicas()
+    assert [r["replica_id"] for r in replicas] == ["proxy-0", "proxy-1"]
+    assert len({r["client_url"] for r in replicas}) == 1  # one client port
+    admin = AdminFanOut([Replica(r["replica_id"], r["admin_url"]) for r in replicas],
+                        cluster.admin_token)  # fmt: skip
+    admin.drain("unit-0").check()
+    assert _unit_states(cluster, "unit-0") == {"proxy-0": "draining", "proxy-1": "draining"}
+
+    victim = replicas[0]
+    (pid,) = [p["pid"] for p in victim["processes"] if p["running"]]
+    cluster.seen_pids.add(pid)
+    attempts: list[int] = []
+    results: list[object] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0),
+                            event_hooks={"request": [lambda _r: attempts.append(1)]})  # fmt: skip
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=cluster.api_key,
+                               timeout=120.0, max_retries=5, http_client=http)  # fmt: skip
+        while not stop.is_set():
+            try:
+                r = client.chat.completions.create(
+                    model=cluster.model, max_tokens=24, temperature=0,
+                    messages=[{"role": "user", "content": "Do you ship to Canada?"}],
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                results.append(r.choices[0].finish_reason)
+            except Exception as e:  # noqa: BLE001 (asserted on below)
+                results.append(e)
+
+    threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+
+    def victim_busy() -> bool:
+        status = cluster.replica_status(victim) or {}
+        return status.get("admission", {}).get("active", 0) > 0
+
+    wait_for(victim_busy, 60, interval=0.02, what="requests in flight on proxy-0")
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    done_at_kill = len(results)
+
+    def restarted() -> dict | None:
+        r = cluster.replicas()[0]
+        running = [p["pid"] for p in r["processes"] if p["running"]]
+        return r if r["phase"] == "ready" and running and running != [pid] else None
+
+    wait_for(lambda: restarted() is not None, 120, interval=0.2, what="proxy-0 restarted")
+    print(f"proxy-0 SIGKILLed, ready again after {time.monotonic() - killed:.1f} s: "
+          f"{restarted()['restarts']} restart(s)")  # fmt: skip
+    cluster.proxy_pids()
+    # It came back from its config (no unit drained) and was given its sibling's drain.
+    assert _unit_states(cluster, "unit-0") == {"proxy-0": "draining", "proxy-1": "draining"}
+    wait_for(lambda: len(results) >= done_at_kill + 8, 120, what="requests after the kill")
+    stop.set()
+    for t in threads:
+        t.join(150)
+    errors = [r for r in results if isinstance(r, Exception)]
+    print(f"{len(results)} requests, {len(attempts)} attempts, errors: {errors}")
+    assert errors == [] and all(r == "length" for r in results)
+    assert len(attempts) > len(results), "no request was retried: the kill hit nothing"
+    admin.undrain("unit-0").check()
+    wait_for(lambda: cluster.routable("unit-0"), 30, what="unit-0 routable on both replicas")
+
+
 def test_a_batch_survives_a_proxy_sigkill_with_every_line_exactly_once(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """2,000 lines through the official client's files and batches; the proxy is
-    SIGKILLed mid-batch, `up` restarts it, and it finishes the batch from its SQLite
-    store: every line's answer exactly once in the output file."""
+    """2,000 lines through the official client's files and batches, run by both
+    replicas from their shared SQLite store; one replica is SIGKILLed mid-batch, the
+    other goes on, `up` restarts the killed one (same replica id: it takes its own leased
+    lines back at once): every line's answer exactly once in the output file."""
     n = 2000
     lines = [
         json.dumps(
@@ -150,12 +241,16 @@ def test_a_batch_survives_a_proxy_sigkill_with_every_line_exactly_once(
             return -1  # the proxy is restarting
 
     wait_for(lambda: progress() >= 300, 600, interval=0.5, what="300 lines done")
-    (proxy,) = [p for p in cluster.state()["proxy"]["processes"] if p["pid"]]
-    os.kill(proxy["pid"], signal.SIGKILL)
+    victim = cluster.replicas()[1]
+    (pid,) = [p["pid"] for p in victim["processes"] if p["running"]]
+    os.kill(pid, signal.SIGKILL)
     done_at_kill = progress()
-    print(f"proxy SIGKILLed with {done_at_kill} of {n} lines done")
+    print(f"{victim['replica_id']} SIGKILLed with {done_at_kill} of {n} lines done")
+    wait_for(lambda: cluster.replicas()[1]["restarts"] > victim["restarts"], 60,
+             interval=0.2, what="the replica's restart counted")  # fmt: skip
     wait_for(lambda: cluster.routable("unit-0") and cluster.routable("unit-1"), 120,
-             interval=0.5, what="the restarted proxy routing")  # fmt: skip
+             interval=0.5, what="the restarted replica routing")  # fmt: skip
+    cluster.proxy_pids()
     wait_for(lambda: c.batches.retrieve(batch.id).status in ("completed", "failed"), 900,
              interval=1.0, what="the batch finished")  # fmt: skip
     final = c.batches.retrieve(batch.id)
@@ -166,14 +261,14 @@ def test_a_batch_survives_a_proxy_sigkill_with_every_line_exactly_once(
     assert len(ids) == n and set(ids) == {f"line-{i}" for i in range(n)}
     assert all(json.loads(x)["response"]["status_code"] == 200 for x in out)
     assert final.error_file_id is None
-    status = get_json(f"{cluster.url}/status", 5.0, token=cluster.api_key)
-    assert status["batches"]["active"] == []
+    for r in cluster.replicas():
+        assert cluster.replica_status(r)["batches"]["active"] == []
 
 
 def test_shutdown_under_load_leaves_nothing(cluster: Cluster) -> None:
     for u in ("unit-0", "unit-1"):
         cluster.unit_tree(u)
-    cluster.seen_pids.update(p["pid"] for p in cluster.state()["proxy"]["processes"] if p["pid"])
+    cluster.proxy_pids()
     results, threads = start_streams(cluster, STREAMS)
     wait_for(lambda: sum((cluster.proxy_unit(u) or {}).get("in_flight", 0)
                          for u in ("unit-0", "unit-1")) > 0, 60, interval=0.05,

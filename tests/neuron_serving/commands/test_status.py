@@ -18,7 +18,7 @@ def test_json_has_the_full_data_under_stable_keys() -> None:
     down = json_view(BASE, None, "unreachable", None, merge(None, STATE))
     assert set(up) == set(down) == {
         "proxy", "reachable", "error", "redacted", "warning", "routing", "classes", "batches",
-        "units",
+        "proxies", "units",
     }  # fmt: skip
     assert up["routing"] == {"policy": "prefix_cache", "active": 3, "queued": 1, "panic_models": []}
     assert (down["reachable"], down["error"], down["routing"]) == (False, "unreachable", None)

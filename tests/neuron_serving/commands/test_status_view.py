@@ -180,3 +180,18 @@ def test_redacted_view_has_no_engine_or_batches_and_empty_classes_no_table() -> 
     lines = [t.plain for t in render_text(BASE, idle, False, "", None, merge(idle, None), 80)]
     assert "batches: none unfinished; r1: 0 lines in flight, 5 done, 0 retried" in lines
     assert not any(x.startswith("BATCH") for x in lines)
+
+
+def test_each_proxy_replica_of_the_state_file_is_one_line_at_the_end() -> None:
+    proxies = [
+        {"replica_id": "proxy-0", "phase": "ready", "restarts": 0,
+         "admin_url": "http://127.0.0.1:8081", "processes": [{"pid": 5, "running": True}]},
+        {"replica_id": "proxy-1", "phase": "starting", "restarts": 1,
+         "admin_url": "http://127.0.0.1:8082", "processes": [{"pid": 7, "running": True}]},
+    ]  # fmt: skip
+    rows = merge(PROXY, STATE)
+    lines = [t.plain for t in render_text(BASE, PROXY, True, "", None, rows, 80, proxies)]
+    assert lines[-2:] == [
+        "proxy-0: ready, pid 5, 0 restarts; admin http://127.0.0.1:8081",
+        "proxy-1: starting, pid 7, 1 restarts; admin http://127.0.0.1:8082",
+    ]

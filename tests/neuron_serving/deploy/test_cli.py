@@ -17,12 +17,11 @@ def test_ecs_deploy_refusals_touch_nothing(aws, proxy, tmp_path, capsys, monkeyp
     monkeypatch.setenv("NEURON_SERVING_PROXY_ADMIN_TOKEN", ADMIN_TOKEN)
     assert make_controller(aws, proxy).reconcile().ok
     tasks = sorted(t["taskArn"] for t in running(aws))
-    raw = aws.spec_dict(proxy_admin_url=proxy.admin_url)
+    raw = aws.spec_dict(proxy_admin_urls=[proxy.admin_url])
     spec_file = tmp_path / "unit.yaml"
     spec_file.write_text(yaml.safe_dump(raw))
     publish(tmp_path, "v2")
     base = ["deploy", "--unit-spec", str(spec_file), "--version", "v2", "--json"]
-    proxy_url = ["--proxy", "http://127.0.0.1:9"]  # never reached: refused before
 
     def refused(*args: str) -> str:
         assert main([*base, *args]) == 2
@@ -31,12 +30,11 @@ def test_ecs_deploy_refusals_touch_nothing(aws, proxy, tmp_path, capsys, monkeyp
         assert report["ok"] is False
         return report["message"]
 
-    assert "needs --proxy" in refused("--source", "s3://ckpt/llama")
-    assert "must be s3://BUCKET/PREFIX" in refused("--source", str(tmp_path), *proxy_url)
-    assert "no manifest.json" in refused("--source", "s3://ckpt/other", *proxy_url)
+    assert "must be s3://BUCKET/PREFIX" in refused("--source", str(tmp_path))
+    assert "no manifest.json" in refused("--source", "s3://ckpt/other")
     # ECS units are Neuron units: a vLLM sharded-state version cannot run there, and
     # that is known from the manifest alone.
-    message = refused("--source", "s3://ckpt/llama", *proxy_url)
+    message = refused("--source", "s3://ckpt/llama")
     assert "a Neuron unit loads NxDI artifacts" in message
     assert sorted(t["taskArn"] for t in running(aws)) == tasks
     assert not any(u["draining"] for u in proxy.units().values())

@@ -15,8 +15,9 @@ from aiohttp import web
 
 from neuron_serving.checkpoint.compat import UnitShape
 from neuron_serving.deploy.recreator import READY, FleetState, StartupFailed, UnitState
-from neuron_serving.deploy.rollout import DeploySettings, ProxyAdmin, Rollout
+from neuron_serving.deploy.rollout import DeploySettings, ProxyAdmin, Rollout, merge_units
 from neuron_serving.deploy.source import Release
+from neuron_serving.proxy_admin import AdminFanOut, Replica
 from tests.neuron_serving.checkpoint.synthetic import make_checkpoint
 
 TOKEN = "rollout-test-token"
@@ -160,7 +161,7 @@ def cluster(releases) -> Iterator[tuple[FakeUnits, FakeServer]]:
 
 def _rollout(server: FakeServer, units: FakeUnits, release: Release, **settings) -> Rollout:
     s = dataclasses.replace(SETTINGS, **settings)
-    proxy = ProxyAdmin(server.url, server.url, TOKEN)
+    proxy = ProxyAdmin(AdminFanOut([Replica("proxy-0", server.url)], TOKEN))
     return Rollout(release, s, proxy, units, say=lambda msg: None)
 
 
@@ -219,3 +220,45 @@ def test_refused_before_any_unit_is_touched(cluster, releases):
     report = _rollout(server, units, releases["v2"], max_unavailable=3).run()
     assert "would leave no unit of 3 serving" in report.message
     assert units.recreations == [] and server.admin_log == []
+
+
+def test_every_proxy_replica_is_drained_and_readmitted(cluster, releases):
+    units, server = cluster
+    second = FakeServer(units, server.served)  # another replica (and the leaders now)
+    try:
+        admin = AdminFanOut([Replica("proxy-0", server.url), Replica("proxy-1", second.url)],
+                            TOKEN)  # fmt: skip
+        report = Rollout(releases["v2"], SETTINGS, ProxyAdmin(admin), units, lambda m: None).run()
+        assert report.ok, report.message
+        assert server.admin_log == second.admin_log == [
+            ("drain", "u0"), ("undrain", "u0"), ("drain", "u1"), ("undrain", "u1"),
+            ("drain", "u2"), ("undrain", "u2"),
+        ]  # fmt: skip
+    finally:
+        second.stop()
+
+
+def test_a_replica_that_does_not_answer_the_drain_is_said_and_blocks_the_admit(cluster, releases):
+    units, server = cluster
+    said: list[str] = []
+    down = Replica("proxy-1", "http://127.0.0.1:9")
+    admin = AdminFanOut([Replica("proxy-0", server.url), down], TOKEN, timeout_s=1)
+    settings = dataclasses.replace(SETTINGS, proxy_timeout_s=1, rollback=False)
+    report = Rollout(releases["v2"], settings, ProxyAdmin(admin), units, said.append).run()
+    assert any(m.startswith("u0: drain not applied on proxy-1: no answer") for m in said)
+    # Each replica routes on its own: one that cannot be seen is not known to serve v2.
+    assert not report.ok and "u0: proxy failed" in report.message
+    assert "not healthy at version v2 on every proxy replica" in report.message
+
+
+def test_a_unit_is_routable_only_as_far_as_it_is_on_every_replica():
+    row = {"unit_id": "u0", "state": "routable", "healthy": True, "model_version": "v2",
+           "in_flight": 2}  # fmt: skip
+    both = merge_units({"a": {"units": [row]}, "b": {"units": [{**row, "in_flight": 3}]}})
+    assert both["u0"] == {**row, "in_flight": 5}
+    draining = merge_units({"a": {"units": [row]}, "b": {"units": [{**row, "state": "draining"}]}})
+    assert draining["u0"]["state"] == "draining"
+    old = merge_units({"a": {"units": [row]}, "b": {"units": [{**row, "model_version": "v1"}]}})
+    assert old["u0"]["model_version"] is None
+    one_down = merge_units({"a": {"units": [row]}, "b": None})["u0"]
+    assert (one_down["state"], one_down["healthy"], one_down["in_flight"]) == ("unknown", False, 2)

@@ -12,7 +12,7 @@ from tests.neuron_serving.ecs.conftest import ADMIN_TOKEN, spec_dict
 
 def test_ecs_commands(aws, proxy, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("NEURON_SERVING_PROXY_ADMIN_TOKEN", ADMIN_TOKEN)
-    raw = aws.spec_dict(proxy_admin_url=proxy.admin_url)
+    raw = aws.spec_dict(proxy_admin_urls=[proxy.admin_url])
     spec_file = tmp_path / "unit.yaml"
     spec_file.write_text(yaml.safe_dump(raw))
     args = ["--unit-spec", str(spec_file)]

@@ -9,16 +9,18 @@ from neuron_serving.ecs import fleet, taskdef
 from neuron_serving.ecs.controller import UnitController
 from neuron_serving.ecs.discovery import LeaderDiscovery
 from neuron_serving.ecs.registrar import AdminApiRegistrar
-from tests.neuron_serving.ecs.conftest import ADMIN_TOKEN
+from neuron_serving.proxy_admin import AdminFanOut, replicas_from_urls
+from tests.neuron_serving.ecs.conftest import ADMIN_TOKEN, ProxyThread
 
 
-def make_controller(aws, proxy, **spec_changes) -> UnitController:
+def make_controller(aws, *proxies, **spec_changes) -> UnitController:
     spec = aws.spec(**spec_changes)
+    replicas = replicas_from_urls([p.admin_url for p in proxies])
     return UnitController(
         spec,
         aws.ecs,
         discovery=LeaderDiscovery(aws.sd, spec),
-        registrar=AdminApiRegistrar(proxy.admin_url, ADMIN_TOKEN, timeout_s=5),
+        registrar=AdminApiRegistrar(AdminFanOut(replicas, ADMIN_TOKEN, timeout_s=5)),
         poll_s=0.01,
         sleep=lambda s: None,
     )
@@ -203,3 +205,31 @@ def test_teardown_leaves_nothing(aws, proxy):
 def test_controller_needs_discovery_for_a_namespace(aws):
     with pytest.raises(ValueError, match="LeaderDiscovery"):
         UnitController(aws.spec(), aws.ecs)
+
+
+def test_every_proxy_replica_gets_the_units_and_one_that_lost_them_gets_them_back(
+    aws, proxy, tmp_path
+):
+    (tmp_path / "second").mkdir()
+    second = ProxyThread(tmp_path / "second")
+    try:
+        ctl = make_controller(aws, proxy, second)
+        assert ctl.reconcile().ok
+        assert sorted(proxy.units()) == sorted(second.units()) == ["llama-0", "llama-1"]
+        assert proxy.units() == second.units()
+        kept = dict(proxy.server.registry.units)
+
+        async def forget() -> None:  # as a replica restarted from a config without units
+            for unit_id in list(second.server.registry.units):
+                second.server.registry.remove(unit_id)
+
+        second._call(forget())
+        assert ctl.reconcile().ok
+        assert proxy.units() == second.units() and sorted(second.units()) == ["llama-0", "llama-1"]
+        # The replica that had them keeps them as they were (no re-add, no health reset).
+        assert all(proxy.server.registry.units[u] is kept[u] for u in kept)
+        second.stop()
+        assert ctl.reconcile().ok  # a replica that does not answer is logged, not fatal
+    finally:
+        if second.thread.is_alive():
+            second.stop()

@@ -83,7 +83,7 @@ def test_ports_namespace_secret_and_url_checks():
     assert "ports overlap" in errors(health_port=29502)
     assert "go together" in errors(service_discovery_namespace="x.internal")
     assert "Secrets Manager" in errors(unit_token_secret_arn="token")
-    assert "http://" in errors(proxy_admin_url="proxy:8081")
+    assert "http://" in errors(proxy_admin_urls=["http://proxy-0:8081", "proxy-1:8081"])
     assert "model_uri must be s3://BUCKET/PREFIX" in errors(model_uri="/models/v2")
     assert "exclude each other" in errors(model_uri="s3://b/v2", host_model_dir="/opt/m")
     assert "must be a YAML mapping" in str(

@@ -57,6 +57,10 @@ def test_units_are_dealt_cpus_round_robin(model_dir: Path, tmp_path: Path, monke
         ({"port": 30005}, "collide"),
         ({"cpu_bind": "0"}, "entry per rank"),
         ({"health_timeout_s": 2.0}, "health_timeout_s"),
+        ({"proxies": 0}, "--proxies"),
+        ({"proxies": 17}, "--proxies"),
+        ({"port": 18080, "admin_port": 18079, "proxies": 2}, "admin ports"),
+        ({"port": 29998, "proxies": 3}, "collide"),  # admin ports 29999..30001
     ],
 )
 def test_spec_rejects(model_dir: Path, tmp_path: Path, kw: dict, msg: str) -> None:
@@ -71,8 +75,10 @@ def test_spec_needs_a_model_dir(tmp_path: Path) -> None:
 
 def test_proxy_config_is_accepted_by_the_proxy(model_dir: Path, tmp_path: Path) -> None:
     spec = ClusterSpec(model_dir, tmp_path / "run", units=2, tp=3, port=18080, base_port=30000)
-    path, token, api_key = write_proxy_config(spec)
+    (path,), token, api_key = write_proxy_config(spec)
+    assert path.name == "proxy-0.yaml"
     cfg = load_config(path)
+    assert (cfg.admin_port, cfg.batch.replica_id, cfg.reuse_port) == (18081, "proxy-0", False)
     assert cfg.admin_token() == token
     # The generated client key is the "local" tenant's, read by the proxy's own loader.
     keys = load_api_keys(cfg.api_keys_file)
@@ -90,6 +96,29 @@ def test_proxy_config_is_accepted_by_the_proxy(model_dir: Path, tmp_path: Path) 
     h = cfg.health
     assert h.unhealthy_threshold * h.interval_s + h.timeout_s + h.jitter_s < 3.0
     assert cfg.host == "127.0.0.1" and cfg.admin_host == "127.0.0.1"
+
+
+def test_proxy_replicas_share_the_client_port_and_store_with_their_own_admin_port_and_id(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    spec = ClusterSpec(model_dir, tmp_path / "run", units=2, tp=1, port=18080, proxies=3,
+                       base_port=30000)  # fmt: skip
+    assert spec.admin_ports() == [18081, 18082, 18083]
+    assert [(r.replica_id, r.admin_url) for r in spec.replicas()] == [
+        (f"proxy-{j}", f"http://127.0.0.1:{18081 + j}") for j in range(3)
+    ]
+    ports = spec.all_ports()
+    assert len(ports) == len(set(ports)) and {18080, 18081, 18082, 18083} <= set(ports)
+    paths, token, _key = write_proxy_config(spec)
+    configs = [load_config(p) for p in paths]
+    assert [p.name for p in paths] == ["proxy-0.yaml", "proxy-1.yaml", "proxy-2.yaml"]
+    assert [c.admin_port for c in configs] == [18081, 18082, 18083]
+    assert [c.batch.replica_id for c in configs] == ["proxy-0", "proxy-1", "proxy-2"]
+    for c in configs:
+        # One client port (SO_REUSEPORT), one batch store, the same units and token.
+        assert (c.port, c.reuse_port, c.admin_token()) == (18080, True, token)
+        assert c.batch.data_dir == str(spec.run_dir / "proxy-data")
+        assert c.units == configs[0].units and c.health == configs[0].health
 
 
 def test_secrets_are_private_and_fresh(tmp_path: Path) -> None:

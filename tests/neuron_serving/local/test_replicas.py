@@ -1,0 +1,88 @@
+"""`up`'s proxy replicas (neuron_serving/local/replicas.py): a restarted replica is ready
+only once it has a ready sibling's units and drain states, against real proxies on
+loopback (their groups' phases set by the test, so no process is started)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.local.group_supervisor import GroupPhase
+from neuron_serving.local.replicas import ProxyReplicas
+from neuron_serving.local.spec import ClusterSpec
+from neuron_serving.proxy_admin import AdminFanOut, Replica
+from neuron_serving.triton.launcher import free_port
+from tests.proxy_thread import ADMIN_TOKEN, ProxyThread, unit
+
+
+@pytest.fixture
+def proxies(tmp_path: Path) -> Iterator[list[ProxyThread]]:
+    units = [unit("unit-0", free_port()), unit("unit-1", free_port())]
+    started = [ProxyThread(tmp_path, units) for _ in range(2)]
+    try:
+        yield started
+    finally:
+        for p in started:
+            p.stop()
+
+
+def replicas_of(tmp_path: Path, proxies: list[ProxyThread], events: list[str]) -> ProxyReplicas:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({}))
+    spec = ClusterSpec(model, tmp_path / "run", units=2, tp=1, proxies=2, base_port=20000)
+    replicas = ProxyReplicas(spec, [Path("p0"), Path("p1")], ADMIN_TOKEN, events.append)
+    urls = [p.admin_url for p in proxies]
+    replicas.admin = AdminFanOut(
+        [Replica(f"proxy-{j}", u) for j, u in enumerate(urls)], ADMIN_TOKEN
+    )
+    return replicas
+
+
+def test_a_restarted_replica_is_ready_once_alike_its_ready_sibling(tmp_path, proxies):
+    live, restarted = proxies
+    events: list[str] = []
+    replicas = replicas_of(tmp_path, proxies, events)
+    replicas.admin.drain("unit-0").check()
+    restarted.call(_undrain(restarted, "unit-0"))  # it came back from its config
+    replicas.groups[0].phase = GroupPhase.READY
+    assert replicas._ready(1) is False  # made alike now, confirmed by the next probe
+    assert events == ["proxy-1 given proxy-0's units and drain states: "
+                      "POST /admin/units/unit-0/drain"]  # fmt: skip
+    assert restarted.drained() == live.drained() == {"unit-0"}
+    assert replicas._ready(1) is True
+
+
+def test_with_no_ready_sibling_a_replica_is_ready_as_configured(tmp_path, proxies):
+    replicas = replicas_of(tmp_path, proxies, [])
+    replicas.admin.drain("unit-1").check()
+    assert replicas._ready(0) is True and replicas._ready(1) is True  # none is READY yet
+    assert proxies[0].drained() == {"unit-1"}
+
+
+def test_a_replica_that_does_not_answer_is_not_ready(tmp_path, proxies):
+    replicas = replicas_of(tmp_path, proxies, [])
+    replicas.admin = AdminFanOut(
+        [Replica("proxy-0", proxies[0].admin_url),
+         Replica("proxy-1", f"http://127.0.0.1:{free_port()}")], ADMIN_TOKEN,
+    )  # fmt: skip
+    assert replicas._ready(1) is False
+    replicas.groups[0].phase = GroupPhase.READY
+    assert replicas._ready(1) is False
+
+
+def test_the_state_file_lists_every_replicas_addresses(tmp_path, proxies):
+    replicas = replicas_of(tmp_path, proxies, [])
+    snap = replicas.snapshot()
+    assert [(s["replica_id"], s["client_url"]) for s in snap] == [
+        ("proxy-0", replicas.spec.proxy_url), ("proxy-1", replicas.spec.proxy_url),
+    ]  # fmt: skip
+    assert [s["admin_url"] for s in snap] == [p.admin_url for p in proxies]
+    assert snap[0]["phase"] == "stopped" and "unit_id" not in snap[0]
+
+
+async def _undrain(proxy: ProxyThread, unit_id: str) -> None:
+    proxy.server.registry.set_draining(unit_id, False)

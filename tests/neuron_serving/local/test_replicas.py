@@ -1,20 +1,27 @@
 """`up`'s proxy replicas (neuron_serving/local/replicas.py): a restarted replica is ready
 only once it has a ready sibling's units and drain states, against real proxies on
-loopback (their groups' phases set by the test, so no process is started)."""
+loopback (their groups' phases set by the test), then with real replica processes
+supervised as `up` runs them (a second each to start here)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from neuron_serving.local.group_supervisor import GroupPhase
+from neuron_serving.local.probe import http_status
+from neuron_serving.local.proxy_config import write_proxy_config
 from neuron_serving.local.replicas import ProxyReplicas
 from neuron_serving.local.spec import ClusterSpec
+from neuron_serving.ports import free_port_block
 from neuron_serving.proxy_admin import AdminFanOut, Replica
 from neuron_serving.triton.launcher import free_port
+from tests.procs import wait_for
 from tests.proxy_thread import ADMIN_TOKEN, ProxyThread, unit
 
 
@@ -86,3 +93,42 @@ def test_the_state_file_lists_every_replicas_addresses(tmp_path, proxies):
 
 async def _undrain(proxy: ProxyThread, unit_id: str) -> None:
     proxy.server.registry.set_draining(unit_id, False)
+
+
+def test_real_replicas_share_the_port_and_a_sigkilled_one_comes_back_drained(tmp_path):
+    """Two `neuron-serving proxy` processes as `up` runs them (units whose leaders nothing
+    answers for: only the replicas are under test): both bind the one client port; a
+    drain through the fan-out reaches both; one is SIGKILLed, the other keeps answering
+    on the port, and the restarted one is ready only with the drain applied."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    base = free_port_block(30)
+    spec = ClusterSpec(model, tmp_path / "run", units=2, tp=1, port=base, proxies=2,
+                       base_port=base + 3)  # fmt: skip
+    spec.run_dir.mkdir()
+    configs, token, _key = write_proxy_config(spec)
+    events: list[str] = []
+    replicas = ProxyReplicas(spec, configs, token, events.append)
+    replicas.start()
+    try:
+        wait_for(lambda: all(g.phase == GroupPhase.READY for g in replicas.groups), 60,
+                 what="both replicas ready")  # fmt: skip
+        replicas.admin.drain("unit-0").check()
+        first = replicas.groups[0]
+        pid = first.procs[0].pid
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: first.phase != GroupPhase.READY, 10, interval=0.02, what="noticed")
+        for _ in range(10):  # a fresh connection each: none goes to the dead socket
+            assert http_status(f"{spec.proxy_url}/healthz", 2.0) == 200
+        wait_for(lambda: first.phase == GroupPhase.READY and first.procs[0].pid != pid, 60,
+                 what="proxy-0 restarted")  # fmt: skip
+        caught_up = "proxy-0 given proxy-1's units and drain states: POST /admin/units/unit-0/drain"
+        assert caught_up in events
+        drained = {r: {u for u, e in units.items() if e["draining"]}
+                   for r, units in replicas.admin.units().items()}  # fmt: skip
+        assert drained == {"proxy-0": {"unit-0"}, "proxy-1": {"unit-0"}}
+        assert replicas.snapshot()[0]["restarts"] == 1
+    finally:
+        replicas.stop()
+    assert replicas.pids() == []

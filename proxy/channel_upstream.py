@@ -305,13 +305,14 @@ def _delta(events: list[Event], text: bool) -> GenerationDelta:
             return GenerationDelta(
                 e.body.decode("utf-8", errors="replace"), e.finish_reason, e.prompt_tokens,
                 e.completion_tokens, e.model_version, token_ids=e.token_ids,
+                cached_tokens=e.cached_tokens,
             )  # fmt: skip
         return GenerationDelta(
             "", e.finish_reason, e.prompt_tokens, e.completion_tokens, e.model_version,
-            e.status, e.body, e.token_ids, e.prompt_token_ids,
+            e.status, e.body, e.token_ids, e.prompt_token_ids, e.cached_tokens,
         )  # fmt: skip
     token_ids: list[int] | None = None
-    status = prompt_ids = version = prompt_tokens = completion_tokens = None
+    status = prompt_ids = version = prompt_tokens = completion_tokens = cached = None
     for e in events:
         if e.token_ids is not None:
             token_ids = e.token_ids if token_ids is None else token_ids + e.token_ids
@@ -320,15 +321,16 @@ def _delta(events: list[Event], text: bool) -> GenerationDelta:
         version = e.model_version if version is None else version
         if e.prompt_tokens is not None:
             prompt_tokens, completion_tokens = e.prompt_tokens, e.completion_tokens
+        cached = e.cached_tokens if cached is None else cached
     body = b"".join(e.body for e in events)
     if text:
         return GenerationDelta(
             body.decode("utf-8", errors="replace"), events[-1].finish_reason, prompt_tokens,
-            completion_tokens, version, token_ids=token_ids,
+            completion_tokens, version, token_ids=token_ids, cached_tokens=cached,
         )  # fmt: skip
     return GenerationDelta(
         "", events[-1].finish_reason, prompt_tokens, completion_tokens, version, status,
-        body, token_ids, prompt_ids,
+        body, token_ids, prompt_ids, cached,
     )  # fmt: skip
 
 

@@ -239,8 +239,9 @@ class Dispatcher:
         await asyncio.sleep(max(0.0, min(delay, remaining)))
 
     async def generate(self, job: GenerationJob) -> AsyncIterator[GenerationDelta]:
-        """Yield text deltas; the last one has the finish reason and the job's usage
-        (prompt tokens of the original prompt, completion tokens over all units)."""
+        """Yield text deltas; the last one has the finish reason, the job's usage
+        (prompt tokens of the original prompt, completion tokens over all units) and the
+        serving attempt's ``cached_tokens`` (its leader's report, for kv_accuracy.py)."""
         # One generator (not a counting wrapper around another): every layer of async
         # generators costs a resumption per token.
         self.active_jobs += 1
@@ -296,6 +297,7 @@ class Dispatcher:
                                 d.finish_reason,
                                 prompt_tokens,
                                 tokens_done + max(seg_tokens, seg_reported),
+                                cached_tokens=d.cached_tokens,
                             )
                             return
                 except UpstreamError as e:

@@ -11,6 +11,9 @@ leader that sends them only on the last response works too). The OpenAI path sen
 one input, ``openai_request`` (the envelope), and reads ``openai_status`` (first
 response), ``openai_body`` (the bytes to relay), ``token_ids`` and
 ``prompt_token_ids`` (INT64, every element) besides ``finish_reason`` and the counts.
+Both read ``cached_tokens`` (INT32, the last response: vLLM's prefix cache hit), which
+never fails a response: a tensor that cannot be read is passed on as what it is, for
+``kv_accuracy.py`` to count.
 
 Every wait is bounded: the first response by ``first_token_s`` (a unit that
 accepts the request and then says nothing is broken), each later one by
@@ -136,7 +139,7 @@ def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta
         pairs: Any = zip(outputs, raws, strict=False)
     else:
         pairs = ((t, raws[i] if i < len(raws) else None) for i, t in enumerate(outputs))
-    text = reason = version = prompt_tokens = completion_tokens = status = None
+    text = reason = version = prompt_tokens = completion_tokens = status = cached = None
     body = b""
     token_ids = prompt_token_ids = None
     for tensor, raw in pairs:
@@ -147,6 +150,9 @@ def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta
                 token_ids = ids
             else:
                 prompt_token_ids = ids
+            continue
+        if name == "cached_tokens":
+            cached = _lenient(tensor, raw)
             continue
         if name not in _WANTED:
             continue
@@ -180,7 +186,17 @@ def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta
         body,
         token_ids,
         prompt_token_ids,
+        cached,
     )
+
+
+def _lenient(tensor: Any, raw: bytes | None) -> Any:
+    """Element 0 of an output the request does not depend on (``cached_tokens``): a
+    datatype or layout we cannot read gives a description instead of an error."""
+    try:
+        return _first_typed(tensor) if raw is None else _first_raw(tensor.datatype, raw)
+    except (ValueError, struct.error):
+        return f"unreadable {tensor.datatype} tensor"
 
 
 def classify_rpc_error(e: grpc.aio.AioRpcError) -> UpstreamError:

@@ -19,7 +19,9 @@ when nonzero), and ``sampling_parameters`` as a JSON *string*
 (a BYTES input, exactly what the gRPC upstream sends; Triton's request
 ``parameters`` cannot carry lists such as ``stop``). Response: ``text/event-stream``,
 one ``data: {...}`` event per Triton response with the outputs as JSON fields
-(``text_output``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``); an
+(``text_output``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``; both
+paths ``cached_tokens`` on the last, taken as any JSON value: ``kv_accuracy.py``
+checks it, so a leader's garbage there never fails the stream); an
 error is an HTTP error status with ``{"error": "..."}`` before the stream starts,
 or a ``data: {"error": "..."}`` event in it.
 
@@ -104,6 +106,7 @@ class TritonEvent(msgspec.Struct):
     openai_body: str | list[str] | None = None
     token_ids: int | list[int] | None = None
     prompt_token_ids: int | list[int] | None = None
+    cached_tokens: Any = None  # unchecked (upstream.GenerationDelta.cached_tokens)
     error: Any = None
 
 
@@ -152,7 +155,13 @@ def decode_event(payload: bytes) -> GenerationDelta:
         body=b"" if body is None else ("".join(body) if isinstance(body, list) else body).encode(),
         token_ids=_ids(e.token_ids),
         prompt_token_ids=_ids(e.prompt_token_ids),
+        cached_tokens=_scalar(e.cached_tokens),
     )
+
+
+def _scalar(value: Any) -> Any:
+    """A one-element tensor's value, also when written as a list; anything else as is."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
 def _data(event: bytes) -> bytes | None:

@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proxy.config import UnitSpec
+from proxy.kv_accuracy import KvAccuracy
 from proxy.registry import Registry
 
 # Seconds; LLM latencies span 10 ms (a token) to minutes (a long generation).
@@ -172,6 +173,8 @@ class ProxyMetrics:
             ["class", "reason"],
             registry=r,
         )
+        # Prefix cache hits per unit, predicted against vLLM's (proxy/kv_accuracy.py).
+        self.kv_accuracy = KvAccuracy(r)
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: prometheus_client validates the values and

@@ -11,7 +11,9 @@ responses (a ``Render``); everything between is here, the same for both:
                            OpenAIJob, ``generate`` for a GenerationJob) -> the first
                            response (TTFT) -> one response, or an SSE stream written as
                            the responses come (each write bounded by
-                           ``limits.write_timeout_s``; ITL, the proxy's hop, e2e)
+                           ``limits.write_timeout_s``; ITL, the proxy's hop, e2e;
+                           the final response's prefix cache hit against the
+                           routing's prediction, kv_accuracy.py)
 
 Every failure before the first byte is an ``APIError`` (``front_end.as_api_error``)
 that the front end renders in its own error format; a failure after it ends the
@@ -45,6 +47,7 @@ from proxy.flow_control import FlowController, Overloaded
 from proxy.front_end import as_api_error, text_header
 from proxy.http_guard import TENANT, TRAFFIC_CLASS, write_bounded
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
+from proxy.protocol import GENERATE_ENDPOINTS
 from proxy.registry import Registry
 from proxy.tokenizer import ModelTokenizer
 from proxy.traffic_class import HEADER as TRAFFIC_HEADER
@@ -175,6 +178,7 @@ class Pipeline:
                     while not d.final:
                         d = await anext(gen)
                         deltas.append(d)
+                    self._answered(job, d)
                     deps.metrics.e2e.observe(loop.time() - start)
                     return render.response(deltas, version_headers(job))
         except (Overloaded, NoRoutableUnit, UpstreamError) as e:
@@ -194,8 +198,19 @@ class Pipeline:
                         status = d.status
                     parts.append(d.body)
                     if d.final:
+                        self._answered(job, d)
                         break
         return status, b"".join(parts)
+
+    def _answered(self, job: GenerationJob | OpenAIJob, final: GenerationDelta) -> None:
+        """A request's final response: its prefix cache hit on the unit that served it
+        (the job's last attempt) against the hit the routing predicted for that unit
+        (set at each pick, so it is the serving attempt's)."""
+        if isinstance(job, OpenAIJob) and job.request.endpoint not in GENERATE_ENDPOINTS:
+            return  # tokenize, detokenize, version: no prompt ran
+        self.deps.metrics.kv_accuracy.answered(
+            job.units[-1], final, job.predicted_cached_tokens, job.migrations > 0
+        )
 
     async def _stream(
         self,
@@ -226,6 +241,7 @@ class Pipeline:
                 t = loop.time()
                 metrics.itl.observe(t - now)
                 now = t
+            self._answered(job, d)
             tail = render.last_chunk(d)
         except (NoRoutableUnit, UpstreamError) as e:
             log.warning("stream of %s failed after its first response: %s", job.units, e)

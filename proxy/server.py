@@ -248,6 +248,7 @@ class ProxyServer:
             classes=self.admission.snapshot(),
             redact=not self.is_trusted(request),
             upstream_of=self.transport.name_for,
+            prefix_cache_of=self.metrics.kv_accuracy.snapshot,
         )
         if self.batch_runner is not None and not body["redacted"]:
             body["batches"] = await self.batch_runner.status()

@@ -36,7 +36,10 @@ def _node(n: NodeHealth) -> dict[str, Any]:
 
 
 def _unit(
-    u: UnitState, now: float, upstream_of: Callable[[UnitSpec], str] | None
+    u: UnitState,
+    now: float,
+    upstream_of: Callable[[UnitSpec], str] | None,
+    prefix_cache_of: Callable[[str], dict[str, Any] | None] | None,
 ) -> dict[str, Any]:
     ejected = u.is_ejected(now)
     if u.draining:
@@ -68,6 +71,9 @@ def _unit(
             "max_num_seqs": u.engine_load.max_num_seqs,
             "age_s": round(now - u.engine_load.at, 3),
         },
+        # Its prefix cache hits, reported against predicted (kv_accuracy.py), or null
+        # before it answered a generation request.
+        "prefix_cache": None if prefix_cache_of is None else prefix_cache_of(u.unit_id),
         "in_flight": u.in_flight,
         "requests_total": u.requests_total,
         "errors_total": u.errors_total,
@@ -99,10 +105,12 @@ def build_status(
     classes: dict[str, dict[str, int]] | None = None,
     redact: bool = False,
     upstream_of: Callable[[UnitSpec], str] | None = None,
+    prefix_cache_of: Callable[[str], dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     now = time.monotonic()
     units = [
-        _unit(u, now, upstream_of) for u in sorted(registry.units.values(), key=lambda u: u.unit_id)
+        _unit(u, now, upstream_of, prefix_cache_of)
+        for u in sorted(registry.units.values(), key=lambda u: u.unit_id)
     ]
     events = [
         {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}

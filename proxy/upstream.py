@@ -72,7 +72,10 @@ class GenerationDelta:
     path (``openai_request``) fills ``body`` (bytes to relay as they are), ``status``
     (the HTTP status, first response only) and, when the request asked for them, the
     token ids (``token_ids``: generated ids this response's events carry;
-    ``prompt_token_ids``: first response). Both: ``finish_reason`` on the last response."""
+    ``prompt_token_ids``: first response). Both: ``finish_reason`` on the last response,
+    and ``cached_tokens`` with it: the prompt tokens the leader's vLLM found in its
+    prefix cache, as the leader sent it, unchecked (any type: ``kv_accuracy.py`` checks
+    it, so a leader's garbage is counted there instead of failing the attempt)."""
 
     text: str
     finish_reason: str | None = None
@@ -83,6 +86,7 @@ class GenerationDelta:
     body: bytes = b""
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    cached_tokens: object = None
 
     @property
     def final(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -84,6 +85,11 @@ class Behavior:
     envelopes: list[dict] = field(default_factory=list)  # openai_request, as received
     openai_bodies: list[bytes] = field(default_factory=list)  # openai_body, as sent
     created: int = 0  # OpenAI chunks' "created" (0: the server's own constant)
+    # The cached_tokens output (vLLM's prefix cache hit) on each request's last
+    # response, both paths; None: not sent. Any value, to play a hostile leader: over
+    # gRPC an int is INT32 (INT64 past it), a float FP32, a str BYTES; over HTTP the JSON
+    # value; over the channel ``Event.cached_tokens`` (typed: an int).
+    cached_tokens: Any = None
     http_peers: list[tuple] = field(default_factory=list)  # client address per HTTP request
     started: int = 0
     cancelled: int = 0
@@ -98,6 +104,7 @@ def _response(
     prompt_tokens: int,
     completion: int,
     version: str | None = None,
+    cached: Any = None,
 ):
     resp = service_pb2.ModelInferResponse(model_name=model, id=rid)
     outputs = [
@@ -108,6 +115,8 @@ def _response(
     ]
     if version is not None:
         outputs.append(("model_version", "BYTES", np.array([version.encode()], dtype=np.object_)))
+    if cached is not None:
+        outputs.append(_cached_tensor(cached))
     for name, dtype, arr in outputs:
         out = resp.outputs.add()
         out.name, out.datatype = name, dtype
@@ -133,6 +142,8 @@ def _openai_response(model: str, rid: str, r: FakeOpenAIResponse):
     for name, text in (("finish_reason", r.finish_reason), ("model_version", r.model_version)):
         if text is not None:
             outputs.append((name, "BYTES", np.array([text.encode()], dtype=np.object_)))
+    if r.cached_tokens is not None:
+        outputs.append(_cached_tensor(r.cached_tokens))
     for name, dtype, arr in outputs:
         out = resp.outputs.add()
         out.name, out.datatype = name, dtype
@@ -142,13 +153,25 @@ def _openai_response(model: str, rid: str, r: FakeOpenAIResponse):
     return service_pb2.ModelStreamInferResponse(infer_response=resp)
 
 
+def _cached_tensor(value: Any) -> tuple[str, str, np.ndarray]:
+    """The ``cached_tokens`` output as a leader would send ``value`` (Behavior)."""
+    if isinstance(value, str):
+        return "cached_tokens", "BYTES", np.array([value.encode()], dtype=np.object_)
+    if isinstance(value, float):
+        return "cached_tokens", "FP32", np.array([value], dtype=np.float32)
+    if -(2**31) <= value < 2**31:
+        return "cached_tokens", "INT32", np.array([value], dtype=np.int32)
+    return "cached_tokens", "INT64", np.array([value], dtype=np.int64)
+
+
 def _openai_event(r: FakeOpenAIResponse) -> dict:
     """As Triton's generate_stream writes outputs: one element as a scalar, several
     as a list."""
     event: dict = {"model_name": "llm", "model_version": "1", "openai_body": r.body.decode()}
     fields = (("openai_status", r.status), ("token_ids", r.token_ids),
               ("prompt_token_ids", r.prompt_token_ids), ("prompt_tokens", r.prompt_tokens),
-              ("completion_tokens", r.completion_tokens), ("finish_reason", r.finish_reason))  # fmt: skip
+              ("completion_tokens", r.completion_tokens), ("finish_reason", r.finish_reason),
+              ("cached_tokens", r.cached_tokens))  # fmt: skip
     for name, value in fields:
         if isinstance(value, list) and len(value) == 1:
             value = value[0]
@@ -208,7 +231,10 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 values.get("sampling_parameters") or "{}",
                 values.get("priority", 0),
             ):
-                yield _response("llm", req.id, text, finish, prompt_tokens, completion, version)
+                cached = b.cached_tokens if finish else None
+                yield _response(
+                    "llm", req.id, text, finish, prompt_tokens, completion, version, cached
+                )
 
 
 async def _generate_stream(request: web.Request) -> web.StreamResponse:
@@ -244,6 +270,8 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
         event = {"model_name": "llm", "model_version": "1", "text_output": text,
                  "finish_reason": finish, "prompt_tokens": prompt_tokens,
                  "completion_tokens": completion}  # fmt: skip
+        if finish and b.cached_tokens is not None:
+            event["cached_tokens"] = b.cached_tokens
         data = json.dumps(event, sort_keys=True, separators=(",", ":"))
         await resp.write(b"data: " + data.encode() + b"\n\n")
     return resp
@@ -316,6 +344,8 @@ class FakeTriton:
             event = oc.Event(0, text.encode(), None, finish or None,
                              prompt_tokens=prompt_tokens, completion_tokens=completion,
                              model_version=version)  # fmt: skip
+            if finish:
+                event.cached_tokens = self.behavior.cached_tokens
             sent = call.send(event, event.final)
             if sent is not None:
                 await sent
@@ -376,7 +406,8 @@ class FakeTriton:
     async def _openai(self, raw: str):
         """The OpenAI path: ``FakeOpenAIResponse``s for one envelope, as the leader's
         contract has them (status first, body on every response, the finish reason
-        and ``[DONE]`` on the last; token ids when the envelope asks)."""
+        and ``[DONE]`` on the last, the prompt's count on the first and the last;
+        token ids when the envelope asks)."""
         b = self.behavior
         envelope = json.loads(raw)
         b.envelopes.append(envelope)
@@ -427,7 +458,8 @@ class FakeTriton:
                 r.token_ids = [WORD_ID + WORDS.index(word)] if req.token_ids else None
                 r.completion_tokens = n
                 if last:
-                    r.finish_reason = "length"
+                    r.finish_reason, r.cached_tokens = "length", b.cached_tokens
+                    r.prompt_tokens = len(req.engine_ids)
                 pending = None
                 yield r
                 if last:
@@ -436,6 +468,7 @@ class FakeTriton:
                 await self._token_gate(req.max_tokens)
             r = pending or FakeOpenAIResponse(b"")
             r.finish_reason, r.completion_tokens = finish, n
+            r.prompt_tokens, r.cached_tokens = len(req.engine_ids), b.cached_tokens
             r.token_ids = [] if req.token_ids else None
             if req.stream:
                 body = chunks.role() if pending is not None and req.chat else b""

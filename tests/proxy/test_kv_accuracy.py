@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from proxy.kv_accuracy import KvAccuracy, accuracy, check
 from proxy.registry import UnitState
 from proxy.routing import RouteRequest, RoutingDecision
+from proxy.routing.round_robin import RoundRobinPolicy
 from proxy.upstream import GenerationDelta
 from tests.proxy.conftest import read_sse, url
 from tests.proxy.fake_openai import encode, render_chat
@@ -106,22 +107,21 @@ def test_per_unit_figures_and_their_prometheus_families() -> None:
 # ---- through the proxy ------------------------------------------------------------------
 
 
-class Pinned:
+class Pinned(RoundRobinPolicy):
     """A routing policy for the test: the unit named ``unit`` when it is a candidate
-    (else the first), with ``predicted`` as its prediction."""
+    (else the first), with ``predicted`` as its prediction (the rest of the policy
+    interface is round-robin's)."""
 
     name = "pinned"
 
     def __init__(self) -> None:
+        super().__init__()
         self.unit = "u0"
         self.predicted: int | None = None
 
     def choose(self, req: RouteRequest, candidates: Sequence[UnitState]) -> RoutingDecision:
         unit = next((u for u in candidates if u.unit_id == self.unit), candidates[0])
         return RoutingDecision(unit, "pinned", self.predicted)
-
-    def on_unit_removed(self, unit_id: str) -> None:
-        pass
 
 
 async def pinned_proxy(fleet, units):

@@ -469,7 +469,6 @@ class ChannelUpstream:
         unit = None if self._registry is None else self._registry.get(unit_id)
         if unit is not None:
             unit.engine_load = load
-            unit.in_flight_at_load = unit.in_flight
 
     def _channel_load(self, channel: LeaderChannel) -> None:
         """A channel's load changed: its units' too, if it is the channel in use at

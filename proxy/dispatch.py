@@ -412,7 +412,6 @@ class Dispatcher:
         job.attempts += 1
         is_retry = job.attempts > 1
         unit.in_flight += 1
-        unit.recent_starts.append(time.monotonic())
         unit.requests_total += 1
         self.retries_in_flight += is_retry
         return is_retry

@@ -19,9 +19,6 @@ from proxy.config import UnitSpec
 
 NodeRole = Literal["leader", "follower"]
 RegistryEvent = Literal["added", "removed"]
-# Attempt start times a unit keeps: far more than one engine report's worth (reports
-# come every 100 ms while the load changes), so the count since one is never cut.
-RECENT_STARTS = 512
 
 
 @dataclass(slots=True)
@@ -69,15 +66,9 @@ class UnitState:
     model_version: str = ""
     draining: bool = False
     in_flight: int = 0
-    # time.monotonic() of this unit's latest attempt starts, oldest first (bounded):
-    # the ones just before a load report may not have reached its engine yet.
-    recent_starts: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STARTS))
     # The leader's last load report; None while its channel is not connected (then
     # flow control has only the proxy's own in-flight count).
     engine_load: EngineLoad | None = None
-    # ``in_flight`` when that report arrived: flow control adds what this proxy has
-    # started and finished there since (the report cannot know yet).
-    in_flight_at_load: int = 0
     # Outlier detection (written only by proxy.outlier).
     consecutive_errors: int = 0
     times_ejected: int = 0
@@ -95,14 +86,21 @@ class UnitState:
     def leader(self) -> NodeHealth:
         return self.nodes[0]
 
-    def started_between(self, t0: float, t1: float) -> int:
-        """Attempts started here in [t0, t1) (time.monotonic()), finished or not."""
-        n = 0
-        for s in reversed(self.recent_starts):
-            if s < t0:
-                break
-            n += s < t1
-        return n
+    def fresh_load(self, now: float, max_age_s: float) -> EngineLoad | None:
+        """The engine's last report if it is at most ``max_age_s`` old, else None."""
+        report = self.engine_load
+        if report is None or now - report.at > max_age_s:
+            return None
+        return report
+
+    def sequences(self, report: EngineLoad | None) -> int:
+        """The unit's load in sequences, the one figure flow control and routing share:
+        the engine's running + waiting (every proxy's requests) or this proxy's
+        in-flight count there, whichever is higher (a report lags the requests just
+        sent; in-flight also holds answers still being relayed: see flow_control.py)."""
+        if report is None:
+            return self.in_flight
+        return max(self.in_flight, report.running + report.waiting)
 
     def nodes_healthy(self) -> bool:
         return all(n.healthy for n in self.nodes)

@@ -273,12 +273,13 @@ class LimitsConfig:
         _check(self.max_headers >= 16, "limits.max_headers must be >= 16")
 
 
-POLICIES = ("prefix_cache_aware", "least_loaded", "round_robin", "session_affinity")
+POLICIES = ("kv_aware", "prefix_cache_aware", "least_loaded", "round_robin", "session_affinity")
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    policy: str = "prefix_cache_aware"
+    # kv_aware: exact where the leaders' KV events allow, else prefix_cache_aware.
+    policy: str = "kv_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index
     # A cached prefix counts only if it covers at least this fraction of the prompt's blocks
@@ -287,9 +288,13 @@ class RoutingConfig:
     balance_abs_threshold: int = 4  # in-flight requests; see README for the why
     balance_rel_threshold: float = 1.5
     session_header: str = "x-session-id"
+    # kv_aware: uncached prompt tokens that weigh as much as one more running or
+    # waiting sequence on a unit (proxy/routing/kv_aware.py).
+    prefill_tokens_per_seq: float = 256.0
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
+        _check(self.prefill_tokens_per_seq > 0, "routing.prefill_tokens_per_seq must be > 0")
         _check(self.block_chars >= 1, "routing.block_chars must be >= 1")
         _check(self.max_blocks_per_unit >= 1, "routing.max_blocks_per_unit must be >= 1")
         _check(0 <= self.cache_threshold <= 1, "routing.cache_threshold must be in [0, 1]")

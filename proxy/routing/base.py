@@ -48,6 +48,11 @@ class RoutingPolicy(Protocol):
         """Forget per-unit state (prefix index, ...) of a unit that left the registry."""
         ...
 
+    def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
+        """Whether routing among ``units`` would use ``RouteRequest.tokens`` (computing
+        them costs a tokenization: skipped when no policy reads them)."""
+        ...
+
 
 def least_loaded(candidates: Sequence[UnitState], rng: random.Random) -> UnitState:
     """Fewest in-flight requests; ties broken at random so that proxies and bursts

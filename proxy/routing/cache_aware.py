@@ -60,5 +60,8 @@ class PrefixCacheAwarePolicy:
         low = min(key(u) for u in units)
         return self._rng.choice([u for u in units if key(u) == low])
 
+    def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
+        return False
+
     def on_unit_removed(self, unit_id: str) -> None:
         self.index.remove_unit(unit_id)

@@ -18,5 +18,8 @@ class LeastLoadedPolicy:
     def choose(self, req: RouteRequest, candidates: Sequence[UnitState]) -> RoutingDecision:
         return RoutingDecision(least_loaded(candidates, self._rng), "least_loaded")
 
+    def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
+        return False
+
     def on_unit_removed(self, unit_id: str) -> None:
         pass

@@ -20,5 +20,8 @@ class RoundRobinPolicy:
         self._next += 1
         return RoutingDecision(unit, "round_robin")
 
+    def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
+        return False
+
     def on_unit_removed(self, unit_id: str) -> None:
         pass

@@ -33,5 +33,8 @@ class SessionAffinityPolicy:
         unit = max(candidates, key=lambda u: _score(req.session_id, u.unit_id))
         return RoutingDecision(unit, "session")
 
+    def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
+        return self._fallback.needs_prompt_tokens(units)
+
     def on_unit_removed(self, unit_id: str) -> None:
         self._fallback.on_unit_removed(unit_id)

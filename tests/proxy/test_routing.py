@@ -35,7 +35,7 @@ def test_prefix_index_match_and_lru_keeps_shallow_blocks():
 
 
 def test_cache_aware_follows_the_longest_prefix():
-    policy = make_policy(RoutingConfig(block_chars=16), seed=1)
+    policy = make_policy(RoutingConfig("prefix_cache_aware", block_chars=16), seed=1)
     a, b = units("a", "b")
     first = policy.choose(req(SYSTEM + "user: red shoes"), [a, b])
     assert first.reason == "prefix_miss"
@@ -48,7 +48,9 @@ def test_cache_aware_follows_the_longest_prefix():
 
 def test_cache_aware_balances_when_both_thresholds_trip():
     policy = make_policy(
-        RoutingConfig(block_chars=16, balance_abs_threshold=4, balance_rel_threshold=2.0)
+        RoutingConfig(
+            "prefix_cache_aware", block_chars=16, balance_abs_threshold=4, balance_rel_threshold=2.0
+        )
     )
     a, b = units("a", "b")
     policy.choose(req(SYSTEM), [a, b])
@@ -64,7 +66,7 @@ def test_cache_aware_balances_when_both_thresholds_trip():
 def test_cache_aware_random_tie_break_spreads_new_prefixes():
     seen = Counter()
     for seed in range(20):
-        policy = make_policy(RoutingConfig(block_chars=8), seed=seed)
+        policy = make_policy(RoutingConfig("prefix_cache_aware", block_chars=8), seed=seed)
         seen[policy.choose(req("brand new prompt"), units("a", "b", "c")).unit.unit_id] += 1
     assert len(seen) == 3
 
@@ -112,13 +114,14 @@ async def test_proxy_keeps_a_shared_prefix_on_one_unit(fleet):
     assert sorted([len(a.behavior.prompts), len(b.behavior.prompts)]) == [3, 6]
     async with s.get(url(proxy, "/metrics")) as r:
         text = await r.text()
-    assert (
-        'proxy_routing_decisions_total{policy="prefix_cache_aware",reason="prefix_hit"} 7.0' in text
-    )
+    # The default, kv_aware, without KV events from the units: prefix_cache_aware's choices.
+    assert 'proxy_routing_decisions_total{policy="kv_aware",reason="prefix_hit"} 7.0' in text
 
 
 def test_cache_aware_ignores_a_prefix_below_cache_threshold():
-    policy = make_policy(RoutingConfig(block_chars=8, cache_threshold=0.5), seed=3)
+    policy = make_policy(
+        RoutingConfig("prefix_cache_aware", block_chars=8, cache_threshold=0.5), seed=3
+    )
     a, b = units("a", "b")
     owner = policy.choose(req("<s>[sys] " + "x" * 80), [a, b]).unit
     d = policy.choose(req("<s>[sys] " + "y" * 80), [a, b])  # one shared block of eleven

@@ -1,0 +1,145 @@
+"""Exact KV-aware routing: the unit whose prefix cache holds most of the prompt,
+unless its load outweighs that (NVIDIA Dynamo's KV router cost, on vLLM's own KV events).
+
+For each candidate unit u, with the prompt's token ids (``proxy/prompt_tokens.py``):
+
+    cached_u   = prompt tokens u serves from its prefix cache:
+                   exact mode    the exact index's leading blocks x block size
+                                 (``kv_fleet.KvFleet``, fed by u's KV events)
+                   approximate   the approximate prefix index's share of the prompt's
+                                 character blocks (``prefix_index.py``: where this
+                                 proxy sent which prompts) x prompt tokens
+                   partial       the larger of the two (the exact index misses
+                                 blocks stored before it joined the stream)
+    seqs_u     = flow control's load figure (``UnitState.sequences``): running +
+                 waiting in u's engine (its leader's ``Load`` report) or this
+                 proxy's in-flight count there, whichever is higher
+    cost_u     = ((prompt tokens - cached_u) / prefill_tokens_per_seq + seqs_u)
+                     / max_num_seqs_u  +  kv_usage_u
+
+and the lowest cost wins, ties at random (so proxies and bursts do not herd). In
+Dynamo's terms (``cost = overlap_score_weight x prefill blocks + decode blocks``, its
+weight 1 by default) this is ``w_prefill x (prompt blocks - overlap) + load`` with
+``load = seqs_u / max_num_seqs_u + kv_usage_u`` and ``w_prefill = block_size /
+(prefill_tokens_per_seq x max_num_seqs_u)`` per block. Dynamo's decode term counts the
+KV blocks of every active sequence, so one sequence weighs as much as its context in
+prefill; the leaders report sequences and KV usage, not blocks, so a sequence is
+given a fixed weight instead: ``routing.prefill_tokens_per_seq`` (256) uncached
+prompt tokens. A conversation's cached history of 1k tokens thus outweighs about 4
+more sequences on its unit; a full KV cache (``kv_usage`` 1) weighs a whole running
+batch (vLLM preempts there). Flow control already keeps units without room out of
+the candidates, so the load term only ranks units that can all take the request.
+
+A request without token ids (no tokenizer or template the proxy reproduces, or a
+request it cannot render: ``prompt_tokens.py``), or whose candidates are all in
+approximate mode (no KV events: the OpenAI channel off, or leaders whose hashing
+cannot be reproduced), is routed by ``prefix_cache_aware`` (``cache_aware.py``):
+without KV events this policy is that one. Either way the chosen unit's prompt goes
+into the approximate index, so it is warm whenever a unit falls back to it.
+
+The session header is not used: a conversation's own blocks lead its next turn to the
+unit that holds them (``session_affinity`` still pins sessions by the header).
+
+The decision records ``cached_tokens``, the exact prediction for the chosen unit
+when it is in exact mode (None otherwise): ``cached_u`` capped at ``(prompt tokens -
+1) // block_size x block_size``, since vLLM computes a prompt's last token itself
+(``KVCacheManager.get_computed_blocks``). Reasons (a metrics label): ``kv_overlap``
+(the chosen unit holds the most cached tokens, per the exact index), ``approx_overlap``
+(the same, per the approximate index), ``load_over_overlap`` (another unit held more,
+its load outweighed it), ``no_overlap`` (no unit held any: load decided).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+from proxy.config import RoutingConfig
+from proxy.registry import UnitState
+from proxy.routing.base import RouteRequest, RoutingDecision
+from proxy.routing.cache_aware import PrefixCacheAwarePolicy
+from proxy.routing.kv_fleet import KvFleet, KvMode
+from proxy.routing.prefix_index import block_hashes
+
+# vLLM's SchedulerConfig.DEFAULT_MAX_NUM_SEQS: a unit without a load report is
+# assumed to run vLLM's default batch.
+DEFAULT_MAX_NUM_SEQS = 128
+_TIE = 1e-9
+
+
+def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, int, float]:
+    """(sequences, max_num_seqs, kv_usage) of the unit: flow control's figure
+    (``UnitState.sequences``: its engine's report or this proxy's in-flight count
+    there, whichever is higher; in-flight alone without a report younger than
+    ``max_age_s``)."""
+    report = unit.fresh_load(now, max_age_s)
+    if report is None or report.max_num_seqs < 1:
+        return float(unit.in_flight), DEFAULT_MAX_NUM_SEQS, 0.0
+    return float(unit.sequences(report)), report.max_num_seqs, report.kv_usage
+
+
+class KvAwarePolicy:
+    name = "kv_aware"
+
+    def __init__(
+        self,
+        cfg: RoutingConfig,
+        fleet: KvFleet | None,
+        seed: int | None = None,
+        load_max_age_s: float = 5.0,
+    ) -> None:
+        self.cfg = cfg
+        self.fleet = fleet
+        self.load_max_age_s = load_max_age_s
+        # The approximate index and the policy for requests the exact one cannot serve.
+        self.approx = PrefixCacheAwarePolicy(cfg, seed=seed)
+        self._rng = random.Random(seed)
+
+    def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
+        fleet = self.fleet
+        return fleet is not None and any(
+            fleet.mode(u.unit_id) is not KvMode.APPROXIMATE for u in units
+        )
+
+    def choose(self, req: RouteRequest, candidates: Sequence[UnitState]) -> RoutingDecision:
+        tokens, fleet = req.tokens, self.fleet
+        if tokens is None or fleet is None or not self.needs_prompt_tokens(candidates):
+            return self.approx.choose(req, candidates)
+        ids = tokens.token_ids
+        n = len(ids)
+        chain = block_hashes(req.prompt, self.cfg.block_chars)
+        memo: dict[tuple[int, str, bytes], list[int]] = {}
+        now = time.monotonic()
+        scored = []  # (cost, cached tokens, exact prediction or None, from the exact index)
+        for u in candidates:
+            mode = fleet.mode(u.unit_id)
+            exact = approx = 0.0
+            if mode is not KvMode.APPROXIMATE:
+                bs = fleet.block_size(u.unit_id) or 1
+                blocks = fleet.cached_blocks(u.unit_id, ids, tokens.cache_salt, memo)
+                exact = min(blocks * bs, (n - 1) // bs * bs) if n else 0
+            if mode is not KvMode.EXACT and chain:
+                approx = self.approx.index.match_blocks(u.unit_id, chain) / len(chain) * n
+            cached = max(exact, approx)
+            seqs, max_seqs, kv_usage = unit_load(u, now, self.load_max_age_s)
+            uncached = n - cached
+            cost = (uncached / self.cfg.prefill_tokens_per_seq + seqs) / max_seqs + kv_usage
+            predicted = int(exact) if mode is KvMode.EXACT else None
+            scored.append((cost, cached, predicted, exact >= approx, u))
+        low = min(s[0] for s in scored)
+        cost, cached, predicted, by_exact, unit = self._rng.choice(
+            [s for s in scored if s[0] <= low + _TIE]
+        )
+        most = max(s[1] for s in scored)
+        if most <= 0:
+            reason = "no_overlap"
+        elif cached < most:
+            reason = "load_over_overlap"
+        else:
+            reason = "kv_overlap" if by_exact else "approx_overlap"
+        self.approx.index.insert(unit.unit_id, chain)
+        return RoutingDecision(unit, reason, predicted)
+
+    def on_unit_removed(self, unit_id: str) -> None:
+        self.approx.on_unit_removed(unit_id)

@@ -1,0 +1,146 @@
+"""The kv_aware policy's choices: the exact index's overlap against the units' load,
+the approximate index for units (or requests) the exact one cannot serve, a reset
+unit's lost overlap, and the prediction it records."""
+
+from __future__ import annotations
+
+import time
+
+from proxy.config import RoutingConfig, UnitSpec
+from proxy.registry import EngineLoad, UnitState, make_unit_state
+from proxy.routing import PromptTokens, RouteRequest, make_policy
+from proxy.routing.kv_aware import KvAwarePolicy
+from proxy.routing.kv_blocks import DEFAULT_NONE_HASH_SEED, BlockHasher
+from proxy.routing.kv_events import BlockStored, EventBatch
+from proxy.routing.kv_fleet import KvFleet, KvMode
+from proxy.routing.prefix_index import block_hashes
+
+BS = 16
+HASHER = BlockHasher(BS, seed=DEFAULT_NONE_HASH_SEED)
+PROMPT = list(range(1000, 1000 + 64 * BS))  # 64 blocks = 1024 tokens
+TEXT = "a shop assistant's conversation " * 40
+
+
+def units(*ids: str, running: int = 0, max_num_seqs: int = 16) -> list[UnitState]:
+    out = []
+    for i in ids:
+        u = make_unit_state(UnitSpec(unit_id=i, leader_grpc="127.0.0.1:1"))
+        u.engine_load = EngineLoad(running, 0, 0.0, max_num_seqs, time.monotonic())
+        out.append(u)
+    return out
+
+
+def fleet_with(**held: int) -> KvFleet:
+    """Units in exact mode holding the first ``n`` blocks of PROMPT."""
+    fleet = KvFleet(1 << 16)
+    for unit_id, n in held.items():
+        fleet.start(unit_id, HASHER)
+        stored = BlockStored(HASHER.block_hashes(PROMPT[: n * BS]), "GPU", 0)
+        fleet.apply(unit_id, EventBatch(0, 0.0, [stored] if n else [], 0))
+    return fleet
+
+
+def policy(fleet: KvFleet | None, seed: int = 0) -> KvAwarePolicy:
+    p = make_policy(RoutingConfig(block_chars=16), seed=seed, kv=fleet)
+    assert isinstance(p, KvAwarePolicy)
+    return p
+
+
+def req(tokens: list[int] | None = PROMPT, text: str = TEXT) -> RouteRequest:
+    return RouteRequest("llm", text, None, None if tokens is None else PromptTokens(tokens))
+
+
+def test_more_overlap_wins_and_the_prediction_is_recorded() -> None:
+    a, b = units("a", "b")
+    d = policy(fleet_with(a=48, b=8)).choose(req(), [a, b])
+    assert d.unit is a and d.reason == "kv_overlap" and d.cached_tokens == 48 * BS
+
+
+def test_unless_the_unit_is_much_more_loaded() -> None:
+    # a holds 40 blocks more than b: 640 uncached tokens = 2.5 sequences (256 each).
+    fleet = fleet_with(a=48, b=8)
+    (a,), (b,) = units("a", running=2), units("b")
+    assert policy(fleet).choose(req(), [a, b]).unit is a  # 2 sequences more: a
+    a.engine_load = EngineLoad(3, 0, 0.0, 16, time.monotonic())  # 3 more: b
+    d = policy(fleet).choose(req(), [a, b])
+    assert d.unit is b and d.reason == "load_over_overlap" and d.cached_tokens == 8 * BS
+    # This proxy's in-flight count there when it is higher (the report lags).
+    a.engine_load = EngineLoad(0, 0, 0.0, 16, time.monotonic())
+    a.in_flight = 3
+    assert policy(fleet).choose(req(), [a, b]).unit is b
+    # So does a fuller KV cache: 0.25 of it weighs 4 sequences.
+    a.in_flight = 0
+    a.engine_load = EngineLoad(0, 0, 0.25, 16, time.monotonic())
+    assert policy(fleet).choose(req(), [a, b]).unit is b
+
+
+def test_a_fully_cached_prompt_predicts_all_but_its_last_block() -> None:
+    a, b = units("a", "b")
+    d = policy(fleet_with(a=64, b=0)).choose(req(), [a, b])
+    # vLLM computes a prompt's last token: the last full block is never a hit.
+    assert d.unit is a and d.cached_tokens == 63 * BS
+    d = policy(fleet_with(a=64, b=0)).choose(req(PROMPT + [7]), [a, b])
+    assert d.cached_tokens == 64 * BS
+
+
+def test_ties_are_random_and_no_overlap_goes_by_load() -> None:
+    seen = set()
+    for seed in range(16):
+        a, b, c = units("a", "b", "c")
+        d = policy(fleet_with(a=0, b=0, c=0), seed).choose(req(), [a, b, c])
+        assert d.reason == "no_overlap" and d.cached_tokens == 0
+        seen.add(d.unit.unit_id)
+    assert seen == {"a", "b", "c"}
+    (a,), (b,) = units("a", running=1), units("b")
+    assert policy(fleet_with(a=0, b=0)).choose(req(), [a, b]).unit is b
+
+
+def test_without_events_or_token_ids_it_is_prefix_cache_aware() -> None:
+    a, b = units("a", "b")
+    for p, r in ((policy(None), req()), (policy(fleet_with(a=48, b=0)), req(None))):
+        first = p.choose(r, [a, b])
+        assert first.reason == "prefix_miss" and first.cached_tokens is None
+        again = p.choose(r, [a, b])
+        assert again.unit is first.unit and again.reason == "prefix_hit"
+    assert not policy(None).needs_prompt_tokens([a, b])
+    assert policy(fleet_with(a=0)).needs_prompt_tokens([a, b])
+
+
+def test_an_approximate_unit_is_estimated_from_the_approximate_index() -> None:
+    fleet = fleet_with(b=0)  # a: approximate (no KvInfo); b: exact, holds nothing
+    p = policy(fleet)
+    a, b = units("a", "b")
+    p.approx.index.insert("a", block_hashes(TEXT, 16))  # this proxy sent TEXT to a before
+    d = p.choose(req(), [a, b])
+    assert d.unit is a and d.reason == "approx_overlap"
+    assert d.cached_tokens is None  # no exact prediction for an approximate unit
+    assert fleet.mode("a") is KvMode.APPROXIMATE and fleet.mode("b") is KvMode.EXACT
+
+
+def test_a_reset_unit_loses_its_overlap() -> None:
+    fleet = fleet_with(a=48, b=8)
+    a, b = units("a", "b")
+    p = policy(fleet)
+    assert p.choose(req(text="x" * 200), [a, b]).unit is a
+    # Its leader restarted: a new stream from seq 0 with an empty cache.
+    fleet.start("a", HASHER)
+    fleet.apply("a", EventBatch(0, 0.0, [], 0))
+    d = p.choose(req(text="y" * 200), [a, b])
+    assert d.unit is b and d.cached_tokens == 8 * BS
+    # A reset mid-stream (events lost): partial, the exact overlap gone; only the
+    # approximate index's estimate (what this proxy sent there) remains for it.
+    fleet = fleet_with(a=48, b=8)
+    p = policy(fleet)
+    fleet.reset("a", 40)
+    assert fleet.mode("a") is KvMode.PARTIAL
+    d = p.choose(req(text="z" * 200), [a, b])
+    assert d.unit is b and d.reason == "kv_overlap"
+
+
+def test_session_affinity_still_pins_sessions() -> None:
+    p = make_policy(RoutingConfig(policy="session_affinity"), kv=fleet_with(a=48, b=0))
+    us = units("a", "b", "c")
+    chosen = {p.choose(RouteRequest("llm", "x", s, PromptTokens(PROMPT)), us).unit.unit_id
+              for s in ("s1",) * 5}  # fmt: skip
+    assert len(chosen) == 1
+    assert not p.needs_prompt_tokens(us)

@@ -1,5 +1,5 @@
 """Where the leaders' KV cache events go in the proxy: the ``KvEventSink`` hook that
-``channel_upstream.ChannelUpstream`` feeds, and two sinks to build on.
+``channel_upstream.ChannelUpstream`` feeds, and ``InOrderKvSink``, which orders them.
 
 The wire (``neuron_serving/openai_channel.py``, "KV cache events"): per unit, a
 ``KvInfo`` when its stream starts (how its vLLM hashes blocks, the newest seq relayed),
@@ -9,18 +9,11 @@ increasing seq per connection, but a proxy that reads too slowly loses some (a j
 seq), and a replay restarts the sequence lower; ``InOrderKvSink`` turns that into
 each batch once, in order, and asks for the replays itself.
 
-The exact index (``proxy/routing/``: ``kv_events.decode_batch``, ``KvBlockIndex``,
-``kv_blocks`` for the hashing) plugs in as a sink, either way:
-
-- behind ``InOrderKvSink`` (as ``ProxyServer`` wires ``CountingKvSink`` now): every
-  batch arrives once and in order, so ``KvBlockIndex.apply`` never sees a gap;
-- or fed directly by ``ChannelUpstream``, using its own ordering: a ``Gap`` from
-  ``apply`` becomes ``ChannelUpstream.kv_replay(unit_id, gap.expected)``.
-
-Either way ``on_kv_info`` gives the hashing (``KvInfo.block_size``, ``hash_algo``,
-``none_hash_seed``, ``none_hash``) and starts the unit afresh (``KvBlockIndex.reset``),
-and ``on_kv_reset(unit_id, next_seq)`` is ``KvBlockIndex.reset(unit_id, next_seq)``.
-``CountingKvSink`` is the stand-in until then.
+The server wires ``InOrderKvSink(KvIndexSink(fleet))`` (``kv_index_sink.py``): the
+exact KV index (``proxy/routing/kv_fleet.py``) behind it never sees a gap.
+``on_kv_info`` gives the hashing (``KvInfo.block_size``, ``hash_algo``,
+``none_hash_seed``, ``none_hash``) and starts the unit afresh, and
+``on_kv_reset(unit_id, next_seq)`` drops what is known of it.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from neuron_serving.openai_channel import KvInfo
@@ -57,43 +50,6 @@ class KvEventSink(Protocol):
         ``next_seq``: where the stream goes on (after the leader's ``KvReplayMiss``,
         the oldest batch it still has), or None: with whatever batch comes next (its
         stream ended: a ``KvInfo`` starts the next one; or the leader could not say)."""
-
-
-@dataclass(slots=True)
-class KvUnitCounts:
-    infos: int = 0
-    batches: int = 0
-    bytes: int = 0
-    resets: int = 0
-    last_seq: int = -1
-    info: KvInfo | None = None
-
-
-@dataclass(slots=True)
-class CountingKvSink:
-    """Counts what each unit's stream brings (the stand-in for the prefix index)."""
-
-    units: dict[str, KvUnitCounts] = field(default_factory=dict)
-
-    def _unit(self, unit_id: str) -> KvUnitCounts:
-        counts = self.units.get(unit_id)
-        if counts is None:
-            counts = self.units[unit_id] = KvUnitCounts()
-        return counts
-
-    def on_kv_info(self, unit_id: str, info: KvInfo) -> None:
-        counts = self._unit(unit_id)
-        counts.infos += 1
-        counts.info = info
-
-    def on_kv_events(self, unit_id: str, seq: int, payload: bytes) -> None:
-        counts = self._unit(unit_id)
-        counts.batches += 1
-        counts.bytes += len(payload)
-        counts.last_seq = seq
-
-    def on_kv_reset(self, unit_id: str, next_seq: int | None) -> None:
-        self._unit(unit_id).resets += 1
 
 
 @dataclass(slots=True)
@@ -169,6 +125,11 @@ class InOrderKvSink:
     def on_kv_reset(self, unit_id: str, next_seq: int | None) -> None:
         self._units[unit_id] = _Order(expect=next_seq)
         self.inner.on_kv_reset(unit_id, next_seq)
+
+    def forget(self, unit_id: str) -> None:
+        """A unit that left the registry: its ordering state goes (its next stream,
+        if it comes back, starts with a ``KvInfo``)."""
+        self._units.pop(unit_id, None)
 
     def _ask(self, unit_id: str, order: _Order, from_seq: int) -> None:
         if self._replay is None:

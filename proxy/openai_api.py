@@ -155,6 +155,9 @@ class OpenAIFrontEnd:
             request[TRAFFIC_CLASS] = cls
         job = OpenAIJob(
             **fields,
+            prompt_tokens=await self.pipeline.prompt_tokens(
+                req.model, endpoint, body, len(req.routing_key)
+            ),
             request=req,
             # The client's JSON as msgspec re-encodes it (same values, same key order):
             # a few microseconds, and the leader gets exactly what the client sent.

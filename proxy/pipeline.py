@@ -6,6 +6,8 @@ responses (a ``Render``); everything between is here, the same for both:
     Pipeline.job_fields    deadline, session header, pinned version
     Pipeline.check_length  the prompt's tokens + max_tokens within max_model_len
                            (Triton's route; vLLM checks the OpenAI API on the leader)
+    Pipeline.prompt_tokens the prompt's token ids as the leader computes them, when
+                           the routing policy uses them (prompt_tokens.py)
     Pipeline.serve         flow control's slot (flow_control.py: the request's turn
                            in its class's queue, and its unit) -> the dispatcher (``relay`` for an
                            OpenAIJob, ``generate`` for a GenerationJob) -> the first
@@ -47,8 +49,10 @@ from proxy.flow_control import FlowController, Overloaded
 from proxy.front_end import as_api_error, text_header
 from proxy.http_guard import TENANT, TRAFFIC_CLASS, write_bounded
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
+from proxy.prompt_tokens import PromptTokenizers
 from proxy.protocol import GENERATE_ENDPOINTS
 from proxy.registry import Registry
+from proxy.routing import PromptTokens
 from proxy.tokenizer import ModelTokenizer
 from proxy.traffic_class import HEADER as TRAFFIC_HEADER
 from proxy.traffic_class import TrafficClass, header_class, lowered
@@ -107,6 +111,7 @@ class Render(Protocol):
 class Pipeline:
     deps: FrontEndDeps
     _tokenizers: dict[str, ModelTokenizer] = field(default_factory=dict, init=False)
+    _prompts: PromptTokenizers = field(default_factory=PromptTokenizers, init=False)
 
     def job_fields(self, request: web.Request, model: str, start: float) -> dict[str, Any]:
         """What every job carries, read from the request (its headers may be a 400/404)."""
@@ -126,6 +131,23 @@ class Pipeline:
             "traffic_class": cls,
             "tenant": request.get(TENANT, ""),
         }
+
+    async def prompt_tokens(
+        self, model: str, endpoint: str, body: Any, size: int
+    ) -> PromptTokens | None:
+        """An OpenAI body's prompt token ids (``size``: its prompt's length in
+        characters), or None: not reproducible, or no policy would read them."""
+        deps = self.deps
+        if not deps.dispatcher.policy.needs_prompt_tokens(deps.registry.for_model(model)):
+            return None
+        return await self._prompts.for_openai(deps.config.model_spec(model), endpoint, body, size)
+
+    async def text_tokens(self, model: str, text: str) -> PromptTokens | None:
+        """Triton generate's ``text_input`` token ids, as ``prompt_tokens``."""
+        deps = self.deps
+        if not deps.dispatcher.policy.needs_prompt_tokens(deps.registry.for_model(model)):
+            return None
+        return await self._prompts.for_text(deps.config.model_spec(model), text)
 
     def tokenizer(self, model: str) -> ModelTokenizer:
         tok = self._tokenizers.get(model)

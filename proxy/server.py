@@ -54,14 +54,17 @@ from proxy.http_guard import (
     access_log,
 )
 from proxy.http_upstream import TritonHttpUpstream
-from proxy.kv_events_sink import CountingKvSink, InOrderKvSink
+from proxy.kv_events_sink import InOrderKvSink
+from proxy.kv_index_sink import KvIndexSink
+from proxy.kv_metrics import KvIndexCollector
 from proxy.leader_client import TritonClientPool
 from proxy.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.openai_api import OpenAIFrontEnd
 from proxy.outlier import OutlierDetector
 from proxy.pipeline import FrontEndDeps, Pipeline
 from proxy.registry import NodeHealth, Registry, RegistryEvent, UnitState
-from proxy.routing import make_policy
+from proxy.routing import KvFleet, make_policy
+from proxy.routing.kv_index import DEFAULT_MAX_BLOCKS_PER_UNIT
 from proxy.status import build_status
 from proxy.transport import UnitTransport
 from proxy.triton_api import TritonFrontEnd
@@ -119,10 +122,21 @@ class ProxyServer:
             TritonUpstream(self.clients, config.timeouts),
             TritonHttpUpstream(config.timeouts) if config.upstream_protocol == "http" else None,
         )
+        # The exact KV view kv_aware reads, fed by the leaders' KV events (with the
+        # OpenAI channel: _openai_channel); the other policies do not read it.
+        self.kv_fleet: KvFleet | None = None
+        if config.routing.policy == "kv_aware":
+            self.kv_fleet = KvFleet(DEFAULT_MAX_BLOCKS_PER_UNIT)
+        policy = make_policy(
+            config.routing,
+            seed=seed,
+            kv=self.kv_fleet,
+            load_max_age_s=config.admission.load_max_age_s,
+        )
         self.dispatcher = Dispatcher(
             self.registry,
             self.outlier,
-            make_policy(config.routing, seed=seed),
+            policy,
             self.transport,
             config.retry,
             self.metrics,
@@ -140,7 +154,9 @@ class ProxyServer:
             config.limits.max_buffered_body_bytes,
             config.limits.body_timeout_s,
         )
-        self.kv_events: CountingKvSink | None = None  # set with the OpenAI channel
+        # The KV event streams into kv_fleet, in order (set with the OpenAI channel).
+        self.kv_index: KvIndexSink | None = None
+        self._kv_order: InOrderKvSink | None = None
         channel = self._openai_channel(config)
         if channel is not None:
             self.transport.use_channel(channel)
@@ -174,19 +190,24 @@ class ProxyServer:
         except SecretError as e:
             log.warning("OpenAI channel off, OpenAI calls go over Triton: %s", e)
             return None
-        # The leaders' KV cache events, in order per unit (gaps replayed); counted
-        # until the prefix index (proxy/routing/) takes CountingKvSink's place.
-        self.kv_events = CountingKvSink()
-        kv_sink = InOrderKvSink(self.kv_events)
+        if self.kv_fleet is not None:
+            # The leaders' KV cache events, in order per unit (gaps replayed), into
+            # the exact KV index.
+            self.kv_index = KvIndexSink(self.kv_fleet)
+            self._kv_order = InOrderKvSink(self.kv_index)
+            self.metrics.registry.register(
+                KvIndexCollector(self.kv_index, self._kv_order, lambda: sorted(self.registry.units))
+            )
         upstream = ChannelUpstream(
             token,
             config.timeouts,
             self.transport.triton,
             self.metrics.channel_fallbacks.inc,
             registry=self.registry,
-            kv_sink=kv_sink,
+            kv_sink=self._kv_order,
         )
-        kv_sink.bind(upstream.kv_replay)
+        if self._kv_order is not None:
+            self._kv_order.bind(upstream.kv_replay)
         return upstream
 
     def _on_leader_config(self, unit: UnitState, parameters: Mapping[str, str]) -> None:
@@ -199,7 +220,11 @@ class ProxyServer:
         if event == "removed":
             self.dispatcher.policy.on_unit_removed(unit.unit_id)
             if self.transport.channel is not None:
-                self.transport.channel.forget(unit.unit_id)
+                self.transport.channel.forget(unit.unit_id)  # ends its KV stream
+            if self.kv_index is not None and self._kv_order is not None:
+                # A unit re-added under this id starts over from its KvInfo.
+                self._kv_order.forget(unit.unit_id)
+                self.kv_index.remove_unit(unit.unit_id)
             task = asyncio.get_running_loop().create_task(self._close_client_when_idle(unit))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -248,6 +273,7 @@ class ProxyServer:
             classes=self.admission.snapshot(),
             redact=not self.is_trusted(request),
             upstream_of=self.transport.name_for,
+            kv_of=None if self.kv_fleet is None else self.kv_fleet.describe,
             prefix_cache_of=self.metrics.kv_accuracy.snapshot,
         )
         if self.batch_runner is not None and not body["redacted"]:

@@ -105,6 +105,7 @@ def build_status(
     classes: dict[str, dict[str, int]] | None = None,
     redact: bool = False,
     upstream_of: Callable[[UnitSpec], str] | None = None,
+    kv_of: Callable[[str], dict[str, Any]] | None = None,
     prefix_cache_of: Callable[[str], dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     now = time.monotonic()
@@ -112,6 +113,9 @@ def build_status(
         _unit(u, now, upstream_of, prefix_cache_of)
         for u in sorted(registry.units.values(), key=lambda u: u.unit_id)
     ]
+    for unit in units:
+        # Its exact KV index (routing/kv_fleet.py: mode, blocks); null without one.
+        unit["kv"] = None if kv_of is None else kv_of(unit["unit_id"])
     events = [
         {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}
         for e in list(registry.events)[-50:]

@@ -198,6 +198,7 @@ class TritonFrontEnd:
                 sampling=sampling,
             )
             await self.pipeline.check_length(model, prompt, job.max_tokens)
+            job.prompt_tokens = await self.pipeline.text_tokens(model, prompt)
             render = TritonRender(job, "" if exclude else prompt, stream)
             return await self.pipeline.serve(request, job, start, render)
         except APIError as e:

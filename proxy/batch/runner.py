@@ -222,6 +222,9 @@ class BatchRunner:
                 deadline=loop.time() + cfg.timeouts.request_s,
                 traffic_class=TrafficClass.BATCH,
                 tenant=batch["tenant"],
+                prompt_tokens=await self.pipeline.prompt_tokens(
+                    req.model, req.endpoint, body, len(req.routing_key)
+                ),
                 request=req,
                 raw_body=msgspec.json.encode(body),
                 body=body,

@@ -13,7 +13,9 @@ import pytest
 from neuron_serving import openai_channel as oc
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import TimeoutConfig, UnitSpec
-from proxy.kv_events_sink import REASK_S, CountingKvSink, InOrderKvSink
+from proxy.kv_events_sink import REASK_S, InOrderKvSink
+from proxy.kv_index_sink import KvIndexSink
+from proxy.routing.kv_fleet import KvFleet
 
 TOKEN = b"channel-token-for-tests-0123456789"
 INFO = oc.KvInfo(9, 16, "sha256", "vllm-none-hash", b"h" * 32, True, 1024)
@@ -27,8 +29,10 @@ class Clock:
         return self.now
 
 
-def ordered(history: bool = False) -> tuple[InOrderKvSink, CountingKvSink, list, Clock]:
-    inner, asked, clock = CountingKvSink(), [], Clock()
+def ordered(history: bool = False) -> tuple[InOrderKvSink, KvIndexSink, list, Clock]:
+    # The proxy's own inner sink, which counts each unit's stream (INFO's NONE_HASH is
+    # not sha256's: its units stay approximate, and their payloads are not decoded).
+    inner, asked, clock = KvIndexSink(KvFleet(64)), [], Clock()
     sink = InOrderKvSink(inner, lambda unit, seq: asked.append((unit, seq)) or True,
                          history=history, clock=clock)  # fmt: skip
     return sink, inner, asked, clock
@@ -191,7 +195,7 @@ async def test_each_unit_at_a_channel_gets_the_stream(leader) -> None:
 async def test_the_proxys_in_order_sink_recovers_a_gap_from_the_leader(leader) -> None:
     scripted, port = leader
     unit = UnitSpec("u0", "127.0.0.1:1")
-    counts = CountingKvSink()
+    counts = KvIndexSink(KvFleet(64))
     sink = InOrderKvSink(counts, history=False)
     up = ChannelUpstream(TOKEN, TimeoutConfig(), lambda u: None, kv_sink=sink)
     sink.bind(up.kv_replay)

@@ -28,4 +28,7 @@ class ModelTokenizer:
             from tokenizers import Tokenizer
 
             self._tokenizer = Tokenizer.from_file(str(self._tokenizer_path))
-        return len(self._tokenizer.encode(text, add_special_tokens=True).ids)
+        # encode_batch, not encode: only it releases the GIL, so counting a long prompt
+        # on a thread (Pipeline.check_length) does not stall the event loop.
+        (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=True)
+        return len(encoding.ids)

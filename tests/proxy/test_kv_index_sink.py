@@ -141,3 +141,22 @@ def test_resets_and_removal() -> None:
     assert "u" not in sink.units and fleet.describe("u") == {
         "mode": "approximate", "blocks": 0, "block_size": None, "approximate_reason": None,
     }  # fmt: skip
+
+
+def test_a_recreated_units_stream_starts_over() -> None:
+    """Its leader dies (the channel's end resets the unit), comes back with a new
+    publisher counting from seq 0 and a new KvInfo: the index holds only the new
+    cache, and is exact again once seq 0 is in."""
+    fleet = KvFleet(1 << 16)
+    asks: list[int] = []
+    order = InOrderKvSink(KvIndexSink(fleet), lambda unit, seq: asks.append(seq) or True)
+    order.on_kv_info("u", info(seq=-1, none_hash=HASHER.none_hash))
+    order.on_kv_events("u", 0, payload(stored([1, 2])))
+    order.on_kv_events("u", 1, payload(stored([3])))
+    assert fleet.mode("u") is KvMode.EXACT and fleet.index.size("u") == 3
+    order.on_kv_reset("u", None)  # the channel's end
+    assert fleet.mode("u") is KvMode.PARTIAL and fleet.index.size("u") == 0
+    order.on_kv_info("u", info(seq=0, none_hash=HASHER.none_hash))  # reconnected
+    assert asks == [0]
+    order.on_kv_events("u", 0, payload(stored([9])))  # the new publisher's history
+    assert fleet.mode("u") is KvMode.EXACT and fleet.index.size("u") == 1

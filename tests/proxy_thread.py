@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.triton.launcher import free_port
 from proxy.config import config_from_dict
 from proxy.registry import UnitState
 from proxy.server import ProxyServer
@@ -61,3 +64,15 @@ class ProxyThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.loop.close()
+
+
+@contextmanager
+def two_replicas(tmp: Path) -> Iterator[list[ProxyThread]]:
+    """Two proxy replicas of the same two units (nothing answers for their leaders)."""
+    units = [unit("unit-0", free_port()), unit("unit-1", free_port())]
+    started = [ProxyThread(tmp, units) for _ in range(2)]
+    try:
+        yield started
+    finally:
+        for p in started:
+            p.stop()

@@ -19,20 +19,15 @@ from neuron_serving.proxy_admin import (
     sync_calls,
 )
 from neuron_serving.triton.launcher import free_port
-from tests.proxy_thread import ADMIN_TOKEN, ProxyThread, unit
+from tests.proxy_thread import ADMIN_TOKEN, ProxyThread, two_replicas, unit
 
 TIMEOUT_S = 0.5
 
 
 @pytest.fixture
 def proxies(tmp_path: Path) -> Iterator[list[ProxyThread]]:
-    units = [unit("unit-0", free_port()), unit("unit-1", free_port())]
-    started = [ProxyThread(tmp_path, units) for _ in range(2)]
-    try:
+    with two_replicas(tmp_path) as started:
         yield started
-    finally:
-        for p in started:
-            p.stop()
 
 
 @pytest.fixture

@@ -22,18 +22,13 @@ from neuron_serving.ports import free_port_block
 from neuron_serving.proxy_admin import AdminFanOut, Replica
 from neuron_serving.triton.launcher import free_port
 from tests.procs import wait_for
-from tests.proxy_thread import ADMIN_TOKEN, ProxyThread, unit
+from tests.proxy_thread import ADMIN_TOKEN, ProxyThread, two_replicas
 
 
 @pytest.fixture
 def proxies(tmp_path: Path) -> Iterator[list[ProxyThread]]:
-    units = [unit("unit-0", free_port()), unit("unit-1", free_port())]
-    started = [ProxyThread(tmp_path, units) for _ in range(2)]
-    try:
+    with two_replicas(tmp_path) as started:
         yield started
-    finally:
-        for p in started:
-            p.stop()
 
 
 def replicas_of(tmp_path: Path, proxies: list[ProxyThread], events: list[str]) -> ProxyReplicas:

@@ -170,14 +170,19 @@ class Reply:
         return cls(r.status_code, r.json(), None)
 
 
-def shape(v: Any) -> Any:
-    """Field names and JSON types, recursively; lists by the shape of their items."""
+def shape(v: Any, key: str | None = None) -> Any:
+    """Field names and JSON types, recursively; lists by the shape of their items.
+    The completions API's ``top_logprobs`` maps token text to logprob: its keys are
+    content, not fields (a chunk carrying two tokens would otherwise differ in shape
+    from two chunks of one), so they read as ``<token>``."""
     if isinstance(v, dict):
-        return {k: shape(x) for k, x in sorted(v.items())}
+        if key == "top_logprobs":
+            return {"<token>": sorted({shape(x) for x in v.values()})}
+        return {k: shape(x, k) for k, x in sorted(v.items())}
     if isinstance(v, list):
         shapes = []
         for x in v:
-            s = shape(x)
+            s = shape(x, key)
             if s not in shapes:
                 shapes.append(s)
         return shapes

@@ -32,7 +32,7 @@ async def test_kv_aware_routes_to_the_unit_holding_the_prompt(fleet, demo_model)
 
     a, b = await fleet.unit("u0"), await fleet.unit("u1")
     model = {"name": "llm", "model_dir": str(demo_model), "max_model_len": 2048}
-    proxy = await fleet.proxy([a, b], models=[model])
+    proxy = await fleet.proxy([a, b], models=[model], routing={"policy": "kv_aware"})
     assert proxy.kv_index is not None and proxy.kv_fleet is not None
     ids = ModelPrompts(demo_model, 2048).for_openai("chat/completions", CHAT)
     assert ids is not None and len(ids.token_ids) > 4 * BS
@@ -80,7 +80,7 @@ async def test_kv_aware_routes_to_the_unit_holding_the_prompt(fleet, demo_model)
 
 async def test_without_kv_events_the_units_are_approximate(fleet) -> None:
     a = await fleet.unit("u0")
-    proxy = await fleet.proxy([a])
+    proxy = await fleet.proxy([a], routing={"policy": "kv_aware"})
     s = fleet.session()
     async with s.get(url(proxy, "/metrics")) as r:
         text = await r.text()

@@ -114,8 +114,9 @@ async def test_proxy_keeps_a_shared_prefix_on_one_unit(fleet):
     assert sorted([len(a.behavior.prompts), len(b.behavior.prompts)]) == [3, 6]
     async with s.get(url(proxy, "/metrics")) as r:
         text = await r.text()
-    # The default, kv_aware, without KV events from the units: prefix_cache_aware's choices.
-    assert 'proxy_routing_decisions_total{policy="kv_aware",reason="prefix_hit"} 7.0' in text
+    assert (
+        'proxy_routing_decisions_total{policy="prefix_cache_aware",reason="prefix_hit"} 7.0' in text
+    )
 
 
 def test_cache_aware_ignores_a_prefix_below_cache_threshold():

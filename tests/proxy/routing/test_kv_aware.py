@@ -41,7 +41,7 @@ def fleet_with(**held: int) -> KvFleet:
 
 
 def policy(fleet: KvFleet | None, seed: int = 0) -> KvAwarePolicy:
-    p = make_policy(RoutingConfig(block_chars=16), seed=seed, kv=fleet)
+    p = make_policy(RoutingConfig("kv_aware", block_chars=16), seed=seed, kv=fleet)
     assert isinstance(p, KvAwarePolicy)
     return p
 

@@ -172,11 +172,12 @@ class Reply:
 
 def shape(v: Any, key: str | None = None) -> Any:
     """Field names and JSON types, recursively; lists by the shape of their items.
-    The completions API's ``top_logprobs`` maps token text to logprob: its keys are
-    content, not fields (a chunk carrying two tokens would otherwise differ in shape
-    from two chunks of one), so they read as ``<token>``."""
+    The completions API's ``top_logprobs`` entries map token text to logprob: their
+    keys are content, not fields (a chunk carrying two tokens would otherwise differ
+    in shape from two chunks of one), so they read as ``<token>``. (Chat's entries are
+    objects with fields: token, logprob, bytes.)"""
     if isinstance(v, dict):
-        if key == "top_logprobs":
+        if key == "top_logprobs" and all(isinstance(x, float | int) for x in v.values()):
             return {"<token>": sorted({shape(x) for x in v.values()})}
         return {k: shape(x, k) for k, x in sorted(v.items())}
     if isinstance(v, list):

@@ -4,10 +4,11 @@ The page (``proxy/static/dashboard.html``) is plain HTML and JavaScript with no
 build step. It polls ``GET /status`` on the same port, so the dashboard shows
 exactly what ``/status`` and ``neuron-serving status`` show and needs no second
 data path: a units x nodes health grid, per-unit load and model version,
-ejections, flow control's queues per traffic class, the Batch API's unfinished
-batches (full view only), and the registry's recent events. Polling rather than SSE or a
-WebSocket keeps the proxy free of long-lived dashboard connections; one
-``/status`` per viewer per second is negligible next to the probes.
+ejections, flow control's queues per traffic class, each unit's KV routing mode and
+prefix cache hits against the predicted ones (full view only), the Batch API's
+unfinished batches (full view only), and the registry's recent events. Polling
+rather than SSE or a WebSocket keeps the proxy free of long-lived dashboard
+connections; one ``/status`` per viewer per second is negligible next to the probes.
 """
 
 from __future__ import annotations

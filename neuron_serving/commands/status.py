@@ -16,14 +16,16 @@ answers a missing or wrong key on /status with 200 and ``"redacted": true``, not
 The table fits the terminal (``--width``, else ``$COLUMNS``, else the terminal's
 size; no limit into a pipe): columns are dropped in ``COLUMNS``' order of
 ``drop_rank`` as `kubectl get` does (status_view.py), so each unit and node stays one
-line. Below the units: one line per traffic class (queued, active, dispatched, shed,
-deadline misses) and the Batch API's unfinished batches (with a key only), then,
-from the state file, one line per proxy replica of a local cluster (`up --proxies K`
-share the client port: the view above is the one replica the kernel picked; each
-one's own is ``GET /status`` on its admin port). ``--json`` is for scripts: the whole
-merged view with every key always present (``proxy``, ``reachable``, ``error``,
-``redacted``, ``warning``, ``routing``, ``classes``, ``batches``, ``proxies``,
-``units``).
+line (with a key, each unit's KV routing mode and prefix cache hit rate / prediction
+accuracy among its columns). Below the units: one line per traffic class (queued,
+active, dispatched, shed, deadline misses) and the Batch API's unfinished batches
+(with a key only), then, from the state file, one line per proxy replica of a local
+cluster (`up --proxies K` share the client port: the view above is the one replica
+the kernel picked; each one's own is ``GET /status`` on its admin port). ``--json``
+is for scripts: the whole merged view with every key always present (``proxy``,
+``reachable``, ``error``, ``redacted``, ``warning``, ``routing``, ``classes``,
+``batches``, ``proxies``, ``units``; each unit's ``kv`` and ``prefix_cache`` as
+/status has them).
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ def merge(proxy: dict[str, Any] | None, state: dict[str, Any] | None) -> list[di
                 "in_flight": p.get("in_flight"),
                 # The leader's own report (running, waiting, kv_usage, ...), or None.
                 "engine_load": p.get("engine_load"),
+                # The proxy's exact KV index for it (mode, blocks, ...) and its prefix
+                # cache hits against the predicted ones (full view only), or None.
+                "kv": p.get("kv"),
+                "prefix_cache": p.get("prefix_cache"),
                 "requests_total": p.get("requests_total"),
                 "errors_total": p.get("errors_total"),
                 "model_version": p.get("model_version"),

@@ -94,7 +94,8 @@ def render(
 # Columns in display order; drop_rank: the order in which a narrow terminal loses them
 # (highest first; 0 = always shown). Unit identity and health matter most, then what
 # the supervisor is doing, load, and why the unit or node last failed. Columns with no
-# value in any row are left out (RUN/WAIT and KV without engine reports, or redacted).
+# value in any row are left out (RUN/WAIT and KV without engine reports; those and
+# KV-MODE, HIT/ACC when redacted).
 COLUMNS = (
     Column("UNIT/NODE"),
     Column("HEALTH"),
@@ -104,6 +105,11 @@ COLUMNS = (
     # RESTARTS, so in 80 columns RESTARTS goes first (rightmost among equal ranks).
     Column("RUN/WAIT", drop_rank=4),
     Column("KV", drop_rank=4),
+    # The proxy's KV routing for the unit: its exact index's mode (exact, part, approx;
+    # "-": the policy keeps none) and prefix cache hit rate / prediction accuracy
+    # (kv_accuracy.py). Left of RESTARTS too, and dropped before the engine's load.
+    Column("KV-MODE", drop_rank=4),
+    Column("HIT/ACC", drop_rank=4),
     Column("RESTARTS", drop_rank=4),
     Column("REQUESTS", drop_rank=6),
     Column("ERRORS", drop_rank=6),
@@ -147,6 +153,25 @@ def _engine(load: dict[str, Any] | None) -> tuple[str, str]:
     )
 
 
+_KV_MODES = {"exact": "exact", "partial": "part", "approximate": "approx"}
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _kv_routing(kv: dict[str, Any] | None, cache: dict[str, Any] | None) -> tuple[str, str]:
+    """KV-MODE and HIT/ACC cells from a unit's full ``/status``: ``kv``'s mode ("-" when
+    null: no exact index) and ``prefix_cache``'s ``hit_rate`` / ``mean_accuracy`` as
+    kv_accuracy.py defines them ("-" for one not defined yet, or before any report)."""
+    mode = "-"
+    if kv:
+        name = _cell(kv.get("mode"))
+        mode = _KV_MODES.get(name, name or "-")
+    cache = cache or {}
+    return mode, f"{_percent(cache.get('hit_rate'))}/{_percent(cache.get('mean_accuracy'))}"
+
+
 # Per traffic class, below the units: what waits and runs now, then counters since
 # the proxy started (dispatched goes first in a narrow terminal).
 CLASS_COLUMNS = (
@@ -182,22 +207,28 @@ def batch_rows(active: list[dict[str, Any]]) -> list[list[str]]:
     return out
 
 
-def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    """One line per unit, then one per node (indented), in ``COLUMNS`` order."""
+def table_rows(rows: list[dict[str, Any]], full: bool = False) -> list[list[str]]:
+    """One line per unit, then one per node (indented), in ``COLUMNS`` order. ``full``:
+    the proxy's /status was its full view (a redacted one has no ``kv`` or
+    ``prefix_cache``: KV-MODE and HIT/ACC stay blank, not "-")."""
     out = []
     for r in rows:
         failure = ""
         if r["last_failure"]:
             failure = f"{r['last_failure']} ({age(r['last_failure_at'])})"
         run_wait, kv = _engine(r.get("engine_load"))
+        mode, hit_acc = ("", "")
+        if full and r["health"] is not None:  # the proxy lists the unit
+            mode, hit_acc = _kv_routing(r.get("kv"), r.get("prefix_cache"))
         out.append([r["unit_id"], _cell(r["health"]), _cell(r["phase"]), _cell(r["in_flight"]),
-                    run_wait, kv,
+                    run_wait, kv, mode, hit_acc,
                     _cell(r["restarts"]), _cell(r["requests_total"]), _cell(r["errors_total"]),
                     r["model_version"] or "", "", failure])  # fmt: skip
         for n in r["nodes"]:
             pid = _cell(n["pid"]) if n["pid"] and n["running"] else ""
             out.append([f"  {n['name']}", _cell(n["health"]), _cell(n["node_state"]),
-                        "", "", "", "", "", "", "", pid, _probe_error(n["last_error"])])  # fmt: skip
+                        "", "", "", "", "", "", "", "", "", pid,
+                        _probe_error(n["last_error"])])  # fmt: skip
     return out
 
 
@@ -228,7 +259,8 @@ def render_text(
         if not have_state:
             return lines
     lines += wrap(f"neuron-serving status: {base}", "bold")
-    lines += render(COLUMNS, table_rows(rows), width, _COLORS.get)
+    full = proxy is not None and not proxy.get("redacted")
+    lines += render(COLUMNS, table_rows(rows, full), width, _COLORS.get)
     if proxy is not None:
         adm = proxy.get("admission", {})
         panic = f"; panic: {proxy['panic_models']}" if proxy.get("panic_models") else ""

@@ -5,7 +5,9 @@ installed by ``make install`` when missing) through the ``playwright`` package,
 which never downloads a browser of its own. Without either it skips, saying
 which is missing. It changes the registry under the open page (a follower stops
 serving, a unit is drained) and checks the page redraws without a reload, then
-saves a screenshot in the test's tmp dir.
+saves a screenshot in the test's tmp dir. The KV panel is checked under kv_aware
+routing fed KV events as tests/proxy/test_kv_metrics.py feeds them: each unit's mode
+and the prefix cache figures of the proxy's own /status.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from neuron_serving.openai_channel import KvInfo
+from proxy.prompt_tokens import ModelPrompts
+from proxy.routing.kv_blocks import DEFAULT_NONE_HASH_SEED, BlockHasher
 from tests.proxy.conftest import url
 
 # Flags for chromium as root in a container: no sandbox (root), no GPU, and none of
@@ -94,6 +99,8 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
             names = await page.locator("#classes-body .class-name").all_text_contents()
             assert names == ["real-time", "near-real-time", "batch"]
             await page.wait_for_selector("#batches-body #no-batches")
+            # round_robin keeps no exact KV index: every unit's mode is "-".
+            await page.wait_for_selector('#kv-body tr[data-kv-unit="u2"] td.kv-mode:text-is("-")')
 
             # Load: a slow request shows as in flight on its unit and in admission.
             for u in (u1, u2):
@@ -163,6 +170,8 @@ async def test_dashboard_with_api_keys_redacts_unless_given_a_key(fleet) -> None
             await page.wait_for_selector('tr[data-unit="u1"][data-state="routable"]')
             await page.wait_for_selector('#updated:has-text("redacted")')
             await page.wait_for_selector('#batches-summary:has-text("hidden")')
+            await page.wait_for_selector('#kv-summary:has-text("hidden")')
+            assert await page.locator("#kv-body tr").count() == 0
             assert not await page.evaluate("document.body.classList.contains('stale')")
             title = await page.locator('[data-node="u1/leader"]').get_attribute("title")
             assert u1.triton.addr not in (title or "")
@@ -179,5 +188,95 @@ async def test_dashboard_with_api_keys_redacts_unless_given_a_key(fleet) -> None
             assert u1.triton.addr in (await leader.get_attribute("title") or "")
             assert "redacted" not in (await page.locator("#updated").text_content())
             assert await leader.get_attribute("data-state") == "healthy"
+        finally:
+            await browser.close()
+
+
+BS = 16
+CHAT = {
+    "model": "llm",
+    "max_tokens": 2,
+    "messages": [
+        {"role": "system", "content": "You are a shop assistant. " * 12},
+        {"role": "user", "content": "Do you have running shoes in size 10?"},
+    ],
+}
+
+
+@pytest.mark.parametrize("fleet", ["channel"], indirect=True)
+async def test_dashboard_shows_kv_modes_and_prefix_cache_hits(fleet, demo_model) -> None:
+    """kv_aware with the leaders' KV events: u1 exact and holding the chat's first 4
+    blocks, u0 approximate (its vLLM drew a random seed). The chats go to u1, predicted
+    64 cached tokens, and its leader reports 64: the panel shows u1's hit rate from the
+    proxy's /status and an exact prediction every time; u0 answered nothing."""
+    chromium = _chromium()
+    from playwright.async_api import async_playwright
+
+    from tests.proxy.routing.vllm_events import payload, stored
+
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    model = {"name": "llm", "model_dir": str(demo_model), "max_model_len": 2048}
+    proxy = await fleet.proxy(
+        [a, b], models=[model], routing={"policy": "kv_aware"},
+        health={"interval_s": 0.2, "timeout_s": 0.2},
+    )  # fmt: skip
+    assert proxy.kv_index is not None
+    hasher = BlockHasher(BS, seed=DEFAULT_NONE_HASH_SEED)
+    proxy.kv_index.on_kv_info("u0", KvInfo(-1, BS, "xxhash", None, None, True, 1024))
+    proxy.kv_index.on_kv_info(
+        "u1", KvInfo(-1, BS, "sha256", DEFAULT_NONE_HASH_SEED, hasher.none_hash, True, 1024)
+    )
+    ids = ModelPrompts(demo_model, 2048).for_openai("chat/completions", CHAT)
+    assert ids is not None and len(ids.token_ids) > 4 * BS
+    held = hasher.block_hashes(ids.token_ids)[:4]
+    proxy.kv_index.on_kv_events(
+        "u1", 0, payload(stored([int.from_bytes(h[-8:], "big") for h in held]))
+    )
+    b.behavior.cached_tokens = 4 * BS
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(
+            executable_path=chromium, headless=True, args=CHROMIUM_ARGS, timeout=60_000
+        )
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 800})
+            page.set_default_timeout(15_000)
+            await page.goto(url(proxy, "/dashboard?interval=200"))
+            u0, u1 = (page.locator(f'#kv-body tr[data-kv-unit="{u}"]') for u in ("u0", "u1"))
+            await page.wait_for_selector('tr[data-kv-unit="u1"] td.kv-mode:text-is("exact")')
+            assert await u1.locator(".blocks").text_content() == "4"
+            assert await u1.locator(".hit-rate").text_content() == "-"  # answered nothing yet
+            mode = u0.locator(".kv-mode")
+            assert await mode.text_content() == "approximate"
+            assert await mode.get_attribute("title") == "random_seed"
+
+            s = fleet.session()
+            for _ in range(3):
+                async with s.post(url(proxy, "/v1/chat/completions"), json=CHAT) as r:
+                    assert r.status == 200
+            assert (len(a.behavior.prompts), len(b.behavior.prompts)) == (0, 3)
+            async with s.get(url(proxy, "/status")) as r:
+                units = {u["unit_id"]: u for u in (await r.json())["units"]}
+            figures = units["u1"]["prefix_cache"]
+            assert figures["predictions"]["exact"] == 3 and figures["mean_accuracy"] == 1.0
+
+            await page.wait_for_selector('tr[data-kv-unit="u1"] td.reports:text-is("3")')
+            cells = {
+                c: await u1.locator(f".{c}").text_content()
+                for c in ("hit-rate", "predicted", "exact", "accuracy", "error")
+            }
+            assert cells == {
+                "hit-rate": f"{100 * figures['hit_rate']:.1f}%",
+                "predicted": "3",
+                "exact": "100.0%",
+                "accuracy": "100.0%",
+                "error": "0.0 tok",
+            }
+            assert await u1.get_attribute("title") == (
+                f"{3 * 4 * BS} of {figures['prompt_tokens']} prompt tokens cached; "
+                "predictions 0 over, 0 under, 0 none"
+            )
+            assert units["u0"]["prefix_cache"] is None
+            assert await u0.locator(".reports").text_content() == "-"
         finally:
             await browser.close()

@@ -27,6 +27,11 @@ def test_json_has_the_full_data_under_stable_keys() -> None:
                                       "deadline_misses": 0, "shed": 12, "refused": 3}  # fmt: skip
     assert up["batches"]["active"][0]["request_counts"]["completed"] == 12345
     assert up["units"][0]["engine_load"]["running"] == 3 and up["units"][1]["engine_load"] is None
+    # KV routing as /status has it: null kv (no exact index), prefix cache figures whole.
+    assert up["units"][0]["kv"] is None and up["units"][0]["prefix_cache"]["hit_rate"] == 0.5
+    assert up["units"][1]["prefix_cache"] is None
+    assert set(down["units"][0]) == set(up["units"][0])
+    assert down["units"][0]["kv"] is down["units"][0]["prefix_cache"] is None
     unit1 = up["units"][1]
     assert (unit1["requests_total"], unit1["restarts"], unit1["nodes"][0]["pid"]) == (
         977,

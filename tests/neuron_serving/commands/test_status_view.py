@@ -1,9 +1,14 @@
 """`neuron-serving status` at 80 and 200 columns from fixture data (the proxy's /status
-and the supervisor's state file as they look mid-failure)."""
+and the supervisor's state file as they look mid-failure, and a healthy fleet under
+kv_aware routing). Each unit's ``prefix_cache`` is what the proxy's ``KvAccuracy``
+snapshots for the answers given."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry
 
 from neuron_serving.commands.status import merge
 from neuron_serving.commands.status_view import (
@@ -13,6 +18,20 @@ from neuron_serving.commands.status_view import (
     render,
     render_text,
 )
+from proxy.kv_accuracy import KvAccuracy
+from proxy.routing.kv_fleet import KvFleet
+from proxy.upstream import GenerationDelta
+
+
+def prefix_cache(*answers: tuple[int, int, int | None]) -> dict[str, Any] | None:
+    """/status's ``prefix_cache`` of a unit whose leader answered (prompt tokens, cached
+    tokens, predicted cached tokens or None) for each request."""
+    kv = KvAccuracy(CollectorRegistry())
+    for prompt, cached, predicted in answers:
+        final = GenerationDelta("", "stop", prompt, 1, cached_tokens=cached)
+        kv.answered("u", final, predicted, False)
+    return kv.snapshot("u")
+
 
 PROBE_ERROR = (
     "<AioRpcError of RPC that terminated with: status = StatusCode.UNAVAILABLE details = "
@@ -33,10 +52,13 @@ PROXY = {
          "errors_total": 2, "model_version": "src-3f9a1c2b",
          "engine_load": {"running": 3, "waiting": 12, "kv_usage": 0.4567, "max_num_seqs": 64,
                          "age_s": 0.2},
+         # prefix_cache routing keeps no exact KV index; its leader reported hits, but
+         # nothing was predicted (kv_accuracy.py's snapshot).
+         "kv": None, "prefix_cache": prefix_cache((512, 384, None), (512, 128, None)),
          "nodes": [{"node_id": "unit-0/leader", "state": "healthy"},
                    {"node_id": "unit-0/follower-1", "state": "healthy"}]},
         {"unit_id": "unit-1", "state": "unhealthy", "in_flight": 0, "requests_total": 977,
-         "errors_total": 14, "model_version": "src-3f9a1c2b",
+         "errors_total": 14, "model_version": "src-3f9a1c2b", "kv": None, "prefix_cache": None,
          "nodes": [{"node_id": "unit-1/leader", "state": "unhealthy", "last_error": PROBE_ERROR},
                    {"node_id": "unit-1/follower-1", "state": "unhealthy",
                     "last_error": PROBE_ERROR}]},
@@ -61,6 +83,43 @@ STATE = {
     ]
 }  # fmt: skip
 BASE = "http://127.0.0.1:8080"
+
+
+def _kv_unit(unit_id: str, kv: dict[str, Any], cache: dict[str, Any] | None) -> dict[str, Any]:
+    return {"unit_id": unit_id, "state": "routable", "in_flight": 1, "requests_total": 2,
+            "errors_total": 0, "model_version": "src-3f9a1c2b",
+            "engine_load": {"running": 1, "waiting": 0, "kv_usage": 0.125,
+                            "max_num_seqs": 64, "age_s": 0.1},
+            "kv": kv, "prefix_cache": cache,
+            "nodes": [{"node_id": f"{unit_id}/leader", "state": "healthy"},
+                      {"node_id": f"{unit_id}/follower-1", "state": "healthy"}]}  # fmt: skip
+
+
+# A healthy fleet under kv_aware: ``kv`` as routing/kv_fleet.py describes a unit in each
+# mode; the policy predicts a hit for a unit in exact mode only (proxy/README.md).
+KV_AWARE = {
+    "routing_policy": "kv_aware",
+    "admission": {"active": 3, "queued": 0, "classes": {}},
+    "units": [
+        _kv_unit("unit-0", {"mode": "exact", "blocks": 4096, "block_size": 16,
+                            "approximate_reason": None},
+                 # hit 512/1024; accuracy 1 (exact) and 1 - 64/512 (over by 64): 0.9375
+                 prefix_cache((512, 384, 384), (512, 128, 192))),
+        _kv_unit("unit-1", {"mode": "partial", "blocks": 12, "block_size": 16,
+                            "approximate_reason": None},
+                 prefix_cache((300, 96, None), (300, 0, None))),  # hit 96/600, no prediction
+        _kv_unit("unit-2", {"mode": "approximate", "blocks": 0, "block_size": None,
+                            "approximate_reason": "random_seed"}, None),  # answered nothing
+    ],
+}  # fmt: skip
+KV_STATE = {
+    "units": [
+        {"unit_id": f"unit-{i}", "phase": "ready", "restarts": 0, "processes": [
+            {"name": "leader", "pid": 500 + i, "running": True, "node_state": "ready"},
+            {"name": "follower-1", "pid": 600 + i, "running": True, "node_state": "ready"}]}
+        for i in range(3)
+    ]
+}  # fmt: skip
 WARNING = "no valid API key (the proxy did not accept the one sent): addresses hidden, and more"
 
 
@@ -195,3 +254,61 @@ def test_each_proxy_replica_of_the_state_file_is_one_line_at_the_end() -> None:
         "proxy-0: ready, pid 5, 0 restarts; admin http://127.0.0.1:8081",
         "proxy-1: starting, pid 7, 1 restarts; admin http://127.0.0.1:8082",
     ]
+
+
+def _kv_lines(cols: int, proxy: dict[str, Any] = KV_AWARE) -> list[str]:
+    rows = merge(proxy, KV_STATE)
+    return [t.plain for t in render_text(BASE, proxy, True, "", None, rows, cols)]
+
+
+def test_fixture_kv_is_what_the_kv_fleet_describes() -> None:
+    described = KvFleet(16).describe("unit-9")
+    assert described == {"mode": "approximate", "blocks": 0, "block_size": None,
+                         "approximate_reason": None}  # fmt: skip
+    for unit in KV_AWARE["units"]:
+        assert set(unit["kv"]) == set(described)
+
+
+def test_kv_mode_and_prefix_cache_hit_and_accuracy_fit_80_columns() -> None:
+    lines = _kv_lines(80)
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    header = next(x for x in lines if x.startswith("UNIT/NODE"))
+    # The new columns stay in 80; RESTARTS (rank 4, rightmost) and later ones go first.
+    assert header.split() == ["UNIT/NODE", "HEALTH", "STATE", "IN-FLIGHT", "RUN/WAIT", "KV",
+                              "KV-MODE", "HIT/ACC"], header  # fmt: skip
+    units = {x.split()[0]: x.split()[4:] for x in lines if x.startswith("unit-")}
+    assert units == {
+        "unit-0": ["1/0", "12%", "exact", "50%/94%"],
+        "unit-1": ["1/0", "12%", "part", "16%/-"],
+        "unit-2": ["1/0", "12%", "approx", "-/-"],
+    }
+    # Narrower: they go before the engine's load, HIT/ACC first.
+    header = next(x for x in _kv_lines(70) if x.startswith("UNIT/NODE"))
+    assert "KV-MODE" in header and "HIT/ACC" not in header and "RUN/WAIT" in header
+    assert all(len(line) <= 40 for line in _kv_lines(40))
+
+
+def test_without_an_exact_index_the_mode_is_a_dash_and_errors_outrank_it() -> None:
+    # prefix_cache routing: no kv; unit-0's hits were reported, none predicted.
+    lines = _lines(200)
+    header = next(x for x in lines if x.startswith("UNIT/NODE"))
+
+    def cells(unit: str) -> tuple[str, str]:
+        line = next(x for x in lines if x.startswith(unit))
+        return tuple(line[header.index(col) :].split()[0] for col in ("KV-MODE", "HIT/ACC"))
+
+    assert cells("unit-0") == ("-", "50%/-")
+    assert cells("unit-1") == ("-", "-/-")  # it answered nothing
+    # In 80 columns with a failing unit, LAST ERROR keeps its room.
+    header = next(x for x in _lines(80) if x.startswith("UNIT/NODE"))
+    assert "LAST ERROR" in header and "KV-MODE" not in header and "HIT/ACC" not in header
+
+
+def test_a_redacted_view_shows_no_kv_columns_not_dashes() -> None:
+    redacted = {**KV_AWARE, "redacted": True,
+                "units": [{k: u[k] for k in ("unit_id", "state", "model_version", "in_flight",
+                                             "nodes")} for u in KV_AWARE["units"]]}  # fmt: skip
+    lines = _kv_lines(200, redacted)
+    header = next(x for x in lines if x.startswith("UNIT/NODE"))
+    assert "KV-MODE" not in header and "HIT/ACC" not in header, header
+    assert not any(" - " in x or "-/-" in x for x in lines if x.startswith("unit-"))

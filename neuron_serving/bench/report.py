@@ -244,19 +244,25 @@ def _cpu_targets(r: dict[str, Any]) -> list[Target]:
 
 
 def _routing_targets(r: dict[str, Any]) -> list[Target]:
-    tg = r.get("targets", {})
-    hr, sp = tg.get("hit_rate", 0.8), tg.get("load_spread", 1.5)
-    out = []
-    for label, note in (("prefix_cache_aware", "defaults"), ("prefix_cache_aware-abs4", "abs threshold 4")):  # fmt: skip
-        p = r.get("policies", {}).get(label)
-        if not p:
-            continue
-        h, s = p.get("hit_rate"), p.get("load_spread")
-        met = None if h is None else (h >= hr and s is not None and s <= sp)
-        out.append(Target("routing", f"prefix-aware ({note}): hit rate >= {hr} with load spread <= {sp}",
-                          f"hit rate {num(h, 3)}, spread {num(s) if s is not None else 'inf (a unit got nothing)'}",
-                          met))  # fmt: skip
-    return out
+    """bench routing: the exact (KV-event-fed) index against the approximate one under
+    cache pressure, and 2 proxy replicas against 1 (ratios within each repeat)."""
+    ra = r.get("ratios", {})
+    hit, p90 = ra.get("hit_rate_exact_over_approximate"), ra.get("ttft_p90_exact_over_approximate")
+    pp = ra.get("hit_rate_pp_2_replicas_vs_1")
+    acc = (r.get("arms", {}).get("exact") or {}).get("prediction_accuracy")
+    return [
+        Target("routing", "exact KV index hit rate / approximate index's >= 1.2",
+               spread_text(hit), None if not hit else hit["median"] >= 1.2,
+               straddles=straddles(hit, 1.2)),
+        Target("routing", "exact KV index TTFT p90 / approximate index's <= 0.7",
+               spread_text(p90), None if not p90 else p90["median"] <= 0.7,
+               straddles=straddles(p90, 0.7)),
+        Target("routing", "2 proxy replicas' hit rate within 2 points of 1 replica's",
+               spread_text(pp, 1, " points"), None if not pp else pp["median"] <= 2.0,
+               straddles=straddles(pp, 2.0)),
+        Target("routing", "prediction accuracy reported (exact arm)", spread_text(acc, 3),
+               None if not acc else True),
+    ]  # fmt: skip
 
 
 def _failover_targets(r: dict[str, Any]) -> list[Target]:
@@ -401,7 +407,7 @@ NOT_MEASURED = {
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
     "serving": ["Triton leader / vllm serve output tok/s >= 0.9", "TTFT p50 within 1.2x"],
     "proxy": ["added TTFT p50 <= 1 ms, p99 <= 5 ms at 64 streams"],
-    "routing": ["prefix-aware hit rate >= 0.8 with load spread <= 1.5"],
+    "routing": ["exact KV index: hit rate >= 1.2x, TTFT p90 <= 0.7x the approximate index"],
     "failover": ["follower kill -> unhealthy < 3 s, 0 client errors, peak RSS < 12 GB"],
     "load": ["sharded vs full checkpoint load (bench load)"],
     "serving_mn": ["information: TP=2 unit behind Triton / vllm serve --nnodes 2"],
@@ -527,18 +533,18 @@ def plot_proxy(r: dict[str, Any], plots: Path) -> list[Path]:
 
 def plot_routing(r: dict[str, Any], plots: Path) -> list[Path]:
     plt = _plt()
-    pol = r["policies"]
-    names = list(pol)
+    arms = r["arms"]
+    names = list(arms)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    a1.bar(names, [pol[n]["hit_rate"] or 0 for n in names])
-    a1.axhline(r.get("targets", {}).get("hit_rate", 0.8), color="k", ls="--", lw=1)
-    a1.set_title("prefix-cache hit rate (target line)")
-    spreads = [pol[n]["load_spread"] for n in names]
-    top = max([s for s in spreads if s is not None] + [2.0])
-    a2.bar(names, [s if s is not None else top * 1.2 for s in spreads],
-           color=["C1" if s is None else "C0" for s in spreads])  # fmt: skip
-    a2.axhline(r.get("targets", {}).get("load_spread", 1.5), color="k", ls="--", lw=1)
-    a2.set_title("load spread max/min (orange: a unit got none)")
+    a1.bar(names, [(arms[n].get("hit_rate") or {}).get("median", 0) for n in names])
+    a1.set_title("prefix-cache hit rate (vLLM's counters)")
+    for key, off in (("ttft_p50_ms", -0.2), ("ttft_p90_ms", 0.2)):
+        a2.bar([i + off for i in range(len(names))],
+               [(arms[n].get(key) or {}).get("median", 0) for n in names], width=0.4,
+               label=key.removeprefix("ttft_").removesuffix("_ms"))  # fmt: skip
+    a2.set_xticks(range(len(names)), names)
+    a2.legend()
+    a2.set_title("TTFT ms")
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     fig.tight_layout()
@@ -675,12 +681,16 @@ def _proxy_section(r: dict[str, Any]) -> list[str]:
 
 
 def _routing_section(r: dict[str, Any]) -> list[str]:
-    rows = [[name, num(p.get("hit_rate"), 3), num(p.get("load_spread")),
-             json.dumps(p.get("requests_per_unit")), num(p.get("ttft_p50_ms"), 0),
-             num(p.get("ttft_p99_ms"), 0), num(p.get("output_tokens_per_s"), 0), num(p.get("errors"))]
-            for name, p in r.get("policies", {}).items()]  # fmt: skip
-    return _table(["policy", "hit rate", "load spread", "requests per unit", "TTFT p50 ms",
-                   "TTFT p99 ms", "output tok/s", "errors"], rows)  # fmt: skip
+    keys = ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "output_tokens_per_s", "load_spread",
+            "prediction_accuracy")  # fmt: skip
+    rows = [[name, *(spread_text(a.get(k), 3 if k in ("hit_rate", "prediction_accuracy") else 0)
+                     for k in keys), num(a.get("errors"))]
+            for name, a in r.get("arms", {}).items()]  # fmt: skip
+    w = r.get("workload", {})
+    return [f"- {w.get('tenants')} tenants, {w.get('sessions')} sessions x {w.get('turns')} "
+            f"turns, prefix working set {num(w.get('pressure'))}x the fleet's KV cache", "",
+            *_table(["arm", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "output tok/s",
+                     "load spread", "prediction accuracy", "errors"], rows)]  # fmt: skip
 
 
 def _failover_section(r: dict[str, Any]) -> list[str]:

@@ -1,19 +1,45 @@
-"""Routing: prefix-cache-aware against round-robin and least-loaded, on 2 real units.
+"""Routing under cache pressure: round-robin, the approximate prefix index, the exact
+(KV-event-fed) index, and the exact index behind 2 proxy replicas, on 2 real units.
 
-Two TP=1 leaders (tritonserver + vLLM with prefix caching, demo model; one core
-each) behind one `neuron-serving proxy`, restarted per policy so its prefix index
-starts empty. Workload (seeded): a shopping assistant's system prompt of ~450
-tokens shared by every session, many multi-turn chat sessions (each turn resends
-the whole history, the assistant's previous answers included), a fixed number of
-sessions in flight, turns of a session in order. Each policy gets its own store
-name at the very start of the system prompt, so vLLM's (hash-chained) prefix cache
-holds nothing from an earlier policy: every policy starts cold.
+Fleet: two TP=1 leaders (tritonserver + vLLM 0.32 with prefix caching and its KV
+event publisher, demo model, one core each), behind `neuron-serving proxy`
+processes. Every arm starts from fresh leaders and proxies: the units' prefix
+caches are empty and each proxy's KV index follows its units' event streams from
+their first batch, so no arm inherits a cache or an index from another.
 
-Reported per policy: the prefix-cache hit rate from vLLM's own counters
-(``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``, prompt tokens,
-both units, delta over the policy's run), TTFT p50/p99 (client side, OpenAI
-streaming), throughput, and the load spread (max/min requests per unit, from the
-proxy's ``/status``). Target for prefix-aware: hit rate >= 0.8 with spread <= 1.5.
+Workload (seeded, the same sessions in every arm): a multi-tenant shopping
+assistant. ``TENANTS`` stores, each with its own long system prompt (whole KV blocks
+of it), and many multi-turn chat sessions; a session belongs to a tenant drawn from
+a Zipf(1) popularity (a few hot stores, a long tail), each turn resends the whole
+history (the assistant's previous answers included), a fixed number of sessions
+run at once and a session's turns run in order. The KV cache of each unit is sized
+so that the prefix working set (every tenant's system prompt plus the history of
+the sessions in flight, in whole blocks) is ``PRESSURE`` (1.5) times the fleet's
+cache: no routing can keep everything cached, so which unit holds which prefix,
+and knowing it after evictions, decides the hit rate.
+
+With 2 replicas each request goes to one of them in turn (turn ``i`` of session
+``s`` to replica ``(s + i) % 2``), as a load balancer spreading requests would do:
+a session's turns reach both, and only a shared view of the units' caches keeps
+them on one unit.
+
+Figures per arm (each repeat runs every arm, in a rotated order):
+
+- hit rate: vLLM's own counters (``vllm:prefix_cache_hits_total /
+  vllm:prefix_cache_queries_total``, prompt tokens, both units; the leaders are
+  fresh per arm, so the totals are the arm's);
+- TTFT p50/p90/p99 (client side, OpenAI streaming), output tokens/s over the arm;
+- load spread: max/min requests per unit (the proxies' ``/status``, replicas summed);
+- vLLM preemptions (``vllm:num_preemptions_total``): sequences pushed out of a full
+  cache;
+- prediction accuracy (exact arms): the proxies' ``proxy_prefix_cache_*`` families:
+  the mean of max(0, 1 - |predicted - reported| / prompt tokens) per request, and
+  how many predictions equalled the hit vLLM reported;
+- every unit's KV routing mode at the end (``exact`` is expected).
+
+Targets (issue 20), ratios per repeat, then their spread: exact hit rate >= 1.2x the
+approximate index's; exact TTFT p90 <= 0.7x the approximate index's; 2 replicas'
+hit rate within 2 percentage points of 1 replica's.
 """
 
 from __future__ import annotations
@@ -30,44 +56,42 @@ from typing import Any
 
 import aiohttp
 
-from neuron_serving.bench.common import percentile, write_result
+from neuron_serving.bench.common import percentile, spread, write_result
 from neuron_serving.bench.sse import StreamTiming, timed_stream
 from neuron_serving.bench.stack import (
     Leader,
+    Proxy,
     metric,
     proxy_config,
     start_leader,
     start_proxy,
     wait_leaders,
 )
+from neuron_serving.ports import free_port
 
-TARGET_HIT_RATE = 0.8
-TARGET_SPREAD = 1.5
-MAX_MODEL_LEN = 1024
-# (label, routing config). "prefix_cache_aware" runs with the proxy's defaults; the
-# "-abs4" variant lowers balance_abs_threshold to 4 in-flight requests, for the case
-# where a fleet's concurrency per unit is far below the default's 32.
-POLICIES: list[tuple[str, dict[str, Any]]] = [
-    ("prefix_cache_aware", {"policy": "prefix_cache_aware"}),
-    ("prefix_cache_aware-abs4", {"policy": "prefix_cache_aware", "balance_abs_threshold": 4}),
-    ("round_robin", {"policy": "round_robin"}),
-    ("least_loaded", {"policy": "least_loaded"}),
+# (arm, routing config, proxy replicas)
+ARMS: list[tuple[str, dict[str, Any], int]] = [
+    ("round_robin", {"policy": "round_robin"}, 1),
+    ("approximate", {"policy": "prefix_cache_aware"}, 1),
+    ("exact", {"policy": "kv_aware"}, 1),
+    ("exact_2_replicas", {"policy": "kv_aware"}, 2),
 ]
-STORES = ["Northwind Outfitters", "Alpine Trail Supply", "Harbor & Pine", "Summit Gear Co"]
-SYSTEM = (
-    "You are the shopping assistant of {store}, an outdoor equipment store with shops in "
-    "Seattle, Denver and Boston and a web shop. Answer in two or three short sentences. "
-    "Policies: free shipping on orders over 50 dollars; returns within 60 days with the "
-    "receipt; price matching against local stores; members get 10 percent off and early "
-    "access to sales. Departments: running shoes (road and trail, sizes 5 to 15, wide "
-    "fits), hiking boots, tents (one to six people, three and four season), sleeping bags "
-    "(rated from minus 20 to 50 degrees), backpacks (daypacks to 85 liters), rain jackets, "
-    "insulated jackets, base layers, socks, climbing gear, kayaks and paddles, bikes and "
-    "helmets, camp kitchens and stoves, water filters, headlamps and navigation. Never "
-    "invent stock levels: when asked, say you will check the inventory. Recommend at most "
-    "two products at a time, with their price, and ask one follow-up question about the "
-    "customer's trip, size or budget. Be friendly and brief."
-)
+TARGET_HIT_RATIO = 1.2  # exact / approximate hit rate
+TARGET_P90_RATIO = 0.7  # exact / approximate TTFT p90 (30% lower)
+TARGET_REPLICA_PP = 2.0  # |2 replicas - 1 replica| hit rate, percentage points
+PRESSURE = 1.5  # prefix working set / fleet KV cache
+BLOCK_SIZE = 128  # vLLM's CPU block size (tokens): the leaders' KvInfo says the same
+SYSTEM_BLOCKS = 6  # whole KV blocks of each tenant's system prompt
+TENANTS = 8
+MAX_MODEL_LEN = 1536
+MAX_TOKENS = 16
+STORES = ["Northwind Outfitters", "Alpine Trail Supply", "Harbor and Pine", "Summit Gear",
+          "Cedar Ridge Sports", "Bluewater Paddle", "Granite Peak Co", "Prairie Wind Bikes",
+          "Redwood Camp Shop", "Ironwood Climbing"]  # fmt: skip
+TOPICS = ("running shoes tents sleeping bags backpacks rain jackets insulated jackets base "
+          "layers socks climbing gear kayaks paddles bikes helmets stoves water filters "
+          "headlamps maps compasses trekking poles gloves hats gaiters tarps hammocks coolers "
+          "chairs tables lanterns knives first aid kits sunscreen insect repellent").split()  # fmt: skip
 QUESTIONS = [
     "Do you have trail running shoes in size {n}?", "What tent would you suggest for {n} people?",
     "I need a rain jacket for a hike next week, budget {n}0 dollars.",
@@ -79,23 +103,64 @@ QUESTIONS = [
 ]  # fmt: skip
 
 
-def _sessions(n: int, turns: int, seed: int) -> list[list[str]]:
+def _count_tokens(model_dir: Path):
+    """The model's own tokenizer (tokenizer.json), to size the system prompts in tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def system_prompts(model_dir: Path, tenants: int, blocks: int, seed: int) -> list[str]:
+    """One system prompt per tenant, its store's name first (so no two tenants share a
+    block), padded with a seeded catalogue to about ``blocks`` whole KV blocks."""
+    count = _count_tokens(model_dir)
     rng = random.Random(seed)
-    return [[rng.choice(QUESTIONS).format(n=rng.randint(2, 9)) for _ in range(turns)]
-            for _ in range(n)]  # fmt: skip
+    out = []
+    for store in STORES[:tenants]:
+        text = (f"You are the shopping assistant of {store}. Answer in two short sentences, "
+                "never invent stock levels, recommend at most two products. Catalogue:")  # fmt: skip
+        while count(text) < blocks * BLOCK_SIZE:
+            text += f" {rng.choice(TOPICS)} {rng.randint(10, 999)} dollars,"
+        out.append(text)
+    return out
+
+
+def sessions_plan(n: int, turns: int, tenants: int, seed: int) -> list[tuple[int, list[str]]]:
+    """``n`` sessions of ``turns`` questions, each with its tenant: Zipf(1) popularity."""
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) for k in range(tenants)]
+    out = []
+    for i in range(n):
+        tenant = rng.choices(range(tenants), weights)[0]
+        qs = [f"Customer {i}: " + rng.choice(QUESTIONS).format(n=rng.randint(2, 9))]
+        qs += [rng.choice(QUESTIONS).format(n=rng.randint(2, 9)) for _ in range(turns - 1)]
+        out.append((tenant, qs))
+    return out
+
+
+def kv_cache_bytes(model_dir: Path, blocks: int) -> int:
+    """Bytes of ``blocks`` KV blocks of the model (K and V, every layer), in the dtype
+    the leaders run it: ``dtype auto``, where vLLM 0.32 downcasts a float32 checkpoint
+    to the platform's first supported dtype, 16-bit on CPU
+    (``vllm/config/model.py``, ``_resolve_auto_dtype``). The result records the
+    blocks vLLM actually allocated (``kv_cache_blocks_per_unit`` of each arm)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    return blocks * BLOCK_SIZE * per_token
 
 
 async def _session(
-    s: aiohttp.ClientSession, url: str, system: str, questions: list[str], max_tokens: int,
-    sid: int,
+    s: aiohttp.ClientSession, urls: list[str], sid: int, system: str, questions: list[str],
 ) -> list[StreamTiming]:  # fmt: skip
     messages = [{"role": "system", "content": system}]
     out = []
-    for q in questions:
+    for turn, q in enumerate(questions):
         messages.append({"role": "user", "content": q})
-        body = {"model": "llm", "messages": messages, "max_tokens": max_tokens, "stream": True,
+        body = {"model": "llm", "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
-        t = await timed_stream(s, url, body, headers={"x-session-id": str(sid)})
+        t = await timed_stream(s, urls[(sid + turn) % len(urls)], body)
         out.append(t)
         if t.error:
             break
@@ -103,119 +168,230 @@ async def _session(
     return out
 
 
-async def _workload(url: str, system: str, sessions: list[list[str]], concurrency: int,
-                    max_tokens: int) -> tuple[list[StreamTiming], float]:  # fmt: skip
+async def _workload(
+    urls: list[str], systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
+) -> tuple[list[StreamTiming], float]:  # fmt: skip
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(sid: int, qs: list[str]) -> list[StreamTiming]:
+    async def one(sid: int, tenant: int, qs: list[str]) -> list[StreamTiming]:
         async with gate:
-            return await _session(s, url, system, qs, max_tokens, sid)
+            return await _session(s, urls, sid, systems[tenant], qs)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(i, qs) for i, qs in enumerate(sessions)))
+        results = await asyncio.gather(*(one(i, t, qs) for i, (t, qs) in enumerate(plan)))
         wall = time.perf_counter() - start
     return [t for r in results for t in r], wall
 
 
-def _cache(leaders: list[Leader]) -> list[tuple[float, float]]:
-    return [(metric(ldr.metrics, "vllm:prefix_cache_hits_total"),
-             metric(ldr.metrics, "vllm:prefix_cache_queries_total")) for ldr in leaders]  # fmt: skip
+def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
+    """Requests per unit, prediction accuracy and KV modes, summed over the replicas."""
+    per_unit: dict[str, int] = {}
+    modes: dict[str, list[str]] = {}
+    acc_sum = acc_n = exact = 0.0
+    for p in proxies:
+        for u in p.status()["units"]:
+            per_unit[u["unit_id"]] = per_unit.get(u["unit_id"], 0) + u["requests_total"]
+            modes.setdefault(u["unit_id"], []).append((u.get("kv") or {}).get("mode", "-"))
+        addr = p.base.removeprefix("http://")
+        acc_sum += metric(addr, "proxy_prefix_cache_prediction_accuracy_sum")
+        acc_n += metric(addr, "proxy_prefix_cache_prediction_accuracy_count")
+        exact += _labelled(addr, "proxy_prefix_cache_predictions_total", 'result="exact"')
+    return {
+        "requests_per_unit": per_unit,
+        "kv_modes": modes,
+        "predictions": int(acc_n),
+        "prediction_accuracy": acc_sum / acc_n if acc_n else None,
+        "predictions_exact_share": exact / acc_n if acc_n else None,
+    }
 
 
-def _policy_run(label: str, routing: dict[str, Any], store: str, leaders: list[Leader],
-                model_dir: Path, work: Path, sessions: list[list[str]], concurrency: int,
-                max_tokens: int) -> dict[str, Any]:  # fmt: skip
-    proxy = start_proxy(proxy_config(leaders, model_dir, MAX_MODEL_LEN, routing=routing), work,
-                        name=f"proxy-{label}")  # fmt: skip
+def _labelled(addr: str, name: str, label: str) -> float:
+    from neuron_serving.bench.stack import http_get
+
+    total = 0.0
+    for line in http_get(f"http://{addr}/metrics")[1].splitlines():
+        if line.startswith(name + "{") and label in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _engine(leaders: list[Leader], name: str) -> list[float]:
+    return [metric(ldr.metrics, name) for ldr in leaders]
+
+
+def _arm_run(
+    arm: str, routing: dict[str, Any], replicas: int, model_dir: Path, work: Path,
+    kv_bytes: int, systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Fresh leaders and ``replicas`` fresh proxies, the workload, the figures."""
+    leaders = [start_leader(model_dir, work, f"{arm}-leader-{i}", cpu_bind=str(i),
+                            max_model_len=MAX_MODEL_LEN, kv_cache_bytes=kv_bytes)
+               for i in range(2)]  # fmt: skip
+    proxies: list[Proxy] = []
     try:
-        before = _cache(leaders)
-        url = f"{proxy.base}/v1/chat/completions"
-        timings, wall = asyncio.run(
-            _workload(url, SYSTEM.format(store=store), sessions, concurrency, max_tokens)
-        )
-        after = _cache(leaders)
-        per_unit = {u["unit_id"]: u["requests_total"] for u in proxy.status()["units"]}
+        wait_leaders(leaders)
+        for j in range(replicas):
+            cfg = proxy_config(leaders, model_dir, MAX_MODEL_LEN, routing=routing,
+                               openai_channel=True, upstream_protocol="grpc")  # fmt: skip
+            cfg["port"], cfg["admin_port"] = free_port(), free_port()
+            proxies.append(start_proxy(cfg, work, name=f"{arm}-proxy-{j}"))
+        urls = [f"{p.base}/v1/chat/completions" for p in proxies]
+        timings, wall = asyncio.run(_workload(urls, systems, plan, concurrency))
+        hits = _engine(leaders, "vllm:prefix_cache_hits_total")
+        queries = _engine(leaders, "vllm:prefix_cache_queries_total")
+        preempted = _engine(leaders, "vllm:num_preemptions_total")
+        blocks = [_kv_blocks(ldr) for ldr in leaders]
+        figures = _proxy_figures(proxies)
     finally:
-        proxy.process.stop()
-    hits = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
-    queries = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+        for p in proxies:
+            p.process.stop()
+        for ldr in leaders:
+            ldr.process.stop()
     ok = [t for t in timings if not t.error]
     ttft = [t.ttft_s for t in ok]
-    counts = list(per_unit.values())
-    load_spread = max(counts) / min(counts) if min(counts) > 0 else None  # None: a unit got 0
+    counts = list(figures["requests_per_unit"].values())
     return {
-        "routing": routing,
+        "routing": routing, "replicas": replicas,
         "hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
         "hit_rate_per_unit": [h / q if q else None for h, q in zip(hits, queries, strict=True)],
         "prefix_cache_hit_tokens": hits, "prefix_cache_query_tokens": queries,
-        "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+        "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p90_ms": percentile(ttft, 90) * 1e3,
+        "ttft_p99_ms": percentile(ttft, 99) * 1e3,
         "requests": len(timings), "errors": len(timings) - len(ok),
         "first_error": next((t.error for t in timings if t.error), ""),
         "wall_s": wall, "requests_per_s": len(ok) / wall,
         "output_tokens_per_s": sum(t.chunks for t in ok) / wall,
-        "requests_per_unit": per_unit, "load_spread": load_spread,
+        "load_spread": max(counts) / min(counts) if counts and min(counts) > 0 else None,
+        "preemptions": preempted, "kv_cache_blocks_per_unit": blocks, **figures,
     }  # fmt: skip
+
+
+def _kv_blocks(leader: Leader) -> int | None:
+    """The unit's KV cache size in blocks (vLLM's ``vllm:cache_config_info`` label)."""
+    from neuron_serving.bench.stack import http_get
+
+    for line in http_get(f"http://{leader.metrics}/metrics")[1].splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            for part in line.split("{", 1)[1].split("}", 1)[0].split(","):
+                key, _, value = part.partition("=")
+                if key == "num_gpu_blocks" and value.strip('"').isdigit():
+                    return int(value.strip('"'))
+    return None
+
+
+def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The targets' ratios within each repeat (arms of one repeat ran back to back),
+    then their spread over the repeats."""
+    hit, p90, pp = [], [], []
+    for rep in per_repeat:
+        ex, ap, r2 = rep["exact"], rep["approximate"], rep.get("exact_2_replicas")
+        if ex["hit_rate"] is not None and ap["hit_rate"]:
+            hit.append(ex["hit_rate"] / ap["hit_rate"])
+        if ap["ttft_p90_ms"]:
+            p90.append(ex["ttft_p90_ms"] / ap["ttft_p90_ms"])
+        if r2 is not None and r2["hit_rate"] is not None and ex["hit_rate"] is not None:
+            pp.append(abs(r2["hit_rate"] - ex["hit_rate"]) * 100)
+    return {
+        "hit_rate_exact_over_approximate": spread(hit),
+        "ttft_p90_exact_over_approximate": spread(p90),
+        "hit_rate_pp_2_replicas_vs_1": spread(pp),
+    }
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
     from neuron_serving.models.demo import build_demo_model
 
-    n_sessions, turns, concurrency = (32, 4, 8) if quick else (96, 6, 16)
-    max_tokens = 8 if quick else 16
-    sessions = _sessions(n_sessions, turns, seed=0)
-    results: dict[str, Any] = {}
+    n_sessions, turns, concurrency = (48, 4, 6) if quick else (128, 5, 8)
+    repeats = repeats or (1 if quick else 2)
+    plan = sessions_plan(n_sessions, turns, TENANTS, seed=0)
+    per_repeat: list[dict[str, dict[str, Any]]] = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ns-bench-routing-") as tmp:
         work = Path(tmp)
         model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
-        # One core each: two leaders binding the same core would halve both.
-        leaders = [start_leader(model_dir, work, f"leader-{i}", cpu_bind=str(i),
-                                max_model_len=MAX_MODEL_LEN) for i in range(2)]  # fmt: skip
-        try:
-            wait_leaders(leaders)
-            for (label, routing), store in zip(POLICIES, STORES, strict=True):
-                results[label] = r = _policy_run(label, routing, store, leaders, model_dir, work,
-                                                 sessions, concurrency, max_tokens)  # fmt: skip
-                print(f"{label}: hit rate {r['hit_rate']:.3f}, spread {r['load_spread']}, "
-                      f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
-                      f"{r['requests_per_s']:.2f} req/s, per unit {r['requests_per_unit']}",
+        systems = system_prompts(model_dir, TENANTS, SYSTEM_BLOCKS, seed=0)
+        # The prefix working set, in whole blocks: every tenant's system prompt, and the
+        # full blocks of each in-flight session's own history at its last turn (its
+        # questions and the assistant's answers, about 40 tokens a turn).
+        history_blocks = turns * 40 // BLOCK_SIZE
+        working_set = TENANTS * SYSTEM_BLOCKS + concurrency * history_blocks
+        unit_blocks = round(working_set / PRESSURE / 2)
+        kv_bytes = kv_cache_bytes(model_dir, unit_blocks)
+        for r in range(repeats):
+            rep: dict[str, dict[str, Any]] = {}
+            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
+            for arm, routing, replicas in order:
+                rep[arm] = res = _arm_run(arm, routing, replicas, model_dir, work, kv_bytes,
+                                          systems, plan, concurrency)  # fmt: skip
+                print(f"[{r}] {arm}: hit rate {res['hit_rate']:.3f}, TTFT p50 "
+                      f"{res['ttft_p50_ms']:.0f} p90 {res['ttft_p90_ms']:.0f} ms, "
+                      f"{res['output_tokens_per_s']:.0f} tok/s, per unit "
+                      f"{res['requests_per_unit']}, preempted {res['preemptions']}, "
+                      f"accuracy {res['prediction_accuracy']}, modes {res['kv_modes']}, "
+                      f"errors {res['errors']} {res['first_error']}",
                       file=sys.stderr, flush=True)  # fmt: skip
-        finally:
-            for ldr in leaders:
-                ldr.process.stop()
-    pa = results["prefix_cache_aware"]
-    met = (pa["hit_rate"] or 0) >= TARGET_HIT_RATE and (
-        pa["load_spread"] is not None and pa["load_spread"] <= TARGET_SPREAD
-    )
+            per_repeat.append(rep)
+    arms = {
+        arm: {
+            key: spread([rep[arm][key] for rep in per_repeat if rep[arm][key] is not None])
+            for key in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
+                        "output_tokens_per_s", "load_spread", "prediction_accuracy",
+                        "predictions_exact_share")
+        } | {"errors": sum(rep[arm]["errors"] for rep in per_repeat)}
+        for arm, _, _ in ARMS
+    }  # fmt: skip
+    ratios = _ratios(per_repeat)
+
+    def met(key: str, ok) -> bool | None:
+        med = ratios[key].get("median")
+        return None if med is None else bool(ok(med))
+
     result = {
         "workload": {
             "units": 2,
             "tp": 1,
+            "tenants": TENANTS,
+            "tenant_popularity": "zipf(1)",
+            "system_prompt_blocks": SYSTEM_BLOCKS,
+            "block_size": BLOCK_SIZE,
             "sessions": n_sessions,
             "turns": turns,
             "concurrent_sessions": concurrency,
-            "max_tokens": max_tokens,
+            "max_tokens": MAX_TOKENS,
             "ignore_eos": True,
-            "system_prompt_chars": len(SYSTEM.format(store=STORES[0])),
+            "prefix_working_set_blocks": working_set,
+            "kv_cache_blocks_per_unit": unit_blocks,
+            "pressure": working_set / (2 * unit_blocks),
+            "kv_cache_bytes_per_unit": kv_bytes,
             "model": "demo" if model is None else model,
             "seed": 0,
             "cpu_bind": ["0", "1"],
             "api": "OpenAI chat completions, streamed",
+            "repeats": repeats,
         },  # fmt: skip
         # On a shared 2-core machine other work shifts TTFT and throughput (not hit rates).
         "machine_load": {
             "load_avg_1m_start": load_before[0],
             "load_avg_1m_end": os.getloadavg()[0],
         },  # fmt: skip
-        "policies": results,
-        "targets": {"hit_rate": TARGET_HIT_RATE, "load_spread": TARGET_SPREAD},
-        "met_by_prefix_cache_aware_defaults": met,
-        "note": "load_spread null means one unit received no request (spread infinite)",
+        "arms": arms,
+        "repeats": per_repeat,
+        "ratios": ratios,
+        "targets": {
+            "hit_rate_exact_over_approximate": f">= {TARGET_HIT_RATIO}",
+            "ttft_p90_exact_over_approximate": f"<= {TARGET_P90_RATIO}",
+            "hit_rate_pp_2_replicas_vs_1": f"<= {TARGET_REPLICA_PP}",
+        },
+        "met": {
+            "hit_rate": met("hit_rate_exact_over_approximate", lambda v: v >= TARGET_HIT_RATIO),
+            "ttft_p90": met("ttft_p90_exact_over_approximate", lambda v: v <= TARGET_P90_RATIO),
+            "replicas": met("hit_rate_pp_2_replicas_vs_1", lambda v: v <= TARGET_REPLICA_PP),
+        },
     }
     path = write_result("routing" + ("-quick" if quick else ""), result)
     print(f"routing -> {path}", file=sys.stderr)
     if emit_json:
-        print(json.dumps({k: {"hit_rate": v["hit_rate"], "load_spread": v["load_spread"]}
-                          for k, v in results.items()}))  # fmt: skip
-    return 0 if all(r["errors"] == 0 for r in results.values()) else 1
+        print(json.dumps({"ratios": {k: v.get("median") for k, v in ratios.items()},
+                          "met": result["met"]}))  # fmt: skip
+    return 0 if all(a["errors"] == 0 for a in arms.values()) else 1

@@ -468,7 +468,7 @@ class ChannelUpstream:
     def _set_load(self, unit_id: str, load: EngineLoad | None) -> None:
         unit = None if self._registry is None else self._registry.get(unit_id)
         if unit is not None:
-            unit.engine_load = load
+            unit.set_engine_load(load)
 
     def _channel_load(self, channel: LeaderChannel) -> None:
         """A channel's load changed: its units' too, if it is the channel in use at

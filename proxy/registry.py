@@ -67,8 +67,11 @@ class UnitState:
     draining: bool = False
     in_flight: int = 0
     # The leader's last load report; None while its channel is not connected (then
-    # flow control has only the proxy's own in-flight count).
+    # flow control has only the proxy's own in-flight count). Set it with
+    # ``set_engine_load``, which also notes ``in_flight`` then (``load_now``).
     engine_load: EngineLoad | None = None
+    # (report, this proxy's in-flight count there when the report arrived).
+    load_base: tuple[EngineLoad, int] | None = field(default=None, repr=False)
     # Outlier detection (written only by proxy.outlier).
     consecutive_errors: int = 0
     times_ejected: int = 0
@@ -101,6 +104,30 @@ class UnitState:
         if report is None:
             return self.in_flight
         return max(self.in_flight, report.running + report.waiting)
+
+    def set_engine_load(self, report: EngineLoad | None) -> None:
+        """A load report arrived (None: the channel is gone). The same report set again
+        (a unit announced at a connected channel) keeps the in-flight count noted when
+        it first arrived."""
+        if report is not None and (self.load_base is None or self.load_base[0] is not report):
+            self.load_base = (report, self.in_flight)
+        self.engine_load = report
+
+    def load_now(self, report: EngineLoad | None) -> int:
+        """Routing's estimate of the unit's sequences now: the report's running +
+        waiting, plus this proxy's requests started there since it arrived, minus
+        those that ended since (the engine's count moved by as much, whatever the
+        other proxies did meanwhile); never below this proxy's in-flight count there.
+        A report lags: the leader pushes a change at most every 100 ms, so the last
+        report of a burst may still count sequences that this proxy has seen end
+        (``sequences`` would keep them: flow control's bound, on purpose). Without the
+        in-flight count at the report's arrival (one assigned directly), ``sequences``."""
+        if report is None:
+            return self.in_flight
+        base = self.load_base
+        if base is None or base[0] is not report:
+            return self.sequences(report)
+        return max(self.in_flight, report.running + report.waiting + self.in_flight - base[1])
 
     def nodes_healthy(self) -> bool:
         return all(n.healthy for n in self.nodes)

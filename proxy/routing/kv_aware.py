@@ -11,9 +11,11 @@ For each candidate unit u, with the prompt's token ids (``proxy/prompt_tokens.py
                                  proxy sent which prompts) x prompt tokens
                    partial       the larger of the two (the exact index misses
                                  blocks stored before it joined the stream)
-    seqs_u     = flow control's load figure (``UnitState.sequences``): running +
-                 waiting in u's engine (its leader's ``Load`` report) or this
-                 proxy's in-flight count there, whichever is higher
+    seqs_u     = u's sequences now (``UnitState.load_now``): running + waiting in
+                 u's engine as its leader last reported them (``Load``), plus this
+                 proxy's requests started there since that report arrived, minus
+                 those that ended since; never below this proxy's in-flight count
+                 there (a unit without a fresh report: that count alone)
     cost_u     = ((prompt tokens - cached_u) / prefill_tokens_per_seq + seqs_u)
                      / max_num_seqs_u  +  kv_usage_u
 
@@ -29,6 +31,17 @@ prompt tokens. A conversation's cached history of 1k tokens thus outweighs about
 more sequences on its unit; a full KV cache (``kv_usage`` 1) weighs a whole running
 batch (vLLM preempts there). Flow control already keeps units without room out of
 the candidates, so the load term only ranks units that can all take the request.
+
+Why not flow control's figure, max(report, in-flight) (``UnitState.sequences``): a
+leader pushes a change at most every 100 ms, so when a burst's last sequences end
+within 100 ms of its previous push, the report still counts them for up to 100 ms
+after this proxy has relayed their ends. The maximum kept them: with short prompts
+(no overlap, so load decides) a burst that followed another one went whole to the
+other unit (the local cluster's failover test, 8 streams after 8 others, as the
+default; simulated with the leader's push rule, the unit that finished last still
+reported 4 running with 0 in flight there on either proxy). With this
+proxy's ends counted against the report, only other proxies' ends since it are
+unseen, until the leader's next report.
 
 A request without token ids (no tokenizer or template the proxy reproduces, or a
 request it cannot render: ``prompt_tokens.py``), or whose candidates are all in
@@ -69,14 +82,14 @@ _TIE = 1e-9
 
 
 def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, int, float]:
-    """(sequences, max_num_seqs, kv_usage) of the unit: flow control's figure
-    (``UnitState.sequences``: its engine's report or this proxy's in-flight count
-    there, whichever is higher; in-flight alone without a report younger than
-    ``max_age_s``)."""
+    """(sequences, max_num_seqs, kv_usage) of the unit: ``UnitState.load_now`` (its
+    engine's report moved by this proxy's starts and ends there since it arrived,
+    at least this proxy's in-flight count there; in-flight alone without a report
+    younger than ``max_age_s``)."""
     report = unit.fresh_load(now, max_age_s)
     if report is None or report.max_num_seqs < 1:
         return float(unit.in_flight), DEFAULT_MAX_NUM_SEQS, 0.0
-    return float(unit.sequences(report)), report.max_num_seqs, report.kv_usage
+    return float(unit.load_now(report)), report.max_num_seqs, report.kv_usage
 
 
 class KvAwarePolicy:

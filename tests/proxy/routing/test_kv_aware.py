@@ -144,3 +144,46 @@ def test_session_affinity_still_pins_sessions() -> None:
               for s in ("s1",) * 5}  # fmt: skip
     assert len(chosen) == 1
     assert not p.needs_prompt_tokens(us)
+
+
+def test_a_burst_after_a_burst_is_spread() -> None:
+    """The local cluster's failover test, two proxy replicas in front of units a and b:
+    8 short prompts (no overlap: the load decides), then the same 8 again. a's last
+    report of the first burst said 4 running (2 from each proxy) and its 0 was still
+    held by the leader's 100 ms push interval when the second burst came, after every
+    stream had ended. With a report that outweighed the proxies' own (empty) view,
+    all 8 went to b; counted against the ends since, a gets some."""
+    fleet = fleet_with(a=0, b=0)
+    short = PROMPT[:24]
+    sent = {"a": 0, "b": 0}
+    for seed in (1, 2):  # two proxy replicas, each with its own in-flight counts
+        a, b = units("a", "b")
+        a.in_flight = 2  # this proxy's share of the first burst there, when a reported 4
+        a.set_engine_load(EngineLoad(4, 0, 0.002, 16, time.monotonic()))
+        b.set_engine_load(EngineLoad(0, 0, 0.0, 16, time.monotonic()))
+        a.in_flight = 0  # ... which then ended
+        p = policy(fleet, seed)
+        for _ in range(4):
+            unit = p.choose(req(short), [a, b]).unit
+            unit.in_flight += 1  # the dispatcher counts the attempt
+            sent[unit.unit_id] += 1
+    assert sent == {"a": 2, "b": 6}
+
+
+def test_load_now_moves_the_report_by_this_proxys_starts_and_ends() -> None:
+    (u,) = units("u")
+    report = EngineLoad(5, 1, 0.1, 16, time.monotonic())
+    u.in_flight = 3
+    u.set_engine_load(report)
+    u.in_flight = 2  # 2 ended, 1 started since the report
+    assert u.load_now(report) == 5
+    u.set_engine_load(report)  # the same report again (a unit announced) keeps its base
+    assert u.load_now(report) == 5
+    u.in_flight = 0
+    assert u.load_now(report) == 3  # other proxies' sequences stay counted
+    u.in_flight = 9
+    assert u.load_now(report) == 12
+    # Never below this proxy's own count there; one assigned directly: sequences().
+    assert u.load_now(EngineLoad(0, 0, 0.0, 16, time.monotonic())) == u.sequences(None) == 9
+    u.set_engine_load(None)
+    assert u.engine_load is None and u.load_now(None) == 9

@@ -293,10 +293,14 @@ class RoutingConfig:
     # kv_aware: uncached prompt tokens that weigh as much as one more running or
     # waiting sequence on a unit (proxy/routing/kv_aware.py).
     prefill_tokens_per_seq: float = 256.0
+    # kv_aware: a unit's KV usage weighs nothing up to this fraction, then rises to a
+    # whole running batch at a full cache (proxy/routing/kv_aware.py).
+    kv_usage_high: float = 0.8
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
         _check(self.prefill_tokens_per_seq > 0, "routing.prefill_tokens_per_seq must be > 0")
+        _check(0 <= self.kv_usage_high < 1, "routing.kv_usage_high must be in [0, 1)")
         _check(self.block_chars >= 1, "routing.block_chars must be >= 1")
         _check(self.max_blocks_per_unit >= 1, "routing.max_blocks_per_unit must be >= 1")
         _check(0 <= self.cache_threshold <= 1, "routing.cache_threshold must be in [0, 1]")

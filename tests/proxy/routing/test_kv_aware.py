@@ -68,10 +68,24 @@ def test_unless_the_unit_is_much_more_loaded() -> None:
     a.engine_load = EngineLoad(0, 0, 0.0, 16, time.monotonic())
     a.in_flight = 3
     assert policy(fleet).choose(req(), [a, b]).unit is b
-    # So does a fuller KV cache: 0.25 of it weighs 4 sequences.
+    # KV usage up to kv_usage_high (0.8) weighs nothing: the cache has room.
     a.in_flight = 0
-    a.engine_load = EngineLoad(0, 0, 0.25, 16, time.monotonic())
+    a.engine_load = EngineLoad(0, 0, 0.8, 16, time.monotonic())
+    assert policy(fleet).choose(req(), [a, b]).unit is a
+    # Above it, it rises to a whole batch at a full cache: 0.85 is 0.25 of that, 4 sequences.
+    a.engine_load = EngineLoad(0, 0, 0.85, 16, time.monotonic())
     assert policy(fleet).choose(req(), [a, b]).unit is b
+
+
+def test_a_small_cache_half_full_does_not_outweigh_a_cached_system_prompt() -> None:
+    """bench routing's case: 18-block caches, one running conversation holds 7 of them
+    (39%); a unit holding the prompt's 48 blocks keeps it over an idle unit holding 8,
+    where the full KV usage (6 sequences' worth at max_num_seqs 16) used to send it."""
+    fleet = fleet_with(a=48, b=8)
+    (a,), (b,) = units("a", running=1), units("b")
+    a.engine_load = EngineLoad(1, 0, 7 / 18, 16, time.monotonic())
+    d = policy(fleet).choose(req(), [a, b])
+    assert d.unit is a and d.reason == "kv_overlap"
 
 
 def test_a_fully_cached_prompt_predicts_all_but_its_last_block() -> None:

@@ -245,7 +245,8 @@ class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     """The unit's load, from its leader's vLLM scheduler stats (the proxy keeps it as
     ``registry.EngineLoad``). Counts every request the engine holds, whichever proxy
     (or Triton client) sent it; ``kv_usage`` is the fraction of KV cache blocks in
-    use, 0..1; ``max_num_seqs`` the engine's bound on running sequences. Sent when it
+    use, 0..1; ``max_num_seqs`` the engine's bound on running sequences, ``num_blocks`` its KV
+    cache size in blocks. Sent when it
     changes (at most every ``LOAD_INTERVAL_S``) and, unchanged, every
     ``LOAD_REFRESH_S`` (``triton/channel_server.py``)."""
 
@@ -253,6 +254,11 @@ class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     waiting: int
     kv_usage: float
     max_num_seqs: int
+    # The engine's KV cache size in blocks (vLLM's num_gpu_blocks; 0 = unknown). Last
+    # and defaulted: msgspec fills a missing trailing field of an array-like struct
+    # with its default and ignores an extra one, so leaders and proxies of either
+    # version understand each other.
+    num_blocks: int = 0
 
 
 class KvInfo(msgspec.Struct, tag=2, array_like=True, frozen=True):

@@ -245,7 +245,9 @@ class LeaderChannel(asyncio.Protocol):
         call.wake()
 
     def _loaded(self, m: Load) -> None:
-        self.load = EngineLoad(m.running, m.waiting, m.kv_usage, m.max_num_seqs, time.monotonic())
+        self.load = EngineLoad(
+            m.running, m.waiting, m.kv_usage, m.max_num_seqs, time.monotonic(), m.num_blocks
+        )
         if self.on_load is not None:
             self.on_load(self)
 

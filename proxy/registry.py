@@ -52,6 +52,7 @@ class EngineLoad:
     kv_usage: float  # fraction of KV cache blocks in use, 0..1
     max_num_seqs: int  # the engine's running-batch bound (vLLM's max_num_seqs)
     at: float  # time.monotonic() when the proxy received it
+    num_blocks: int = 0  # the engine's KV cache size in blocks; 0 = not reported
 
 
 @dataclass(slots=True)

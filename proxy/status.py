@@ -69,6 +69,7 @@ def _unit(
             "waiting": u.engine_load.waiting,
             "kv_usage": round(u.engine_load.kv_usage, 4),
             "max_num_seqs": u.engine_load.max_num_seqs,
+            "num_blocks": u.engine_load.num_blocks,
             "age_s": round(now - u.engine_load.at, 3),
         },
         # Its prefix cache hits, reported against predicted (kv_accuracy.py), or null

@@ -36,8 +36,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# (running, waiting, kv_usage, max_num_seqs): what a proxy is sent.
-Snapshot = tuple[int, int, float, int]
+# (running, waiting, kv_usage, max_num_seqs, num_blocks): what a proxy is sent.
+Snapshot = tuple[int, int, float, int, int]
 # KV usage is sent to this many decimals: finer changes are not worth a frame.
 KV_DECIMALS = 3
 
@@ -48,6 +48,7 @@ class EngineLoadTracker:
 
     def __init__(self) -> None:
         self.max_num_seqs: int | None = None  # known once vLLM built the logger
+        self.num_blocks = 0  # the KV cache's blocks, known then too (0: unknown)
         self._stats: tuple[int, int, float] = (0, 0, 0.0)
         self._unfinished: Callable[[], int] | None = None
         self._listeners: list[Callable[[], None]] = []
@@ -92,7 +93,7 @@ class EngineLoadTracker:
         """What to send a proxy; None before vLLM has built the logger."""
         if self.max_num_seqs is None:
             return None
-        return (*self._stats, self.max_num_seqs)
+        return (*self._stats, self.max_num_seqs, self.num_blocks)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
@@ -118,6 +119,9 @@ def logger_class() -> type:
             self.tracker = tracker if tracker is not None else EngineLoadTracker()
             self.engine_index = engine_index
             self.tracker.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+            # Set in the front end's config from EngineCore's handshake before the stat
+            # loggers are built (vLLM's Prometheus logger labels cache_config_info with it).
+            self.tracker.num_blocks = int(vllm_config.cache_config.num_gpu_blocks or 0)
 
         def record(
             self,

@@ -16,11 +16,19 @@ For each candidate unit u, with the prompt's token ids (``proxy/prompt_tokens.py
                  proxy's requests started there since that report arrived, minus
                  those that ended since; never below this proxy's in-flight count
                  there (a unit without a fresh report: that count alone)
-    kv_u       = u's KV pressure: 0 while its KV usage (the report's fraction of
-                 blocks held by running sequences) is at most ``kv_usage_high``
-                 (0.8), rising linearly to 1 at a full cache
-    cost_u     = ((prompt tokens - cached_u) / prefill_tokens_per_seq + seqs_u)
-                     / max_num_seqs_u  +  kv_u
+    wait_u     = sequences that must end on u before the prompt's uncached blocks
+                 fit in its KV cache: 0 when ``ceil((prompt tokens - cached_u) /
+                 block size)`` <= its free blocks (``(1 - kv_usage) x num_blocks``
+                 from its report), else the shortfall over the blocks a running
+                 sequence holds there on average, at most the running batch
+                 (``kv_wait``)
+    cost_u     = ((prompt tokens - cached_u) / prefill_tokens_per_seq + seqs_u
+                     + wait_u) / max_num_seqs_u
+
+A leader that reports no cache size (``num_blocks`` 0: a leader of an earlier
+version) gets the earlier KV term instead of ``wait_u``: ``+ kv_u`` outside the
+division, 0 up to KV usage ``kv_usage_high`` (0.8), rising to 1 (a whole batch) at a
+full cache.
 
 and the lowest cost wins, ties at random (so proxies and bursts do not herd). In
 Dynamo's terms (``cost = overlap_score_weight x prefill blocks + decode blocks``, its
@@ -35,16 +43,17 @@ more sequences on its unit; a full KV cache weighs a whole running batch (vLLM
 preempts there). Flow control already keeps units without room out of
 the candidates, so the load term only ranks units that can all take the request.
 
-Why KV usage counts only above ``kv_usage_high``: below it the cache has room, and
+Why the KV term is "does it fit", not KV usage: while the prompt's new blocks fit,
 usage says nothing about how long the request will wait; it only measures how much
 context the running sequences hold, which ``seqs_u`` already counts. Counted in full
-(``+ kv_usage_u``, as before) it swamped the rest on a small cache: with 18 blocks of
-128 tokens a unit running one 900-token conversation is 39% full, 6 sequences' worth
-at ``max_num_seqs`` 16, while a cached 768-token system prompt is worth 3, so
-``bench routing``'s exact arm spread every tenant's sessions over both units by KV
-usage and got a lower prefix-cache hit rate than round-robin (0.76 against 0.78).
-Near a full cache it matters: a request that does not fit waits, or vLLM evicts
-cached prefixes (and preempts sequences) to admit it.
+(``+ kv_usage_u``, an earlier version) it swamped the rest on a small cache: with 18
+blocks of 128 tokens a unit running one 900-token conversation is 39% full, 6
+sequences' worth at ``max_num_seqs`` 16, while a cached 768-token system prompt is
+worth 3, so ``bench routing``'s exact arm spread every tenant's sessions over both
+units by KV usage and got the prefix-cache hit rate of round-robin (0.52 against
+0.50; the approximate index 0.73). When the blocks do not fit, the request waits in
+vLLM's queue until running sequences end (or vLLM preempts one): that wait is what
+``wait_u`` counts, in sequences, like the rest.
 
 Why not flow control's figure, max(report, in-flight) (``UnitState.sequences``): a
 leader pushes a change at most every 100 ms, so when a burst's last sequences end
@@ -83,7 +92,7 @@ import time
 from collections.abc import Sequence
 
 from proxy.config import RoutingConfig
-from proxy.registry import UnitState
+from proxy.registry import EngineLoad, UnitState
 from proxy.routing.base import RouteRequest, RoutingDecision
 from proxy.routing.cache_aware import PrefixCacheAwarePolicy
 from proxy.routing.kv_fleet import KvFleet, KvMode
@@ -102,15 +111,29 @@ def kv_pressure(kv_usage: float, high: float) -> float:
     return min(1.0, (kv_usage - high) / (1.0 - high))
 
 
-def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, int, float]:
-    """(sequences, max_num_seqs, kv_usage) of the unit: ``UnitState.load_now`` (its
-    engine's report moved by this proxy's starts and ends there since it arrived,
-    at least this proxy's in-flight count there; in-flight alone without a report
+def kv_wait(need_blocks: int, report: EngineLoad) -> float:
+    """Sequences that must end before ``need_blocks`` new blocks fit in the unit's KV
+    cache (0 when they fit now): the shortfall over the blocks a running sequence
+    holds on average there, at most the running batch (more than that: the prompt
+    waits for the whole batch, or does not fit at all)."""
+    free = (1.0 - report.kv_usage) * report.num_blocks
+    short = need_blocks - free
+    if short <= 1e-6:  # (1 - kv_usage) x num_blocks is a float: 0.2 x 100 < 20
+        return 0.0
+    running = max(report.running, 1)
+    per_seq = report.kv_usage * report.num_blocks / running
+    return min(float(running), short / per_seq) if per_seq > 0 else float(running)
+
+
+def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, EngineLoad | None]:
+    """(sequences, its fresh report) of the unit: ``UnitState.load_now`` (its engine's
+    report moved by this proxy's starts and ends there since it arrived, at least this
+    proxy's in-flight count there; in-flight alone, and no report, without a report
     younger than ``max_age_s``)."""
     report = unit.fresh_load(now, max_age_s)
     if report is None or report.max_num_seqs < 1:
-        return float(unit.in_flight), DEFAULT_MAX_NUM_SEQS, 0.0
-    return float(unit.load_now(report)), report.max_num_seqs, report.kv_usage
+        return float(unit.in_flight), None
+    return float(unit.load_now(report)), report
 
 
 class KvAwarePolicy:
@@ -156,11 +179,18 @@ class KvAwarePolicy:
             if mode is not KvMode.EXACT and chain:
                 approx = self.approx.index.match_blocks(u.unit_id, chain) / len(chain) * n
             cached = max(exact, approx)
-            seqs, max_seqs, kv_usage = unit_load(u, now, self.load_max_age_s)
+            seqs, report = unit_load(u, now, self.load_max_age_s)
             uncached = n - cached
-            cost = (uncached / self.cfg.prefill_tokens_per_seq + seqs) / max_seqs + kv_pressure(
-                kv_usage, self.cfg.kv_usage_high
-            )
+            cost = uncached / self.cfg.prefill_tokens_per_seq + seqs
+            if report is None:
+                cost /= DEFAULT_MAX_NUM_SEQS
+            elif report.num_blocks > 0 and mode is not KvMode.APPROXIMATE:
+                need = -(-int(uncached) // (fleet.block_size(u.unit_id) or 1))
+                cost = (cost + kv_wait(need, report)) / report.max_num_seqs
+            else:  # no cache size reported (an older leader), or no block size known
+                cost = cost / report.max_num_seqs + kv_pressure(
+                    report.kv_usage, self.cfg.kv_usage_high
+                )
             predicted = int(exact) if mode is KvMode.EXACT else None
             scored.append((cost, cached, predicted, exact >= approx, u))
         low = min(s[0] for s in scored)

@@ -84,7 +84,7 @@ def test_event_final_and_compact_encoding() -> None:
 def test_events_and_loads_share_the_leaders_frames() -> None:
     messages = [oc.Event(3, b"x", finish_reason="stop"), oc.Load(5, 2, 0.375, 8)]
     raw = msgspec.msgpack.encode(messages)
-    assert msgspec.msgpack.decode(raw)[1] == [1, 5, 2, 0.375, 8]  # tag 1, then the fields
+    assert msgspec.msgpack.decode(raw)[1] == [1, 5, 2, 0.375, 8, 0]  # tag 1, then the fields
     decoded = msgspec.msgpack.decode(raw, type=oc.ToProxy)
     assert decoded == messages and type(decoded[1]) is oc.Load
     assert not oc.Event(3).final  # Load has no ``final``; it is not a call's
@@ -108,8 +108,8 @@ def test_messages_to_the_proxy_are_typed(hostile) -> None:
 
 def test_trailing_fields_are_ignored_as_msgspec_does_for_every_message() -> None:
     """A later wire version may append fields to a message; this one reads its own."""
-    raw = msgspec.msgpack.encode([[1, 5, 2, 0.5, 8, "a later field"]])
-    assert msgspec.msgpack.decode(raw, type=oc.ToProxy) == [oc.Load(5, 2, 0.5, 8)]
+    raw = msgspec.msgpack.encode([[1, 5, 2, 0.5, 8, 36, "a later field"]])
+    assert msgspec.msgpack.decode(raw, type=oc.ToProxy) == [oc.Load(5, 2, 0.5, 8, 36)]
 
 
 def test_the_proxys_frame_bound_holds() -> None:
@@ -223,3 +223,21 @@ def test_event_cached_tokens_is_a_compatible_trailing_field() -> None:
         finish_reason: str | None
 
     assert msgspec.msgpack.decode(new, type=list[Older]) == [Older(4, b"", None, "stop")]
+
+
+def test_a_load_without_num_blocks_and_one_with_it_both_decode() -> None:
+    """``Load.num_blocks`` was added last with a default: a leader of the previous
+    version (4 fields) and a proxy of the previous version (reading 5) still agree."""
+
+    class OldLoad(msgspec.Struct, tag=1, array_like=True, frozen=True):
+        running: int
+        waiting: int
+        kv_usage: float
+        max_num_seqs: int
+
+    new = msgspec.msgpack.Decoder(oc.ToProxy)
+    old = msgspec.msgpack.Decoder(list[OldLoad])
+    assert new.decode(msgspec.msgpack.encode([OldLoad(1, 2, 0.5, 8)])) == [oc.Load(1, 2, 0.5, 8, 0)]
+    assert old.decode(msgspec.msgpack.encode([oc.Load(1, 2, 0.5, 8, 36)])) == [
+        OldLoad(1, 2, 0.5, 8)
+    ]

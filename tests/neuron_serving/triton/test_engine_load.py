@@ -10,7 +10,10 @@ from vllm.v1.metrics.stats import SchedulerStats
 
 from neuron_serving.triton.engine_load import EngineLoadTracker
 
-CONFIG = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+CONFIG = SimpleNamespace(
+    scheduler_config=SimpleNamespace(max_num_seqs=8),
+    cache_config=SimpleNamespace(num_gpu_blocks=36),
+)
 
 
 class Engine:
@@ -27,12 +30,12 @@ def test_the_logger_records_vllms_scheduler_stats() -> None:
     logger = load.stat_logger(CONFIG, 0)
     assert isinstance(logger, StatLoggerBase)
     logger.log_engine_initialized()
-    assert load.snapshot() == (0, 0, 0.0, 8)
+    assert load.snapshot() == (0, 0, 0.0, 8, 36)
     stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.41234)
     logger.record(stats, None, engine_idx=0)
-    assert load.snapshot() == (3, 2, 0.412, 8)  # KV usage to 3 decimals
+    assert load.snapshot() == (3, 2, 0.412, 8, 36)  # KV usage to 3 decimals
     logger.record(None, None)  # outputs without stats change nothing
-    assert load.snapshot() == (3, 2, 0.412, 8) and load.records == 1
+    assert load.snapshot() == (3, 2, 0.412, 8, 36) and load.records == 1
 
 
 def test_listeners_hear_changes_only() -> None:
@@ -45,7 +48,7 @@ def test_listeners_hear_changes_only() -> None:
     load.record(1, 0, 0.1)  # the same again: not a change
     load.record(1, 0, 0.10001)  # below the KV resolution: not a change either
     load.record(2, 0, 0.1)
-    assert heard == [(1, 0, 0.1, 8), (2, 0, 0.1, 8)]
+    assert heard == [(1, 0, 0.1, 8, 36), (2, 0, 0.1, 8, 36)]
     load.unsubscribe(listener)
     load.record(3, 0, 0.1)
     assert len(heard) == 2
@@ -60,16 +63,16 @@ def test_idle_when_the_front_end_holds_no_request() -> None:
     engine = Engine(unfinished=1)
     load.bind(engine)
     load.record(1, 0, 0.05)
-    assert load.snapshot() == (1, 0, 0.05, 8)
+    assert load.snapshot() == (1, 0, 0.05, 8, 36)
     engine.unfinished = 0  # aborted: no step, no stats
-    assert load.snapshot() == (1, 0, 0.05, 8)
+    assert load.snapshot() == (1, 0, 0.05, 8, 36)
     load.refresh()
-    assert load.snapshot() == (0, 0, 0.0, 8)
+    assert load.snapshot() == (0, 0, 0.0, 8, 36)
     load.record(1, 0, 0.05)  # the stale step that still had it
-    assert load.snapshot() == (0, 0, 0.0, 8)
+    assert load.snapshot() == (0, 0, 0.0, 8, 36)
     engine.unfinished = 1
     load.record(1, 1, 0.05)
-    assert load.snapshot() == (1, 1, 0.05, 8)
+    assert load.snapshot() == (1, 1, 0.05, 8, 36)
 
 
 def test_a_failing_listener_never_reaches_vllms_output_handler() -> None:

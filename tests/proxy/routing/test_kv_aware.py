@@ -201,3 +201,29 @@ def test_load_now_moves_the_report_by_this_proxys_starts_and_ends() -> None:
     assert u.load_now(EngineLoad(0, 0, 0.0, 16, time.monotonic())) == u.sequences(None) == 9
     u.set_engine_load(None)
     assert u.engine_load is None and u.load_now(None) == 9
+
+
+def test_with_the_cache_size_reported_the_kv_term_is_whether_the_prompt_fits() -> None:
+    """Leaders report num_blocks: KV usage weighs only the sequences that must end
+    before the prompt's uncached blocks fit (kv_aware.kv_wait)."""
+    fleet = fleet_with(a=48, b=8)  # the prompt's uncached blocks: 16 on a, 56 on b
+    (a,), (b,) = units("a"), units("b")
+    b.engine_load = EngineLoad(0, 0, 0.0, 16, time.monotonic(), 100)
+    # a 90% full with one sequence: 10 blocks free, 6 short; that sequence holds 90,
+    # so 0.07 of it must end: a still wins by its cached prefix (2.5 sequences).
+    a.engine_load = EngineLoad(1, 0, 0.9, 16, time.monotonic(), 100)
+    assert policy(fleet).choose(req(), [a, b]).unit is a
+    # a 95% full with 3 sequences of ~32 blocks: 1 + 3 + 11/31.7 = 4.35 against b's
+    # 896 uncached tokens = 3.5 sequences: b.
+    a.engine_load = EngineLoad(3, 0, 0.95, 16, time.monotonic(), 100)
+    d = policy(fleet).choose(req(), [a, b])
+    assert d.unit is b and d.reason == "load_over_overlap"
+
+
+def test_kv_wait() -> None:
+    from proxy.routing.kv_aware import kv_wait
+
+    load = EngineLoad(4, 0, 0.8, 16, 0.0, 100)  # 20 free, 20 blocks a sequence
+    assert kv_wait(20, load) == 0.0
+    assert abs(kv_wait(30, load) - 0.5) < 1e-9
+    assert kv_wait(500, load) == 4.0  # never more than the running batch

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "ecs": "ecs",
     "bench": "bench",
     "models": "models",
+    "simulate": "simulate",
 }
 
 

@@ -12,12 +12,15 @@ on the unit spec with the release filled in:
                   rank checks the pin and its files' sha256 again before loading)
         task definitions of spec' (a new revision only if the content changed)
         retire    StopTask x N (the unit stays in the proxy, drained: see below)
-        launch    RunTask per rank, Cloud Map or the leader's IP as in `ecs deploy`;
-                  no task placed or RunTask refused -> StartupFailed
+        launch    RunTask per rank, Cloud Map or the leader's IP as in `ecs deploy`,
+                  every task tagged mid-deploy (ecs/launch.py: an autoscaler never
+                  takes it); no task placed or RunTask refused -> StartupFailed
         -> G      the new tasks' launched-at tag (seconds)
     wait_ready    UnitController.wait_ready: every rank RUNNING + HEALTHY within the
                   timeout -> the proxy gets the new addresses (still drained);
-                  a rank stopped, or the timeout -> the unit is retired, StartupFailed
+                  a rank stopped, or the timeout -> the unit is retired, StartupFailed;
+                  ready -> the mid-deploy tag is removed (before and after, the unit is
+                  drained in the proxy, which an autoscaler does not take either)
     location      of a running unit: NEURON_SERVING_MODEL_URI in its leader's task
                   definition, else the spec's model_dir (a model in the image or on
                   the host); its pin: NEURON_SERVING_MODEL_MANIFEST_SHA256 there, so a
@@ -36,7 +39,9 @@ fail until its new addresses replace the old ones, which the proxy learns draine
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from typing import Any
 
 from neuron_serving.checkpoint.compat import UnitShape
@@ -52,12 +57,15 @@ from neuron_serving.deploy.recreator import (
 from neuron_serving.deploy.source import Release
 from neuron_serving.ecs import fleet
 from neuron_serving.ecs.controller import UnitController, UnitFailed
-from neuron_serving.ecs.registrar import ProxyRegistrar
+from neuron_serving.ecs.launch import MID_DEPLOY_TAG
+from neuron_serving.ecs.registrar import ProxyRegistrar, UnitEntry
 from neuron_serving.ecs.schema import SchemaError
 from neuron_serving.ecs.spec import TRITON_HTTP_PORT, DeploymentSpec, SpecError
 from neuron_serving.ecs.taskdef import static_environment
 
 MODEL_URI_VAR = "NEURON_SERVING_MODEL_URI"
+
+log = logging.getLogger(__name__)
 
 
 class _KeepDrained:
@@ -69,11 +77,17 @@ class _KeepDrained:
     def units(self) -> set[str]:
         return self.inner.units()
 
+    def states(self) -> dict[str, UnitEntry] | None:
+        return self.inner.states()
+
     def add(self, unit: dict[str, Any], draining: bool = False) -> None:
         self.inner.add(unit, draining=True)  # admitted by the rollout after its canaries
 
     def drain(self, unit_id: str) -> None:
         self.inner.drain(unit_id)
+
+    def undrain(self, unit_id: str) -> None:
+        pass  # the rollout's, after its canaries
 
     def remove(self, unit_id: str) -> None:
         pass
@@ -195,7 +209,7 @@ class EcsRecreator:
         except (*aws, SchemaError) as e:
             raise RecreateError(f"{unit_id}: {type(e).__name__}: {e}") from None
         try:
-            ctl.launch_unit(unit_id, tds)
+            ctl.launch_unit(unit_id, tds, tags={MID_DEPLOY_TAG: str(int(time.time()))})
             new = fleet.units(ctl.ecs, ctl.spec).get(unit_id)
         except (UnitFailed, *aws) as e:
             raise StartupFailed(f"launch on {release.version} failed: {e}") from None
@@ -215,6 +229,12 @@ class EcsRecreator:
             raise StartupFailed(f"ECS: {e}") from None
         if unit_id in failed:
             raise StartupFailed(failed[unit_id])
+        try:
+            ctl.end_deploy(unit_id)
+        except (*_aws_errors(), SchemaError) as e:
+            # Not a reason to roll a ready unit back: left on, the tag only keeps an
+            # autoscaler off the unit until it is stale (capacity/ecs_actuator.py).
+            log.warning("%s: mid-deploy tag not removed: %s", unit_id, e)
 
     def release_at(self, location: str, label: str) -> Release:
         if not location.startswith("s3://"):

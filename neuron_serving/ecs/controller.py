@@ -13,11 +13,22 @@ the supervisor of LeaderWorkerSet's ``RecreateGroupOnPodRestart`` for ECS:
 
 Retire order matters: the proxy forgets the unit *before* its tasks stop, so no
 request is routed to a unit that is going away.
+
+Sharing the fleet with an autoscaler (capacity/ecs_actuator.py, in the same process):
+
+    wanted    the unit ids to run; None (the default): ``spec.units`` of them, ids 0..N-1.
+              The actuator sets it (takes it over from what ECS runs) and adds and
+              removes single ids, so the units need not be numbered without gaps.
+    claims    unit id -> who is acting on it now (``CLAIM_*``): reconcile plans under
+              ``lock`` and neither launches, replaces, retires, registers nor rolls a
+              unit someone else claimed; it claims what it acts on itself. A unit
+              claimed by a roll (``CLAIM_DEPLOY``) is mid-deploy.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,14 +36,20 @@ from typing import Any
 
 from neuron_serving.ecs import fleet
 from neuron_serving.ecs.discovery import LeaderDiscovery
-from neuron_serving.ecs.launch import NodeLaunch, run_task_params
+from neuron_serving.ecs.launch import MID_DEPLOY_TAG, NodeLaunch, run_task_params
 from neuron_serving.ecs.registrar import NullRegistrar, ProxyRegistrar, proxy_unit
 from neuron_serving.ecs.schema import validate
 from neuron_serving.ecs.spec import DeploymentSpec
-from neuron_serving.ecs.taskdef import ROLES, leader_dns_name, task_definition
+from neuron_serving.ecs.taskdef import ROLES, TAG_PREFIX, leader_dns_name, task_definition
 from neuron_serving.ecs.teardown import delete_task_definitions
 
 log = logging.getLogger("neuron_serving.ecs")
+
+# Who acts on a unit (UnitController.claims).
+CLAIM_RECONCILE = "reconcile"  # launching, replacing or retiring it
+CLAIM_DEPLOY = "deploy"  # rolling it to another version: mid-deploy
+CLAIM_SCALE_UP = "scale-up"  # the autoscaler launched it and waits for it to be ready
+CLAIM_SCALE_DOWN = "scale-down"  # the autoscaler drains and retires it
 
 
 class UnitFailed(RuntimeError):
@@ -78,6 +95,26 @@ class UnitController:
         self.clock = clock
         self.sleep = sleep
         self._ever_ready: set[str] = set()
+        self.wanted: set[str] | None = None  # None: spec.units of them (module doc)
+        self.claims: dict[str, str] = {}
+        self.lock = threading.RLock()  # guards wanted and claims
+
+    def wanted_units(self) -> set[str]:
+        if self.wanted is not None:
+            return set(self.wanted)
+        return {self.spec.unit_id(i) for i in range(self.spec.units)}
+
+    def claim(self, unit_ids: list[str], owner: str) -> None:
+        with self.lock:
+            for unit_id in unit_ids:
+                self.claims[unit_id] = owner
+
+    def release(self, unit_ids: list[str], owner: str) -> None:
+        """Drop ``owner``'s claims on ``unit_ids`` (another's claim stays)."""
+        with self.lock:
+            for unit_id in unit_ids:
+                if self.claims.get(unit_id) == owner:
+                    del self.claims[unit_id]
 
     # -- task definitions ------------------------------------------------------------
 
@@ -111,8 +148,8 @@ class UnitController:
 
     # -- one unit --------------------------------------------------------------------
 
-    def _run(self, node: NodeLaunch) -> str:
-        params = run_task_params(self.spec, node)
+    def _run(self, node: NodeLaunch, tags: dict[str, str] | None = None) -> str:
+        params = run_task_params(self.spec, node, extra_tags=tags)
         validate("RunTask", params)
         resp = self.ecs.run_task(**params)
         if resp.get("failures") or not resp.get("tasks"):
@@ -134,17 +171,20 @@ class UnitController:
                 raise UnitFailed(f"{unit_id}: leader got no address ({task.get('stoppedReason')})")
             self.sleep(self.poll_s)
 
-    def launch_unit(self, unit_id: str, tds: dict[str, str]) -> None:
+    def launch_unit(
+        self, unit_id: str, tds: dict[str, str], tags: dict[str, str] | None = None
+    ) -> None:
         """Start every node of a unit; with Cloud Map all at once, else followers as soon
-        as the leader has an address (seconds, well before it is ready)."""
+        as the leader has an address (seconds, well before it is ready). ``tags``: more
+        task tags on every node (launch.py: purpose, mid-deploy)."""
         started: list[str] = []
         try:
             dns = leader_dns_name(self.spec, unit_id)
-            leader_arn = self._run(NodeLaunch(unit_id, 0, dns, tds["leader"]))
+            leader_arn = self._run(NodeLaunch(unit_id, 0, dns, tds["leader"]), tags)
             started.append(leader_arn)
             if dns is not None:
                 started += [
-                    self._run(NodeLaunch(unit_id, r, dns, tds["follower"]))
+                    self._run(NodeLaunch(unit_id, r, dns, tds["follower"]), tags)
                     for r in range(1, self.spec.nodes_per_unit)
                 ]
             ip = self._wait_ip(unit_id, leader_arn)
@@ -152,7 +192,7 @@ class UnitController:
                 self.discovery.register_leader(unit_id, leader_arn.rsplit("/", 1)[-1], ip)
             if dns is None:
                 started += [
-                    self._run(NodeLaunch(unit_id, r, ip, tds["follower"]))
+                    self._run(NodeLaunch(unit_id, r, ip, tds["follower"]), tags)
                     for r in range(1, self.spec.nodes_per_unit)
                 ]
         except Exception:
@@ -172,6 +212,18 @@ class UnitController:
             self.discovery.remove_unit(view.unit_id)
         log.info("%s: retired (%s)", view.unit_id, reason)
 
+    def admit(self, unit_id: str, view: fleet.UnitView | None) -> tuple[bool, str | None]:
+        """One look at a launched unit: (done, failure). Ready: registered with every
+        proxy replica, (True, None); gone or failed: (True, why); else (False, None)."""
+        if view is None or view.failed:
+            return True, _failure(view)
+        if not view.ready:
+            return False, None
+        self.registrar.add(proxy_unit(self.spec, unit_id, view.ips()))
+        self._ever_ready.add(unit_id)
+        log.info("%s: ready and registered", unit_id)
+        return True, None
+
     def wait_ready(self, unit_ids: list[str]) -> dict[str, str]:
         """Wait until each unit is ready and register it; unit -> reason for the rest."""
         pending, failed = set(unit_ids), {}
@@ -179,15 +231,11 @@ class UnitController:
         while pending:
             views = fleet.units(self.ecs, self.spec)
             for unit_id in sorted(pending):
-                view = views.get(unit_id)
-                if view is None or view.failed:
-                    failed[unit_id] = _failure(view)
-                elif view.ready:
-                    self.registrar.add(proxy_unit(self.spec, unit_id, view.ips()))
-                    self._ever_ready.add(unit_id)
-                    log.info("%s: ready and registered", unit_id)
-                else:
+                done, failure = self.admit(unit_id, views.get(unit_id))
+                if not done:
                     continue
+                if failure is not None:
+                    failed[unit_id] = failure
                 pending.discard(unit_id)
             if pending and self.clock() > deadline:
                 for unit_id in pending:
@@ -200,6 +248,19 @@ class UnitController:
             if view is not None:
                 self.retire(view, f"not ready: {failed[unit_id]}")
         return failed
+
+    def end_deploy(self, unit_id: str) -> None:
+        """Remove the mid-deploy tag (launch.py) from every task of the unit: a rolling
+        deploy has it back."""
+        view = fleet.units(self.ecs, self.spec).get(unit_id)
+        for node in view.tasks() if view is not None else []:
+            params = {"resourceArn": node.task_arn, "tagKeys": [TAG_PREFIX + MID_DEPLOY_TAG]}
+            validate("UntagResource", params)
+            self.ecs.untag_resource(**params)
+
+    def broken(self, view: fleet.UnitView, now: float | None = None) -> str | None:
+        """Why the unit counts as failed (to be replaced), or None."""
+        return self._broken(view, time.time() if now is None else now)
 
     def _broken(self, view: fleet.UnitView, now: float) -> str | None:
         if view.failed:
@@ -217,69 +278,99 @@ class UnitController:
     def reconcile(self, rolling: bool = True) -> ReconcileReport:
         report = ReconcileReport()
         tds = self.ensure_task_definitions()
-        views = fleet.units(self.ecs, self.spec)
-        wanted = {self.spec.unit_id(i) for i in range(self.spec.units)}
-        for view in sorted(views.values(), key=lambda v: -v.index):
-            if view.unit_id not in wanted:
+        # The plan is made under the lock, from tasks listed under it: a unit someone
+        # else is acting on (claims) is left alone, what this plan acts on is claimed.
+        with self.lock:
+            views = fleet.units(self.ecs, self.spec)
+            wanted, busy = self.wanted_units(), set(self.claims)
+            to_retire = [
+                v
+                for v in sorted(views.values(), key=lambda v: -v.index)
+                if v.unit_id not in wanted and v.unit_id not in busy
+            ]
+            to_launch, broken = [], []
+            now = time.time()
+            for unit_id in sorted(wanted - busy, key=lambda u: int(u.rsplit("-", 1)[1])):
+                view = views.get(unit_id)
+                if view is None:
+                    to_launch.append(unit_id)
+                    report.launched.append(unit_id)
+                elif (reason := self._broken(view, now)) is not None:
+                    broken.append((view, reason))
+                    to_launch.append(unit_id)
+                    report.replaced.append(unit_id)
+            mine = [v.unit_id for v in to_retire] + to_launch
+            self.claim(mine, CLAIM_RECONCILE)
+        try:
+            for view in to_retire:
                 self.retire(view, "scaled down", forget_name=True)
                 report.retired.append(view.unit_id)
-        to_launch = []
-        now = time.time()
-        for unit_id in sorted(wanted, key=lambda u: int(u.rsplit("-", 1)[1])):
-            view = views.get(unit_id)
-            if view is None:
-                to_launch.append(unit_id)
-                report.launched.append(unit_id)
-            elif (reason := self._broken(view, now)) is not None:
+            for view, reason in broken:
                 # The unit fails as a whole: stop the survivors, relaunch every rank.
                 self.retire(view, f"unit failed: {reason}")
-                to_launch.append(unit_id)
-                report.replaced.append(unit_id)
-        self._launch_and_wait(to_launch, tds, report)
-        self._register_missing(views, wanted, report)
+            self._launch_and_wait(to_launch, tds, report)
+        finally:
+            self.release(mine, CLAIM_RECONCILE)
+        self._register_missing(views, report)
         if rolling:
-            self._roll(views, wanted, tds, report)
+            self._roll(views, tds, report)
         return report
 
     def _launch_and_wait(
-        self, unit_ids: list[str], tds: dict[str, str], report: ReconcileReport
+        self,
+        unit_ids: list[str],
+        tds: dict[str, str],
+        report: ReconcileReport,
+        tags: dict[str, str] | None = None,
     ) -> None:
         launched = []
         for unit_id in unit_ids:
             try:
-                self.launch_unit(unit_id, tds)
+                self.launch_unit(unit_id, tds, tags)
                 launched.append(unit_id)
             except UnitFailed as e:
                 report.failed[unit_id] = str(e)
         report.failed.update(self.wait_ready(launched))
 
-    def _register_missing(self, views: dict, wanted: set[str], report: ReconcileReport) -> None:
+    def _register_missing(self, views: dict, report: ReconcileReport) -> None:
         """Ready units the proxy does not know (a controller restart, a proxy restart)."""
         known = self.registrar.units()
         for unit_id, view in views.items():
-            if unit_id in wanted and view.ready and unit_id not in known:
-                if unit_id not in report.replaced:
+            if not view.ready or unit_id in known or unit_id in report.replaced:
+                continue
+            with self.lock:  # still wanted and nobody's: not retired since the listing
+                if unit_id in self.wanted_units() and unit_id not in self.claims:
                     self.registrar.add(proxy_unit(self.spec, unit_id, view.ips()))
 
-    def _roll(
-        self, views: dict, wanted: set[str], tds: dict[str, str], report: ReconcileReport
-    ) -> None:
+    def _roll(self, views: dict, tds: dict[str, str], report: ReconcileReport) -> None:
         """Replace units of another version one at a time; stop at the first failure so
-        most units keep serving the old version."""
+        most units keep serving the old version. The new tasks carry the mid-deploy tag
+        until the unit is ready again."""
         for unit_id, view in views.items():
-            if unit_id not in wanted or unit_id in report.replaced:
+            if unit_id in report.replaced or view.version == self.spec.version:
                 continue
-            if view.version == self.spec.version:
-                continue
-            self.registrar.drain(unit_id)
-            self.retire(view, f"rolling to version {self.spec.version}")
-            self._launch_and_wait([unit_id], tds, report)
+            with self.lock:
+                if unit_id not in self.wanted_units() or unit_id in self.claims:
+                    continue
+                self.claim([unit_id], CLAIM_DEPLOY)
+            try:
+                self.registrar.drain(unit_id)
+                self.retire(view, f"rolling to version {self.spec.version}")
+                tags = {MID_DEPLOY_TAG: str(int(time.time()))}
+                self._launch_and_wait([unit_id], tds, report, tags)
+                if unit_id not in report.failed:
+                    self.end_deploy(unit_id)
+            finally:
+                self.release([unit_id], CLAIM_DEPLOY)
             if unit_id in report.failed:
                 break
             report.rolled.append(unit_id)
 
     def scale(self, units: int) -> ReconcileReport:
+        """``units`` units, ids 0..units-1 (drops a ``wanted`` set an autoscaler set)."""
         self.spec = self.spec.replace(units=units)
+        with self.lock:
+            self.wanted = None
         return self.reconcile(rolling=False)
 
     def watch(self, interval_s: float = 10.0, iterations: int | None = None) -> None:
@@ -298,7 +389,8 @@ class UnitController:
     def status(self) -> list[dict[str, Any]]:
         from neuron_serving.ecs.status import unit_rows
 
-        return unit_rows(self.spec, fleet.units(self.ecs, self.spec), self.registrar)
+        views = fleet.units(self.ecs, self.spec)
+        return unit_rows(self.spec, views, self.registrar, self.wanted_units())
 
     def teardown(self) -> dict[str, int]:
         """Stop every task, drop proxy entries and Cloud Map names, deregister and delete

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from neuron_serving.ecs.launch import started_by, task_tags
+from neuron_serving.ecs.launch import MID_DEPLOY_TAG, PURPOSE_TAG, started_by, task_tags
 from neuron_serving.ecs.spec import DeploymentSpec
 
 _STOPPING = {"DEACTIVATING", "STOPPING", "DEPROVISIONING", "STOPPED", "DELETED"}
@@ -30,6 +30,8 @@ class NodeTask:
     launched_at: float
     stopped_reason: str = ""
     task_definition: str = ""  # ARN of the revision the task runs
+    purpose: str = ""  # the purpose tag (launch.py), "" when absent
+    deploying_since: float = 0.0  # the mid-deploy tag (launch.py), 0 when absent
 
     @property
     def task_id(self) -> str:
@@ -87,6 +89,16 @@ class UnitView:
     def launched_at(self) -> float:
         return min((n.launched_at for n in self.nodes.values()), default=0.0)
 
+    @property
+    def purpose(self) -> str:
+        """Why the unit was added (the leader's purpose tag; "" when none says)."""
+        return next((n.purpose for _, n in sorted(self.nodes.items()) if n.purpose), "")
+
+    @property
+    def deploying_since(self) -> float:
+        """When a rolling deploy launched it (the mid-deploy tag); 0 when none is."""
+        return max((n.deploying_since for n in self.tasks()), default=0.0)
+
     def tasks(self) -> list[NodeTask]:
         return [*self.nodes.values(), *self.duplicates]
 
@@ -130,7 +142,16 @@ def node_task(task: dict[str, Any]) -> NodeTask | None:
         launched_at=float(tags.get("launched-at", 0)),
         stopped_reason=task.get("stoppedReason", ""),
         task_definition=task.get("taskDefinitionArn", ""),
+        purpose=tags.get(PURPOSE_TAG, ""),
+        deploying_since=_float(tags.get(MID_DEPLOY_TAG, "")),
     )
+
+
+def _float(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
 
 
 def describe(ecs: Any, cluster: str, arns: list[str]) -> list[dict[str, Any]]:

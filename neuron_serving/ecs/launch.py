@@ -2,12 +2,21 @@
 
 ECS has no gang scheduling: each node is its own ``RunTask(count=1)``. The tags
 (deployment, unit, rank, version, launch time) are the controller's only state,
-so any controller process can pick up a deployment from ECS alone.
+so any controller process can pick up a deployment from ECS alone. Two optional
+ones, given by whoever launches the unit (``extra_tags``):
+
+    purpose      why the unit was added (``interactive`` / ``batch``): set by the
+                 autoscaling actuator (capacity/ecs_actuator.py); batch units are the
+                 first given back
+    mid-deploy   launch time (epoch seconds) of a unit a rolling deploy is replacing:
+                 set on the new tasks at their launch, removed (UntagResource) once
+                 the unit is ready again; scale-in never takes such a unit
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +44,27 @@ class NodeLaunch:
         return "leader" if self.rank == 0 else "follower"
 
 
+PURPOSE_TAG = "purpose"
+MID_DEPLOY_TAG = "mid-deploy"
+STANDARD_TAGS = ("deployment", "unit", "rank", "role", "version", "launched-at")
+
+
 def started_by(spec: DeploymentSpec) -> str:
     return spec.name  # <= 28 characters by spec validation; ECS allows 36
 
 
 def run_task_params(
-    spec: DeploymentSpec, node: NodeLaunch, now: float | None = None
+    spec: DeploymentSpec,
+    node: NodeLaunch,
+    now: float | None = None,
+    extra_tags: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
+    """``extra_tags``: more of our tags (key without the prefix), never one of
+    ``STANDARD_TAGS`` (those find the unit again and are this function's)."""
     env = rank_environment(spec, node.unit_id, node.rank, node.leader_host)
+    clash = set(extra_tags or ()) & set(STANDARD_TAGS)
+    if clash:
+        raise ValueError(f"extra tags may not set {sorted(clash)}")
     tags = {
         "deployment": spec.name,
         "unit": node.unit_id,
@@ -50,6 +72,7 @@ def run_task_params(
         "role": node.role,
         "version": spec.version,
         "launched-at": str(int(now if now is not None else time.time())),
+        **(extra_tags or {}),
     }
     params: dict[str, Any] = {
         "cluster": spec.cluster,

@@ -14,6 +14,7 @@ replica that answered knows. A replica that answers with a refusal is an error.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from neuron_serving.ecs.spec import TRITON_GRPC_PORT, TRITON_HTTP_PORT, DeploymentSpec
@@ -30,10 +31,28 @@ class RegistrarError(RuntimeError):
 
 class ProxyRegistrar(Protocol):
     def units(self) -> set[str]: ...
+    # Per unit over the replicas that answered (None: no proxy to ask): see
+    # ``UnitEntry``. Read by the autoscaling actuator (phase, in-flight wait).
+    def states(self) -> dict[str, UnitEntry] | None: ...
     # draining=True: the unit joins drained (no request before an explicit undrain).
     def add(self, unit: dict[str, Any], draining: bool = False) -> None: ...
     def drain(self, unit_id: str) -> None: ...
+    def undrain(self, unit_id: str) -> None: ...
     def remove(self, unit_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class UnitEntry:
+    """A unit as the proxy replicas that answered list it (``GET /admin/units``)."""
+
+    listed_on: int  # replicas that list it
+    answered: int  # replicas that answered
+    draining: bool  # drained on at least one of them
+    in_flight: int  # its requests in flight, summed over them
+
+    @property
+    def everywhere(self) -> bool:
+        return self.listed_on == self.answered
 
 
 def proxy_unit(spec: DeploymentSpec, unit_id: str, ips: dict[int, str]) -> dict[str, Any]:
@@ -53,10 +72,16 @@ class NullRegistrar:
     def units(self) -> set[str]:
         return set()
 
+    def states(self) -> dict[str, UnitEntry] | None:
+        return None
+
     def add(self, unit: dict[str, Any], draining: bool = False) -> None:
         pass
 
     def drain(self, unit_id: str) -> None:
+        pass
+
+    def undrain(self, unit_id: str) -> None:
         pass
 
     def remove(self, unit_id: str) -> None:
@@ -82,6 +107,21 @@ class AdminApiRegistrar:
             raise RegistrarError("proxy admin GET /admin/units: no replica answered")
         return set.intersection(*(set(u) for u in listed))
 
+    def states(self) -> dict[str, UnitEntry] | None:
+        listed = [u for u in self.admin.units().values() if u is not None]
+        if not listed:
+            raise RegistrarError("proxy admin GET /admin/units: no replica answered")
+        entries: dict[str, UnitEntry] = {}
+        for unit_id in sorted(set().union(*listed)):
+            seen = [u[unit_id] for u in listed if unit_id in u]
+            entries[unit_id] = UnitEntry(
+                listed_on=len(seen),
+                answered=len(listed),
+                draining=any(bool(e.get("draining")) for e in seen),
+                in_flight=sum(int(e.get("in_flight", 0)) for e in seen),
+            )
+        return entries
+
     def add(self, unit: dict[str, Any], draining: bool = False) -> None:
         # A replica with a predecessor of other addresses has it replaced; one with this
         # very unit keeps it (AdminFanOut.add).
@@ -89,6 +129,9 @@ class AdminApiRegistrar:
 
     def drain(self, unit_id: str) -> None:
         self._check(self.admin.drain(unit_id), (200, 404))
+
+    def undrain(self, unit_id: str) -> None:
+        self._check(self.admin.undrain(unit_id), (200, 404))
 
     def remove(self, unit_id: str) -> None:
         self._check(self.admin.remove(unit_id), (200, 404))

@@ -11,13 +11,19 @@ from neuron_serving.ecs.spec import DeploymentSpec
 
 
 def unit_rows(
-    spec: DeploymentSpec, views: dict[str, UnitView], registrar: ProxyRegistrar
+    spec: DeploymentSpec,
+    views: dict[str, UnitView],
+    registrar: ProxyRegistrar,
+    wanted: set[str] | None = None,
 ) -> list[dict[str, Any]]:
+    """``wanted``: the unit ids to run (UnitController.wanted_units); default: the
+    spec's ``units`` of them."""
     try:
         in_proxy: set[str] | None = registrar.units()
     except RegistrarError:
         in_proxy = None  # unknown, shown as such rather than failing the whole status
-    wanted = {spec.unit_id(i) for i in range(spec.units)}
+    if wanted is None:
+        wanted = {spec.unit_id(i) for i in range(spec.units)}
     rows = []
     for unit_id in sorted(set(views) | wanted, key=lambda u: int(u.rsplit("-", 1)[1])):
         view = views.get(unit_id)

@@ -1,0 +1,92 @@
+"""The fleet simulator: the shipped spike trace, determinism, start-up and draining."""
+
+from __future__ import annotations
+
+import pytest
+
+from neuron_serving.capacity import trace
+from neuron_serving.capacity.calibration import MEASURED
+from neuron_serving.capacity.compare import compare, format_table
+from neuron_serving.capacity.config import PolicyConfig
+from neuron_serving.capacity.simulator import SimConfig, simulate
+
+POLICY = PolicyConfig(max_units=200, batch_max_units=50, max_num_seqs=MEASURED.max_num_seqs,
+                      unit_curve=MEASURED.curve())  # fmt: skip
+
+
+def step_trace(low: float, high: float, at: float, end: float) -> trace.Trace:
+    return trace.Trace(
+        name="step",
+        description="a step",
+        times=(0.0, at, at + 1, end),
+        rates={"real-time": (low, low, high, high)},
+    )
+
+
+@pytest.fixture(scope="module")
+def spike() -> list:
+    return compare(trace.load("spike"), POLICY).fleets
+
+
+def test_autoscaled_beats_both_fixed_fleets_on_the_spike(spike) -> None:
+    auto, average, peak = spike
+    assert auto.unit_seconds < 0.5 * peak.unit_seconds
+    assert auto.slo_attainment > average.slo_attainment + 0.1
+    assert auto.slo_attainment >= peak.slo_attainment - 0.01  # within a point of the peak
+    assert auto.units_max > average.units_max  # it followed the spike
+    assert 0 < auto.scale_actions < 100
+    assert peak.fixed_units == auto.units_min or peak.fixed_units > auto.units_min
+
+
+def test_the_table_names_every_fleet(spike) -> None:
+    from neuron_serving.capacity.compare import Comparison
+
+    c = Comparison(trace.load("spike"), POLICY, MEASURED, SimConfig(), spike)
+    text = format_table(c)
+    for label in ("autoscaled", "fixed: average", "fixed: peak", "fewer unit-hours"):
+        assert label in text
+
+
+def test_deterministic_for_a_seed() -> None:
+    t = trace.load("diurnal").scaled(rate=0.05)
+    t = trace.Trace(t.name, t.description, t.times[:13], {c: r[:13] for c, r in t.rates.items()})
+    a = simulate(t, POLICY, sim=SimConfig(seed=7)).summary()
+    b = simulate(t, POLICY, sim=SimConfig(seed=7)).summary()
+    c = simulate(t, POLICY, sim=SimConfig(seed=8)).summary()
+    assert a == b
+    assert a["interactive_requests"] != c["interactive_requests"]
+
+
+def test_start_up_delay_and_draining_are_modelled() -> None:
+    # 40% of a unit's target rate, then 4 units' worth from t=600 to t=1800: units come
+    # 28.2 s after the decision; back down, they drain and go.
+    low, high = MEASURED.requests_per_s(4, 32), 4 * MEASURED.requests_per_s(32, 32)
+    t = trace.Trace("step", "up and down", (0.0, 600.0, 601.0, 1800.0, 1801.0, 3600.0),
+                    {"real-time": (low, low, high, high, low, low)})  # fmt: skip
+    r = simulate(t, POLICY)
+    up = r.actions[0]
+    assert up.add and 600 <= up.at <= 610
+    ready = {t_: ready for t_, _, _, ready in r.timeline}
+    paid = {t_: paid for t_, _, paid, _ in r.timeline}
+    # The first unit added is paid for at once but ready only after its start-up.
+    started = [d.at for d in r.actions if d.add]
+    assert all(paid[600.0 + 60 * i] >= 1 for i in range(3))
+    assert ready[600.0] == 1 and ready[660.0] > 1
+    assert min(started) + MEASURED.startup_s <= 660
+    # (The panic overshoot, queued requests counted as concurrency, is given back
+    # while the load is high; what the step needs stays until it ends.)
+    assert min(ready[t_] for t_ in ready if 720 <= t_ < 1800) >= 4
+    down = [d for d in r.actions if d.remove]
+    assert max(d.at for d in down) > 1800 and paid[3540.0] == ready[3540.0] == 1
+    assert r.units_removed == r.units_added and r.failed == 0
+    # Paid unit-seconds exceed ready unit-seconds by the start-ups (28.2 s each).
+    ready_s = sum(ready.values()) * 60
+    assert r.unit_seconds >= ready_s + r.units_added * (MEASURED.startup_s - 1) - 600
+
+
+def test_a_fixed_fleet_too_small_fails_requests() -> None:
+    per_unit = MEASURED.requests_per_s(64, 32)
+    t = trace.Trace("over", "2x one unit's most", (0.0, 300.0),
+                    {"real-time": (2 * per_unit, 2 * per_unit)})  # fmt: skip
+    r = simulate(t, POLICY, fixed_units=1)
+    assert r.failed > 0 and r.slo_attainment < 0.6 and r.unit_seconds == 300

@@ -217,6 +217,17 @@ class AdminFanOut:
         want, have = self.units_of(reference), self.units_of(replica)
         if want is None or have is None:
             return None
+        return self.make_alike(replica, want, have)
+
+    def make_alike(
+        self,
+        replica: Replica,
+        want: Mapping[str, Mapping[str, Any]],
+        have: Mapping[str, Mapping[str, Any]],
+    ) -> list[str] | None:
+        """The calls that turn ``have`` (``replica``'s listing) into ``want`` (a
+        listing, or any unit id -> {"spec", "draining"}), made in order; the calls
+        made ([] = already alike), or None when one was refused or not answered."""
         done = []
         for method, path, body in sync_calls(want, have):
             answer = self._call(replica, method, path, body)

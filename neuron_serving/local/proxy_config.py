@@ -58,25 +58,28 @@ def read_api_key(path: Path) -> str | None:
     return key or None
 
 
+def unit_entry(spec: ClusterSpec, index: int, model_dir: Path | None = None) -> dict[str, Any]:
+    """Unit ``index`` as the proxy knows it (a ``UnitSpec``, every field): in each
+    replica's config, and the body of ``POST /admin/units`` for a unit added while
+    the cluster runs, so a listing (``GET /admin/units``) compares equal to it."""
+    ports = spec.unit_ports(index)
+    return {
+        "unit_id": spec.unit_id(index),
+        "leader_grpc": f"127.0.0.1:{ports.grpc}",
+        "leader_http": f"127.0.0.1:{ports.http}",
+        "followers": [f"127.0.0.1:{ports.health(r)}" for r in range(1, spec.tp)],
+        "model": spec.served_model_name,
+        "triton_model": "llm",
+        "model_version": Path(model_dir or spec.model_dir).resolve().name,
+    }
+
+
 def proxy_config(
     spec: ClusterSpec, admin_token_file: Path, api_keys_file: Path | None = None, replica: int = 0
 ) -> dict[str, Any]:
     """Replica ``replica``'s config. Replicas differ only in their admin port and
     replica id: the same units, keys, probes and batch store, so they route alike."""
-    units = []
-    for i in range(spec.units):
-        ports = spec.unit_ports(i)
-        units.append(
-            {
-                "unit_id": spec.unit_id(i),
-                "leader_grpc": f"127.0.0.1:{ports.grpc}",
-                "leader_http": f"127.0.0.1:{ports.http}",
-                "followers": [f"127.0.0.1:{ports.health(r)}" for r in range(1, spec.tp)],
-                "model": spec.served_model_name,
-                "triton_model": "llm",
-                "model_version": spec.model_dir.resolve().name,
-            }
-        )
+    units = [unit_entry(spec, i) for i in range(spec.units)]
     return {
         "host": spec.host,
         "port": spec.port,

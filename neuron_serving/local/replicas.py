@@ -14,12 +14,15 @@ drained one since. So a replica is *ready* only once it answers on its admin por
 has the units and drain states of a sibling that is ready (``AdminFanOut.sync``: the
 calls that make it alike, then one more probe to confirm). With no sibling ready (one
 replica, or all restarting at once) there is nothing to copy and it is ready as
-configured.
+configured, except for the unit set: units added or removed while the cluster runs
+(ClusterSupervisor.add_unit / remove_unit) are not in any config, so a replica with no
+ready sibling is made alike the supervisor's own registry of units instead (``units``:
+every registered unit's spec, drained when the supervisor is removing it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +50,12 @@ class ProxyReplicas:
         configs: list[Path],
         admin_token: str,
         on_event: Callable[[str], None],
+        units: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
     ) -> None:
         self.spec = spec
         self.on_event = on_event
+        # The supervisor's registry: unit id -> {"spec", "draining"} (see the module doc).
+        self.units = units
         self.admin = AdminFanOut(spec.replicas(), admin_token, ADMIN_TIMEOUT_S)
         self.groups = [
             GroupSupervisor(
@@ -75,12 +81,18 @@ class ProxyReplicas:
         replica = self.admin.replicas[j]
         sibling = self._ready_sibling(j)
         if sibling is None:
-            return self.admin.units_of(replica) is not None
-        done = self.admin.sync(replica, sibling)
+            have = self.admin.units_of(replica)
+            if have is None or self.units is None:
+                return have is not None
+            want = self.units()
+            done = self.admin.make_alike(replica, want, _compared(have, want))
+            source = "the supervisor's"
+        else:
+            done = self.admin.sync(replica, sibling)
+            source = f"{sibling.replica_id}'s"
         if done:
             self.on_event(
-                f"{replica.replica_id} given {sibling.replica_id}'s units and drain states: "
-                + ", ".join(done)
+                f"{replica.replica_id} given {source} units and drain states: " + ", ".join(done)
             )
         return done == []  # made alike just now: confirmed by the next probe
 
@@ -110,6 +122,26 @@ class ProxyReplicas:
             if any(states.get(u) != "routable" for u in unit_ids):
                 return False
         return True
+
+    def routes(self, unit_id: str) -> bool:
+        """Every replica's own /status shows ``unit_id`` routable."""
+        return self.routes_all([unit_id])
+
+    def unit_in_flight(self, unit_id: str) -> tuple[int, list[str]]:
+        """Requests in flight on ``unit_id`` through each replica that answers, and the
+        replicas that did not answer although their group is ready (so whether they
+        have any is unknown; one that is down has none)."""
+        left, unknown = 0, []
+        statuses = self.admin.statuses()
+        for replica, g in zip(self.admin.replicas, self.groups, strict=True):
+            status = statuses.get(replica.replica_id)
+            if status is None:
+                if g.phase == GroupPhase.READY:
+                    unknown.append(replica.replica_id)
+                continue
+            units = status.get("units", [])
+            left += sum(int(u.get("in_flight", 0)) for u in units if u.get("unit_id") == unit_id)
+        return left, unknown
 
     def drain(self, unit_ids: list[str]) -> None:
         """Drain every unit on every replica; a replica that refuses or does not answer is
@@ -146,3 +178,18 @@ class ProxyReplicas:
 
     def pids(self) -> list[int]:
         return sorted({pid for g in self.groups for pid in g.pids()})
+
+
+def _compared(
+    have: Mapping[str, Mapping[str, Any]], want: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``have`` with each spec cut to the fields ``want`` gives for that unit, so a field
+    the proxy fills with its default does not count as a difference."""
+    out = {}
+    for unit_id, entry in have.items():
+        fields = want.get(unit_id, {}).get("spec")
+        spec = entry["spec"]
+        if fields is not None:
+            spec = {k: spec.get(k) for k in fields}
+        out[unit_id] = {**entry, "spec": spec}
+    return out

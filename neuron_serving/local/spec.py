@@ -17,7 +17,9 @@ itself (TCP simultaneous open), which has crashed a starting leader's readiness
 check. The default base port (29600) is below it.
 
 A recreated unit gets the same ports, so the proxy's registry (fixed addresses)
-sees the same unit go unhealthy and come back without an admin call.
+sees the same unit go unhealthy and come back without an admin call. A unit added
+while the cluster runs (``unit-N``, the smallest index not in use) gets block ``N``
+the same way, so a removed unit's block is reused by the next one added.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from neuron_serving.proxy_admin import Replica
 
 CONTROL_PORTS = 4  # see UnitConfig: control, store, dist, Neuron bootstrap
 MAX_PROXIES = 16
+MAX_UNITS = 64  # started by `up` and added while running (ClusterSupervisor.add_unit)
 API_KEY_FILE = "api-key"  # in the run directory; `neuron-serving status` looks for it there
 
 
@@ -117,8 +120,8 @@ class ClusterSpec:
             raise ValueError(f"--model {str(self.model_dir)!r} is not a directory")
         if not (self.model_dir / "config.json").is_file():
             raise ValueError(f"--model {str(self.model_dir)!r} has no config.json")
-        if self.units < 1:
-            raise ValueError(f"--units must be >= 1, got {self.units}")
+        if not 1 <= self.units <= MAX_UNITS:
+            raise ValueError(f"--units must be in 1..{MAX_UNITS}, got {self.units}")
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if not 1 <= self.proxies <= MAX_PROXIES:
@@ -159,9 +162,26 @@ class ClusterSpec:
         return f"unit-{index}"
 
     def unit_ports(self, index: int) -> UnitPorts:
-        if not 0 <= index < self.units:
-            raise ValueError(f"unit index {index} outside 0..{self.units - 1}")
+        """Unit ``index``'s port block. Indices past ``units`` are the blocks of units
+        added while the cluster runs (ClusterSupervisor.add_unit); ``added_unit_problem``
+        says whether such a block can be used."""
+        last = self.base_port + (index + 1) * stride(self.tp)
+        if index < 0 or last > 65536:
+            raise ValueError(f"unit index {index}: ports outside {self.base_port}..65535")
         return UnitPorts(self.base_port + index * stride(self.tp), self.tp)
+
+    def added_unit_problem(self, index: int) -> str | None:
+        """Why unit ``index`` (one added while running) cannot have its port block:
+        past ``MAX_UNITS``, out of range, or over a proxy port; None when it can (whether
+        the ports are free is the caller's check, at the time it starts the unit)."""
+        if not 0 <= index < MAX_UNITS:
+            return f"at most {MAX_UNITS} units"
+        if self.base_port + (index + 1) * stride(self.tp) > 65536:
+            return f"unit index {index}: ports past 65535"
+        block = set(self.unit_ports(index).all())
+        if {self.port, *self.admin_ports()} & block:
+            return f"unit index {index}: its ports {min(block)}..{max(block)} hold a proxy port"
+        return None
 
     def unit_cpu_bind(self, index: int) -> str:
         """Unit ``index``'s binding (one CPU per rank): ``cpu_bind`` if given, else the
@@ -173,7 +193,9 @@ class ClusterSpec:
         units of TP=2 on two cores get "0|1" each as before."""
         if self.cpu_bind:
             return self.cpu_bind
-        ranks = default_cpu_bind(self.units * self.tp).split("|")
+        # Dealt by the rank's place in the whole sequence, so a unit added later
+        # (index >= units) continues the round robin where the others left it.
+        ranks = default_cpu_bind((index + 1) * self.tp).split("|")
         return "|".join(ranks[index * self.tp : (index + 1) * self.tp])
 
     def replica_id(self, index: int) -> str:

@@ -1,4 +1,5 @@
-"""The supervisor API: what `neuron-serving deploy` uses to recreate a unit.
+"""The supervisor API: what `neuron-serving deploy` uses to recreate a unit, and the
+capacity controller (capacity/local_actuator.py) to add and remove units.
 
 A running `neuron-serving up` serves a small HTTP API on a Unix socket in its run
 directory (``supervisor.sock``):
@@ -8,6 +9,16 @@ directory (``supervisor.sock``):
                                       -> {"generation": G, ...}
                                       (planned: graceful stop, start on DIR, no backoff;
                                       ready when phase is "ready" at generation >= G)
+    POST /units                       {"purpose": "interactive"|"batch"} (default
+                                      interactive) -> 202 {"unit_id": U}: a new unit,
+                                      starting; "routable" in GET /units once every
+                                      proxy replica routes to it
+    DELETE /units/{unit_id}           -> 202: drained, waited for, stopped, unregistered
+                                      in the background ("removing" until gone from
+                                      GET /units); 409 mid-deploy or the last ready unit
+
+Bodies are bounded (64 KiB), must be JSON objects and may hold only the fields
+above (anything else is a 400 and changes nothing); an unknown unit is a 404.
 
 Who may call it: the socket lives in the 0700 run directory and is itself 0600, so
 only the user running `up` can connect; every request must also carry the proxy's
@@ -28,6 +39,7 @@ import json
 import os
 import socket
 import threading
+import urllib.parse
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,6 +57,14 @@ class Recreatable(Protocol):
     def recreate_unit(
         self, unit_id: str, model_dir: Path, manifest_sha256: str | None = None
     ) -> int: ...
+
+    # ValueError: bad purpose (400); RuntimeError: refused (409); KeyError: unknown (404).
+    def add_unit(self, purpose: str = "interactive") -> str: ...
+
+    def remove_unit(self, unit_id: str) -> None: ...
+
+
+_ADD_FIELDS = frozenset({"purpose"})
 
 
 class SupervisorApiServer:
@@ -145,8 +165,54 @@ class SupervisorApiServer:
                 status=202,
             )
 
+        def refused(e: Exception, unit_id: str = "") -> web.Response:
+            if isinstance(e, KeyError):
+                return web.json_response({"error": f"unit {unit_id[:64]!r} not found"}, status=404)
+            status = 400 if isinstance(e, ValueError) else 409
+            return web.json_response({"error": str(e)}, status=status)
+
+        async def add(request: web.Request) -> web.Response:
+            body: Any = {}
+            if request.body_exists:
+                try:
+                    body = await request.json()
+                except ValueError:
+                    return web.json_response({"error": "body must be JSON"}, status=400)
+            if not isinstance(body, dict):
+                return web.json_response({"error": "body must be a JSON object"}, status=400)
+            unknown = sorted(set(body) - _ADD_FIELDS)
+            if unknown:
+                return web.json_response(
+                    {"error": f"unknown fields: {', '.join(map(str, unknown))[:200]}"}, status=400
+                )
+            purpose = body.get("purpose", "interactive")
+            if not isinstance(purpose, str):
+                return web.json_response({"error": "'purpose' must be a string"}, status=400)
+            try:
+                # Quick (picks ports, spawns the group's thread), but off the event loop.
+                unit_id = await asyncio.to_thread(self.cluster.add_unit, purpose)
+            except (ValueError, RuntimeError) as e:
+                return refused(e)
+            return web.json_response({"unit_id": unit_id, "purpose": purpose}, status=202)
+
+        async def remove(request: web.Request) -> web.Response:
+            unit_id = request.match_info["unit_id"]
+            try:
+                # Asks every replica whether someone else holds the unit: bounded, blocking.
+                await asyncio.to_thread(self.cluster.remove_unit, unit_id)
+            except (KeyError, RuntimeError) as e:
+                return refused(e, unit_id)
+            return web.json_response({"unit_id": unit_id, "removing": True}, status=202)
+
         app = web.Application(middlewares=[auth], client_max_size=64 << 10)
-        app.add_routes([web.get("/units", units), web.post("/units/{unit_id}/recreate", recreate)])
+        app.add_routes(
+            [
+                web.get("/units", units),
+                web.post("/units", add),
+                web.delete("/units/{unit_id}", remove),
+                web.post("/units/{unit_id}/recreate", recreate),
+            ]
+        )
         self.socket_path.unlink(missing_ok=True)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -221,3 +287,11 @@ class SupervisorApiClient:
         if manifest_sha256 is not None:
             body["manifest_sha256"] = manifest_sha256
         return int(self._call("POST", f"/units/{unit_id}/recreate", body)["generation"])
+
+    def add_unit(self, purpose: str = "interactive") -> str:
+        """Start one more unit; its id at once (it is starting)."""
+        return str(self._call("POST", "/units", {"purpose": purpose})["unit_id"])
+
+    def remove_unit(self, unit_id: str) -> None:
+        """Have ``unit_id`` drained, stopped and unregistered (in the background)."""
+        self._call("DELETE", f"/units/{urllib.parse.quote(unit_id, safe='')}")

@@ -115,11 +115,13 @@ def alive(pid: int) -> bool:
 
 
 def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | None = None,
-                  proxies: int = 1):  # fmt: skip
-    """Run `up` on ``model`` with ``proxies`` proxy replicas until it says ready and both
-    units are routable on every replica; yield the cluster; stop it and check that no
-    process it ever had is left."""
-    port, admin, base = up_ports(2 * 20, proxies)
+                  proxies: int = 1, units: int = 2):  # fmt: skip
+    """Run `up` on ``model`` with ``proxies`` proxy replicas until it says ready and its
+    ``units`` units (``extra_args`` must say ``--units`` when not 2) are routable on every
+    replica; yield the cluster; stop it and check that no process it ever had is left.
+    The units' port block has room for 2 units of TP=2 (4 of TP=1: units added later)."""
+    unit_ids = [f"unit-{i}" for i in range(units)]
+    port, admin, base = up_ports(max(2, units) * 20, proxies)
     run_dir = tmp / "run"
     args = ["up", "--model", str(model), "--port", str(port), "--admin-port",
             str(admin), "--proxies", str(proxies), "--base-port", str(base), "--run-dir",
@@ -139,13 +141,13 @@ def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | Non
         c.api_key = (run_dir / "api-key").read_text().strip()
         c.admin_token = (run_dir / "admin-token").read_text().strip()
         try:
-            wait_for(lambda: c.routable("unit-0") and c.routable("unit-1"), 60, what="routable")
+            wait_for(lambda: all(c.routable(u) for u in unit_ids), 60, what="routable")
         except TimeoutError:
             status = [c.replica_status(r) for r in c.replicas()]
             pytest.fail(f"units not routable 60 s after `up` said ready: {status}\n{c.log_tail()}")
         print(f"cluster ready after {time.monotonic() - started:.1f} s")
         print(c.log_tail())
-        for u in ("unit-0", "unit-1"):
+        for u in unit_ids:
             c.unit_tree(u)
         c.proxy_pids()
         yield c

@@ -1,0 +1,169 @@
+"""Adding and removing a unit of a running `neuron-serving up` (issue 21's local actuator),
+end to end: `up --units 1 --tp 1` on the demo model, real processes, the capacity
+controller's LocalActuator over the supervisor API socket.
+
+One module-scoped cluster; the tests run in file order: add a unit -> it starts, is
+registered with the proxy and becomes routable, and serves requests (it shows in
+supervisor.json and `neuron-serving status`) -> with greedy streams in flight on it,
+remove it -> every stream completes with no error (the removal waited for them: the
+unit was drained, not killed under them), its processes are gone, the proxy no longer
+lists it, and the last ready unit is refused. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from neuron_serving.capacity.actuator import ActuatorError
+from neuron_serving.capacity.local_actuator import LocalActuator
+from neuron_serving.capacity.signals import Phase, Purpose
+from neuron_serving.local.probe import get_json
+from tests.e2e.local_cluster import (
+    Cluster,
+    alive,
+    chat,
+    check_streams,
+    start_cluster,
+    start_streams,
+)
+from tests.procs import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ADD_TIMEOUT_S = 240.0  # a TP=1 unit of the demo model starts in about 30 s on 2 cores
+REMOVE_TIMEOUT_S = 60.0
+STREAMS = 6
+STREAM_TOKENS = 200  # long enough to be in flight while the removal drains (max-model-len 256)
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
+    yield from start_cluster(
+        demo_model, tmp_path_factory.mktemp("local-scale"),
+        ["--units", "1", "--tp", "1", "--max-model-len", "256", "--max-num-seqs", "16",
+         "--enforce-eager"], units=1,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def actuator(cluster: Cluster) -> LocalActuator:
+    return LocalActuator.for_run_dir(cluster.run_dir)
+
+
+def _phase(act: LocalActuator, unit_id: str) -> Phase | None:
+    return next((u.phase for u in act.units() if u.unit_id == unit_id), None)
+
+
+def _admin_units(c: Cluster) -> set[str]:
+    """The units every replica's admin API lists."""
+    out: set[str] = set()
+    for r in c.replicas():
+        listing = get_json(f"{r['admin_url']}/admin/units", 2.0, token=c.admin_token)
+        assert listing is not None, r
+        out |= {u["unit_id"] for u in listing["units"]}
+    return out
+
+
+def _migrations(c: Cluster) -> float:
+    """Mid-stream migrations over every replica (any outcome), from its admin /metrics:
+    a stream cut by its unit's stop is migrated to another unit and still completes, so
+    only this counter tells a drained removal from a killed one."""
+    total = 0.0
+    for r in c.replicas():
+        req = urllib.request.Request(
+            f"{r['admin_url']}/metrics", headers={"Authorization": f"Bearer {c.admin_token}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            text = resp.read().decode()
+        for line in text.splitlines():
+            if line.startswith("proxy_migrations_total"):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_an_added_unit_becomes_routable_and_serves(cluster: Cluster, actuator) -> None:
+    t0 = time.monotonic()
+    unit_id = actuator.add(Purpose.BATCH)
+    assert unit_id == "unit-1"
+    assert _phase(actuator, unit_id) == Phase.STARTING
+    assert not cluster.routable(unit_id)
+    wait_for(lambda: _phase(actuator, unit_id) == Phase.READY, ADD_TIMEOUT_S, interval=0.5,
+             what=f"{unit_id} ready and routable")  # fmt: skip
+    took = time.monotonic() - t0
+    print(f"{unit_id}: add -> routable on every proxy replica in {took:.1f} s")
+    # READY in the actuator means every replica's /status shows it routable.
+    assert cluster.routable(unit_id)
+    assert unit_id in _admin_units(cluster)
+    state = cluster.unit_state(unit_id)
+    assert state["purpose"] == "batch" and state["added"] is True and state["phase"] == "ready"
+    cluster.unit_tree(unit_id)  # remembered for the final no-process-left check
+    # `neuron-serving status` shows it, merged from the proxy and supervisor.json.
+    out = subprocess.run(
+        [sys.executable, "-m", "neuron_serving.cli", "status", "--proxy", cluster.url,
+         "--state", str(cluster.run_dir / "supervisor.json"), "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = {r["unit_id"]: r for r in json.loads(out.stdout)["units"]}
+    assert rows[unit_id]["phase"] == "ready" and rows[unit_id]["health"] == "routable"
+    # It serves: concurrent streams spread over both units.
+    before = cluster.proxy_unit(unit_id)["requests_total"]
+    for _ in range(5):
+        results, threads = start_streams(cluster, 4, max_tokens=8)
+        check_streams(results, threads)
+        assert all(r.error is None for r in results), [r.error for r in results]
+        if cluster.proxy_unit(unit_id)["requests_total"] > before:
+            break
+    assert cluster.proxy_unit(unit_id)["requests_total"] > before, "no request reached it"
+
+
+def test_removal_under_streaming_load_loses_no_request(cluster: Cluster, actuator) -> None:
+    unit_id = "unit-1"
+    tree = cluster.unit_tree(unit_id)
+    assert tree
+    migrations = _migrations(cluster)
+    started = time.monotonic()
+    results, threads = start_streams(cluster, STREAMS, max_tokens=STREAM_TOKENS)
+    wait_for(lambda: (cluster.proxy_unit(unit_id) or {}).get("in_flight", 0) > 0, 60,
+             interval=0.05, what=f"streams on {unit_id}")  # fmt: skip
+    on_it = cluster.proxy_unit(unit_id)["in_flight"]
+    t0 = time.monotonic()
+    actuator.remove(unit_id)
+    assert _phase(actuator, unit_id) == Phase.DRAINING
+    # Drained: no new request goes to it while it finishes what it has.
+    wait_for(lambda: (cluster.proxy_unit(unit_id) or {}).get("state") == "draining", 10,
+             interval=0.05, what=f"{unit_id} draining")  # fmt: skip
+    chat(cluster)  # served by unit-0
+    check_streams(results, threads)
+    print(f"{STREAMS} streams of {STREAM_TOKENS} tokens took {time.monotonic() - started:.1f} s")
+    errors = [r.error for r in results if r.error is not None]
+    assert errors == [], errors
+    assert all(r.finish_reason == "length" for r in results), results
+    wait_for(lambda: _phase(actuator, unit_id) is None, REMOVE_TIMEOUT_S, interval=0.2,
+             what=f"{unit_id} removed")  # fmt: skip
+    print(f"{unit_id} removed {time.monotonic() - t0:.1f} s after the call, {on_it} stream(s) "
+          f"on it at the time")  # fmt: skip
+    log = cluster.proc.stdout()
+    print("\n".join(line for line in log.splitlines() if unit_id in line))
+    assert f"{unit_id} drained in" in log, cluster.log_tail()
+    assert "stopping it anyway" not in log
+    # Nothing was cut and moved: the streams on it finished there before it stopped.
+    assert _migrations(cluster) == migrations
+    # Its processes are gone, the proxy no longer lists it, the other unit serves.
+    left = [p for p in tree if alive(p)]
+    assert left == [], left
+    assert cluster.proxy_unit(unit_id) is None
+    assert unit_id not in _admin_units(cluster)
+    assert [u["unit_id"] for u in cluster.state()["units"]] == ["unit-0"]
+    chat(cluster)
+    # unit-0 is now the last ready unit: refused, and nothing changes.
+    with pytest.raises(ActuatorError, match="last"):
+        actuator.remove("unit-0")
+    assert cluster.routable("unit-0")

@@ -9,6 +9,7 @@ become ready on this machine kind, so callers share one per module.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from neuron_serving.bench import stack
@@ -29,12 +31,15 @@ PROXY_READY_TIMEOUT_S = 60.0
 
 @contextmanager
 def running_leader(
-    model: Path, tmp: Path, *, extra: list[str] = (), max_model_len: int = MAX_MODEL_LEN
-) -> Iterator[LeaderEndpoints]:
-    """A ready TP=1 leader; on exit SIGTERM, a bounded wait, then kill its whole session."""
+    model: Path, tmp: Path, *, extra: list[str] = (), max_model_len: int = MAX_MODEL_LEN,
+    ports_of: LeaderEndpoints | None = None,
+) -> Iterator[LeaderEndpoints]:  # fmt: skip
+    """A ready TP=1 leader; on exit SIGTERM, a bounded wait, then kill its whole session.
+    ``ports_of``: a leader whose ports it takes (one that is dead: ``kill_leader``)."""
     args = ["--max-model-len", str(max_model_len), "--kv-cache-bytes", str(KV_CACHE_BYTES),
             "--drain", "1", *extra]  # fmt: skip
-    ldr = start_leader(model, tmp, tp=1, extra=args)
+    ports = None if ports_of is None else ports_of.ports()
+    ldr = start_leader(model, tmp, tp=1, extra=args, ports=ports)
     try:
         wait_ready(ldr)
         yield ldr
@@ -44,6 +49,21 @@ def running_leader(
         assert leftover([ldr.proc]) == [], "leader left processes behind"
     finally:
         ldr.proc.stop()
+
+
+def kill_leader(ldr: LeaderEndpoints, timeout_s: float = 30.0) -> None:
+    """SIGKILL the leader's whole process tree at once (the CLI, tritonserver, its
+    backend stub, EngineCore: every process of its session), as a crashed host would
+    leave it; returns once none of them is left (bounded)."""
+    sid = ldr.proc.pid
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, psutil.Error, OSError):
+            continue
+    ldr.proc.popen.wait(timeout=timeout_s)
+    assert leftover([ldr.proc], settle_s=timeout_s) == [], "SIGKILLed leader left processes"
 
 
 def proxy_config(

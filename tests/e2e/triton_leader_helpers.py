@@ -27,6 +27,13 @@ class LeaderEndpoints:
         text = self.proc.stderr() + self.proc.stdout()
         return "\n".join(text.splitlines()[-n:])
 
+    def ports(self) -> tuple[int, int, int, int]:
+        """(control, http, grpc, metrics): what ``start_leader(ports=)`` takes."""
+        return (
+            self.control_port,
+            *(int(a.rsplit(":", 1)[1]) for a in (self.http, self.grpc, self.metrics)),
+        )
+
     def model_ready(self) -> bool:
         return get(f"http://{self.http}/v2/models/llm/ready")[0] == 200
 
@@ -46,10 +53,16 @@ def metric(metrics_addr: str, name: str, **labels: str) -> float:
 
 
 def start_leader(
-    model: Path, tmp: Path, *, tp: int, extra: list[str] = (), env: dict[str, str] | None = None
-) -> LeaderEndpoints:
-    control = free_port_block(4)
-    http, grpc, metrics = (free_port() for _ in range(3))
+    model: Path, tmp: Path, *, tp: int, extra: list[str] = (), env: dict[str, str] | None = None,
+    ports: tuple[int, int, int, int] | None = None,
+) -> LeaderEndpoints:  # fmt: skip
+    """``ports``: (control, http, grpc, metrics), e.g. a dead leader's ``ports()``;
+    free ones by default."""
+    if ports is None:
+        control = free_port_block(4)
+        http, grpc, metrics = (free_port() for _ in range(3))
+    else:
+        control, http, grpc, metrics = ports
     args = [
         "leader", "--model", str(model), "--tp", str(tp), "--control-port", str(control),
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),

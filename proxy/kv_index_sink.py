@@ -76,7 +76,9 @@ class KvIndexSink:
         counts.infos += 1
         counts.info = info
         hasher, reason = hasher_for(info)
-        self.fleet.start(unit_id, hasher, reason)
+        # seq -1: the leader has relayed no batch yet, so its engine's cache is empty
+        # (vLLM publishes every block it stores) and the index, empty, is complete.
+        self.fleet.start(unit_id, hasher, reason, empty=info.seq < 0)
         if hasher is None:
             log.info(
                 "unit %s: KV events from %s hashing (block size %d) cannot be matched "

@@ -6,7 +6,8 @@ policy. A unit is in one of three modes (``KvMode``):
 
 - ``exact``: its hasher reproduces its leader's NONE_HASH, and its index holds every
   device block it caches: it was fed from its publisher's first batch (seq 0: vLLM
-  starts with an empty cache) or from an ``AllBlocksCleared`` on;
+  starts with an empty cache), or started when its leader had relayed no batch yet
+  (``KvInfo.seq`` -1: nothing cached), or from an ``AllBlocksCleared`` on;
 - ``partial``: hashed exactly, but the index started later in the stream (the
   leader's replay buffer no longer reached seq 0, a batch was lost or undecodable),
   so blocks stored before then and still cached are missing until evicted and stored
@@ -49,15 +50,19 @@ class KvFleet:
         # Why a unit is approximate (a metrics-safe word), for the ones that sent KvInfo.
         self.approximate_reason: dict[str, str] = {}
 
-    def start(self, unit_id: str, hasher: BlockHasher | None, reason: str = "") -> None:
+    def start(
+        self, unit_id: str, hasher: BlockHasher | None, reason: str = "", empty: bool = False
+    ) -> None:
         """The unit's stream starts (its ``KvInfo``): hashed by ``hasher`` from now on, or
-        approximate for ``reason``. Its index starts empty, with the next batch."""
+        approximate for ``reason``. Its index starts empty, with the next batch;
+        ``empty``: so does the unit's cache (its publisher has sent nothing yet), so the
+        index is complete at once, not only from the batch of seq 0."""
         if hasher is None:
             self._units.pop(unit_id, None)
             self.index.remove_unit(unit_id)
             self.approximate_reason[unit_id] = reason
         else:
-            self._units[unit_id] = _Unit(hasher)
+            self._units[unit_id] = _Unit(hasher, complete=empty)
             self.index.reset(unit_id, None)
             self.approximate_reason.pop(unit_id, None)
 

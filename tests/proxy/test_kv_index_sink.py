@@ -160,3 +160,17 @@ def test_a_recreated_units_stream_starts_over() -> None:
     assert asks == [0]
     order.on_kv_events("u", 0, payload(stored([9])))  # the new publisher's history
     assert fleet.mode("u") is KvMode.EXACT and fleet.index.size("u") == 1
+
+
+def test_a_leader_that_relayed_nothing_yet_is_exact_at_once() -> None:
+    """KvInfo.seq -1: its engine has stored no block yet, so the empty index is the
+    whole cache (a fresh leader gets exact predictions from its first request); a
+    leader that has relayed batches is exact only once their history is in."""
+    fleet = KvFleet(1 << 16)
+    sink = KvIndexSink(fleet)
+    sink.on_kv_info("fresh", info(seq=-1, none_hash=HASHER.none_hash))
+    assert fleet.mode("fresh") is KvMode.EXACT
+    sink.on_kv_info("busy", info(seq=5, none_hash=HASHER.none_hash))
+    assert fleet.mode("busy") is KvMode.PARTIAL
+    sink.on_kv_events("busy", 0, payload(stored([1])))  # the replay from seq 0
+    assert fleet.mode("busy") is KvMode.EXACT

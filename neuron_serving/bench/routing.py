@@ -23,6 +23,9 @@ With 2 replicas each request goes to one of them in turn (turn ``i`` of session
 a session's turns reach both, and only a shared view of the units' caches keeps
 them on one unit.
 
+A fifth arm, for information, runs the approximate index behind the same 2 replicas:
+what separate indexes lose, which a shared view from the engines' events is for.
+
 Figures per arm (each repeat runs every arm, in a rotated order):
 
 - hit rate: vLLM's own counters (``vllm:prefix_cache_hits_total /
@@ -75,6 +78,9 @@ ARMS: list[tuple[str, dict[str, Any], int]] = [
     ("approximate", {"policy": "prefix_cache_aware"}, 1),
     ("exact", {"policy": "kv_aware"}, 1),
     ("exact_2_replicas", {"policy": "kv_aware"}, 2),
+    # For information: what separate approximate indexes lose (each replica sees half
+    # of every session's turns), the case exact routing's shared view is for.
+    ("approximate_2_replicas", {"policy": "prefix_cache_aware"}, 2),
 ]
 TARGET_HIT_RATIO = 1.2  # exact / approximate hit rate
 TARGET_P90_RATIO = 0.7  # exact / approximate TTFT p90 (30% lower)
@@ -283,9 +289,12 @@ def _kv_blocks(leader: Leader) -> int | None:
 def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The targets' ratios within each repeat (arms of one repeat ran back to back),
     then their spread over the repeats."""
-    hit, p90, pp = [], [], []
+    hit, p90, pp, pp_approx = [], [], [], []
     for rep in per_repeat:
         ex, ap, r2 = rep["exact"], rep["approximate"], rep.get("exact_2_replicas")
+        a2 = rep.get("approximate_2_replicas")
+        if a2 is not None and a2["hit_rate"] is not None and ap["hit_rate"] is not None:
+            pp_approx.append((ap["hit_rate"] - a2["hit_rate"]) * 100)
         if ex["hit_rate"] is not None and ap["hit_rate"]:
             hit.append(ex["hit_rate"] / ap["hit_rate"])
         if ap["ttft_p90_ms"]:
@@ -296,6 +305,8 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "hit_rate_exact_over_approximate": spread(hit),
         "ttft_p90_exact_over_approximate": spread(p90),
         "hit_rate_pp_2_replicas_vs_1": spread(pp),
+        # Information: the approximate index's loss with 2 replicas (points, 1 - 2).
+        "hit_rate_pp_approximate_1_minus_2_replicas": spread(pp_approx),
     }
 
 

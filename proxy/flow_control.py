@@ -157,12 +157,15 @@ class FlowController:
     def queued(self) -> int:
         return sum(q.waiting for q in self._classes.values())
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """Per class: waiting, active, and the counters since start (for /status)."""
+    def snapshot(self) -> dict[str, dict[str, int | float]]:
+        """Per class: waiting, active, how long its oldest waiting request has waited
+        (seconds, 0 with none: the capacity controller's signal), and the counters
+        since start (for /status)."""
         return {
             c.label: {
                 "queued": q.waiting,
                 "active": q.active,
+                "oldest_wait_s": round(self._oldest_wait(q), 3),
                 "dispatched": q.dispatched,
                 "deadline_misses": q.expired,
                 "shed": q.shed,
@@ -170,6 +173,14 @@ class FlowController:
             }
             for c, q in self._classes.items()
         }
+
+    @staticmethod
+    def _oldest_wait(q: _ClassQueue) -> float:
+        heads = [w for t in q.tenants.values() if (w := t.head()) is not None] if q.waiting else []
+        if not heads:
+            return 0.0
+        oldest = min(heads, key=lambda w: w.since)
+        return max(0.0, oldest.future.get_loop().time() - oldest.since)
 
     # ---- room -------------------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ def build_status(
     queued: int,
     active: int,
     panic_models: list[str],
-    classes: dict[str, dict[str, int]] | None = None,
+    classes: dict[str, dict[str, int | float]] | None = None,
     redact: bool = False,
     upstream_of: Callable[[UnitSpec], str] | None = None,
     kv_of: Callable[[str], dict[str, Any]] | None = None,

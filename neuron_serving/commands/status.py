@@ -24,8 +24,10 @@ cluster (`up --proxies K` share the client port: the view above is the one repli
 the kernel picked; each one's own is ``GET /status`` on its admin port). ``--json``
 is for scripts: the whole merged view with every key always present (``proxy``,
 ``reachable``, ``error``, ``redacted``, ``warning``, ``routing``, ``classes``,
-``batches``, ``proxies``, ``units``; each unit's ``kv`` and ``prefix_cache`` as
-/status has them).
+``batches``, ``proxies``, ``capacity``, ``units``; each unit's ``kv`` and
+``prefix_cache`` as /status has them). Under `up --autoscale` one more line shows
+the capacity controller (desired and current units, the last action and its
+reason); ``--json`` has its whole section (the last decisions with their signals).
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def json_view(
     warning: str | None,
     rows: list[dict[str, Any]],
     proxies: list[dict[str, Any]] | None = None,
+    capacity: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``--json``: every key always present (null when it does not apply)."""
     routing = None
@@ -190,6 +193,9 @@ def json_view(
         "batches": None if proxy is None else proxy.get("batches"),
         # A local cluster's proxy replicas as its supervisor sees them (None: no state).
         "proxies": proxies,
+        # `up --autoscale`'s controller: bounds, desired/current, the last decisions
+        # (supervisor.json "capacity"; None: no state, or no autoscaler).
+        "capacity": capacity,
         "units": rows,
     }
 
@@ -220,12 +226,13 @@ def run(args: argparse.Namespace) -> int:
         state = None  # a dead supervisor's file describes nothing that runs
     rows = merge(proxy, state)
     proxies = None if state is None else state.get("proxies")
+    capacity = None if state is None else state.get("capacity")
     if args.json:
-        print(json.dumps(json_view(base, proxy, problem, warning, rows, proxies)))
+        print(json.dumps(json_view(base, proxy, problem, warning, rows, proxies, capacity)))
         return ExitCode.OK if proxy is not None else ExitCode.FAILED
     console = Console(highlight=False, soft_wrap=True)
     lines = render_text(
-        base, proxy, state is not None, problem, warning, rows, width(args), proxies
+        base, proxy, state is not None, problem, warning, rows, width(args), proxies, capacity
     )
     for line in lines:
         console.print(line)

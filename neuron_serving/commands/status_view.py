@@ -241,9 +241,11 @@ def render_text(
     rows: list[dict[str, Any]],
     width: int,
     proxies: list[dict[str, Any]] | None = None,
+    capacity: dict[str, Any] | None = None,
 ) -> list[Text]:
     """The whole human view, every line at most ``width`` cells (0 = no limit);
-    ``proxies``: the state file's replicas of a local cluster, one line each."""
+    ``proxies``: the state file's replicas of a local cluster, one line each;
+    ``capacity``: its autoscaler (supervisor.json ``capacity``), one line."""
     from rich.text import Text
 
     def wrap(text: str, style: str = "") -> list[Text]:
@@ -279,7 +281,33 @@ def render_text(
         lines.append(Text(""))
         for p in proxies:
             lines += wrap(_replica_line(p), "" if p.get("phase") == "ready" else "yellow")
+    if capacity:
+        lines.append(Text(capacity_line(capacity, min(80, width or 80))))
     return lines
+
+
+def capacity_line(c: dict[str, Any], limit: int = 80) -> str:
+    """`up --autoscale`'s controller in one line of at most ``limit`` columns: desired
+    and current units within their bounds, the last action, its reason and age; then,
+    as room allows, the units starting/draining and the error count."""
+    bounds = f"{c.get('min_units')}..{c.get('max_units')}"
+    if c.get("error"):
+        return f"autoscale {bounds}: {c['error']}"[:limit]
+    if c.get("desired") is None:
+        return f"autoscale {bounds}: no decision yet"
+    line = f"autoscale {bounds}: desired {c['desired']}, current {c.get('current')}"
+    a = c.get("last_action")
+    if a:
+        did = [f"+{u}" for u in a.get("added", [])] + [f"-{u}" for u in a.get("removed", [])]
+        line += f"; last {' '.join(did) or 'error'} ({a.get('reason')}) {age(a.get('wall_time'))}"
+    else:
+        line += f"; {c.get('reason') or 'hold'}"
+    errors = (c.get("read_errors") or 0) + (c.get("actuator_errors") or 0)
+    moving = [f"{c[k]} {k}" for k in ("starting", "draining") if c.get(k)]
+    for extra in (", ".join(moving), f"{errors} err" if errors else ""):
+        if extra and len(line) + 2 + len(extra) <= limit:
+            line += f"; {extra}"
+    return line[:limit]
 
 
 def _replica_line(p: dict[str, Any]) -> str:

@@ -8,7 +8,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from neuron_serving.commands import KV_CACHE_FLAGS, TP_FLAGS
 from neuron_serving.models.resolve import model_arg
@@ -20,7 +22,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run K inference units (leader + N-1 followers each) behind the proxy",
         description=__doc__.splitlines()[0],
     )
-    p.add_argument("--units", type=int, default=2, help="inference units (default 2)")
+    p.add_argument(
+        "--units",
+        type=int,
+        default=None,
+        help="inference units (default 2; with --autoscale: --units-min)",
+    )
     p.add_argument(
         *TP_FLAGS, dest="tp", type=int, default=2, help="tensor-parallel ranks per unit (default 2)"
     )
@@ -93,7 +100,111 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="JSON",
         help="other vLLM engine arguments for every unit's leader (see `leader --engine-args`)",
     )
+    a = p.add_argument_group("autoscaling (neuron_serving/capacity)")
+    a.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="run the capacity controller: units are added and drained/removed as the "
+        "proxies' queues, engine loads and latencies ask",
+    )
+    a.add_argument(
+        "--units-min", type=int, default=None, metavar="N", help="autoscale floor (default 1)"
+    )
+    a.add_argument(
+        "--units-max",
+        type=int,
+        default=None,
+        metavar="M",
+        help="autoscale ceiling (default 4, >= --units)",
+    )
+    a.add_argument(
+        "--autoscale-config",
+        default=None,
+        metavar="FILE",
+        help="YAML/JSON mapping of the policy's knobs (capacity/config.py: tick_s, "
+        "stable_window_s, scale_down_cooldown_s, ...) and the loop's (latency_window_s, "
+        "decisions_kept, max_adds_per_tick, max_removes_per_tick); the flags win",
+    )
     p.set_defaults(func=run)
+
+
+def _capacity_config(args: argparse.Namespace) -> Any:
+    """The autoscaler's config (ValueError on a bad one), or None without --autoscale;
+    sets ``args.units`` to the initial count."""
+    if not args.autoscale:
+        if args.units_min is not None or args.units_max is not None or args.autoscale_config:
+            raise ValueError("--units-min, --units-max and --autoscale-config need --autoscale")
+        args.units = 2 if args.units is None else args.units
+        return None
+    from neuron_serving.capacity.controller import ControllerConfig
+
+    raw: Any = {}
+    if args.autoscale_config:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(Path(args.autoscale_config).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--autoscale-config: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--autoscale-config: expected a mapping of knobs")
+    lo = args.units_min if args.units_min is not None else raw.get("min_units", 1)
+    hi = args.units_max if args.units_max is not None else raw.get("max_units")
+    if hi is None:
+        hi = max(4, lo, args.units or 0)
+    cfg = ControllerConfig.from_dict(raw, min_units=lo, max_units=hi)
+    args.units = cfg.policy.min_units if args.units is None else args.units
+    p = cfg.policy
+    if not p.min_units <= args.units <= p.max_units:
+        raise ValueError(f"--units {args.units} outside --units-min..--units-max")
+    return cfg
+
+
+def _start_autoscaler(cluster: Any, spec: Any, cfg: Any, say: Callable[[str], None]) -> Any:
+    """The capacity controller on this `up`: the LocalActuator over the supervisor API
+    socket (the same path `deploy` and the e2e tests take), the reader over every
+    replica's admin port; every decision one JSON line in logs/capacity/decisions.log,
+    the ones that act (or fail) also here; its status in supervisor.json."""
+    from neuron_serving.capacity.controller import CapacityController
+    from neuron_serving.capacity.local_actuator import LocalActuator
+    from neuron_serving.capacity.reader import ProxyReader
+    from neuron_serving.local.rotating_log import RotatingLog
+    from neuron_serving.proxy_admin import AdminFanOut
+
+    actuator = LocalActuator.for_run_dir(spec.run_dir)
+    admin = AdminFanOut(spec.replicas(), cluster.admin_token, timeout_s=2.0)
+    reader = ProxyReader(admin, actuator, latency_window_s=cfg.latency_window_s)
+    decisions = RotatingLog(
+        spec.run_dir / "logs" / "capacity" / "decisions.log", spec.log_max_bytes, spec.log_backups
+    )
+
+    def log_line(line: str) -> None:
+        decisions.write(line.encode() + b"\n")
+        try:
+            r = json.loads(line)
+        except ValueError:
+            return
+        if r.get("event") == "capacity_error":
+            say(f"capacity: {r.get('error')}")
+        elif r.get("added") or r.get("removed") or r.get("errors"):
+            did = [f"add {u}" for u in r["added"]] + [f"remove {u}" for u in r["removed"]]
+            say(
+                f"capacity: {', '.join(did) or 'no change'} ({r['reason']}): "
+                f"{r['current']} -> {r['desired']} units; concurrency "
+                f"{r['stable_concurrency']:.1f} stable, {r['panic_concurrency']:.1f} panic, "
+                f"target {r['target_per_unit']:g}/unit"
+                + (f"; errors: {'; '.join(r['errors'])}" if r["errors"] else "")
+            )
+
+    controller = CapacityController(reader, actuator, cfg, log_line=log_line)
+    cluster.capacity_view = controller.status
+    controller.start()
+    p = cfg.policy
+    say(
+        f"autoscaling {p.min_units}..{p.max_units} units every {p.tick_s:g} s "
+        f"(decisions in {decisions.path})"
+    )
+    return controller
 
 
 def _examples(base: str, model: str, api_key: str) -> str:
@@ -146,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
             pass  # stdout redirected to a full disk: the cluster matters more than its log
 
     try:
+        capacity = _capacity_config(args)
         leader_args = _leader_args(args)
         model = Path(args.model) if args.model else demo_model_dir(say)
         spec = ClusterSpec(
@@ -191,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
         f"run dir {spec.run_dir}"
     )
     rc = ExitCode.OK
+    controller = None
     try:
         cluster.prepare()
         cluster.start()
@@ -217,12 +330,16 @@ neuron-serving up: {spec.units} unit(s) x TP={spec.tp}{proxies} ready in {took:.
 Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
             stamp=False,
         )
+        if capacity is not None:
+            controller = _start_autoscaler(cluster, spec, capacity, say)
         cluster.serve(stop)
     except StartupFailed as e:
         if not stop.is_set():
             print(f"neuron-serving up: start-up failed: {e}", file=sys.stderr, flush=True)
             rc = ExitCode.START_FAILED
     finally:
+        if controller is not None:
+            controller.stop()  # no unit added or removed while everything stops
         survivors = cluster.shutdown(drain=signals["count"] <= 1)
         if survivors:
             print(f"neuron-serving up: processes left running: {survivors}", file=sys.stderr)

@@ -142,6 +142,9 @@ class ClusterSupervisor:
         # generation is ready and no replica has the unit drained (the deploy admitted it).
         self._deploy_target: dict[str, int] = {}
         self.serving = threading.Event()  # wait_ready returned: units may be added/removed
+        # The capacity controller's view (`up --autoscale`), in supervisor.json as
+        # "capacity"; None without one. A callable: local sits below capacity.
+        self.capacity_view: Callable[[], dict[str, Any]] | None = None
 
     # ---- start ---------------------------------------------------------------------
 
@@ -586,7 +589,17 @@ class ClusterSupervisor:
             "proxy_url": spec.proxy_url,
             "proxies": self.replicas.snapshot() if self.replicas else [],
             "units": [self._unit_snapshot(u) for u in self.groups()],
+            "capacity": self._capacity(),
         }
+
+    def _capacity(self) -> dict[str, Any] | None:
+        view = self.capacity_view
+        if view is None:
+            return None
+        try:
+            return view()
+        except Exception as e:  # noqa: BLE001 - a view must not stop the state file
+            return {"enabled": True, "error": f"{type(e).__name__}: {e}"}
 
     def write_state(self) -> bool:
         """Refresh supervisor.json; never raises on a failed write (full disk, removed

@@ -8,6 +8,12 @@ supervisor.json and `neuron-serving status`) -> with greedy streams in flight on
 remove it -> every stream completes with no error (the removal waited for them: the
 unit was drained, not killed under them), its processes are gone, the proxy no longer
 lists it, and the last ready unit is refused. Every wait is bounded.
+
+Then `up --autoscale --units-min 1 --units-max 2` (a second cluster, short windows and
+cool-downs from --autoscale-config): a load step of concurrent openai streams makes
+the controller add a unit, which starts and becomes routable and serves; the load
+stops (a trickle goes on) and the controller drains and removes a unit, with no
+request failed and no stream migrated.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
+import openai
 import pytest
 
 from neuron_serving.capacity.actuator import ActuatorError
@@ -43,13 +51,19 @@ STREAMS = 6
 STREAM_TOKENS = 200  # long enough to be in flight while the removal drains (max-model-len 256)
 
 
+UNIT_ARGS = ["--tp", "1", "--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"]
+# Stops the manually scaled cluster early: the autoscaled one needs the two cores.
+_STOPPERS: list = []
+
+
 @pytest.fixture(scope="module")
 def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
-    yield from start_cluster(
-        demo_model, tmp_path_factory.mktemp("local-scale"),
-        ["--units", "1", "--tp", "1", "--max-model-len", "256", "--max-num-seqs", "16",
-         "--enforce-eager"], units=1,
-    )  # fmt: skip
+    run = start_cluster(demo_model, tmp_path_factory.mktemp("local-scale"),
+                        ["--units", "1", *UNIT_ARGS], units=1)  # fmt: skip
+    c = next(run)
+    _STOPPERS.append(lambda: next(run, None))  # runs its teardown (no process left) once
+    yield c
+    next(run, None)
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +181,138 @@ def test_removal_under_streaming_load_loses_no_request(cluster: Cluster, actuato
     with pytest.raises(ActuatorError, match="last"):
         actuator.remove("unit-0")
     assert cluster.routable("unit-0")
+
+
+# The autoscaled cluster: decide every second on short windows (policy defaults are
+# 60 s / 6 s, cool-downs 10 s / 120 s), so a load step and its end show within a minute.
+AUTOSCALE_CONFIG = {
+    "tick_s": 1.0, "stable_window_s": 8.0, "panic_window_s": 2.0,
+    "scale_up_cooldown_s": 5.0, "scale_down_cooldown_s": 10.0, "latency_window_s": 10.0,
+}  # fmt: skip
+LOAD_STREAMS = 12  # 12 concurrent on units of target 8 (0.5 x max_num_seqs 16): 2 units
+LOAD_TOKENS = 48
+SCALE_UP_DECISION_S = 30.0
+SCALE_DOWN_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def autoscaled(demo_model: Path, tmp_path_factory) -> Cluster:
+    while _STOPPERS:
+        _STOPPERS.pop()()
+    tmp = tmp_path_factory.mktemp("autoscale")
+    config = tmp / "capacity.yaml"
+    config.write_text(json.dumps(AUTOSCALE_CONFIG))  # JSON is YAML
+    yield from start_cluster(
+        demo_model, tmp,
+        ["--autoscale", "--units-min", "1", "--units-max", "2", "--autoscale-config",
+         str(config), *UNIT_ARGS], units=1,
+    )  # fmt: skip
+
+
+class Load:
+    """``n`` workers, each streaming one greedy request after another until stopped;
+    every outcome counted (the client never retries: an error is an error)."""
+
+    def __init__(self, c: Cluster, n: int, tag: str) -> None:
+        self.c, self.stop = c, threading.Event()
+        self.ok = 0
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._work, args=(f"{tag}{i}: ",), daemon=True)
+                        for i in range(n)]  # fmt: skip
+        for t in self.threads:
+            t.start()
+
+    def _work(self, tag: str) -> None:
+        client = self.c.client()
+        while not self.stop.is_set():
+            try:
+                out = client.chat.completions.create(
+                    model=self.c.model, stream=True, max_tokens=LOAD_TOKENS, temperature=0,
+                    messages=[{"role": "user", "content": tag + "Is this kettle in stock?"}],
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                finish = None
+                for chunk in out:
+                    if chunk.choices:
+                        finish = chunk.choices[0].finish_reason or finish
+                assert finish == "length", finish
+                with self.lock:
+                    self.ok += 1
+            except (openai.OpenAIError, AssertionError) as e:
+                with self.lock:
+                    self.errors.append(e)
+                time.sleep(0.5)
+
+    def end(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in self.threads), "a load stream hung"
+
+
+def _units(c: Cluster) -> list[str]:
+    return [u["unit_id"] for u in c.state()["units"]]
+
+
+def test_autoscale_adds_a_unit_under_load_and_drains_it_after(autoscaled: Cluster) -> None:
+    c = autoscaled
+    assert _units(c) == ["unit-0"]
+    wait_for(lambda: (c.state().get("capacity") or {}).get("ticks", 0) >= 3, 30, interval=0.5,
+             what="the controller deciding")  # fmt: skip
+    cap = c.state()["capacity"]
+    assert (cap["min_units"], cap["max_units"], cap["desired"]) == (1, 2, 1), cap
+    migrations = _migrations(c)
+    t0 = time.monotonic()
+    load = Load(c, LOAD_STREAMS, "step ")
+    try:
+        wait_for(lambda: "unit-1" in _units(c), SCALE_UP_DECISION_S, interval=0.2,
+                 what="the controller adding a unit under load")  # fmt: skip
+        decided = time.monotonic() - t0
+        action = c.state()["capacity"]["last_action"]
+        assert action["added"] == ["unit-1"] and action["reason"] in ("panic", "scale_up"), action
+        wait_for(lambda: c.unit_state("unit-1")["routable"] and c.routable("unit-1"),
+                 ADD_TIMEOUT_S, interval=0.5, what="unit-1 routable")  # fmt: skip
+        routable = time.monotonic() - t0
+        c.unit_tree("unit-1")
+        wait_for(lambda: (c.proxy_unit("unit-1") or {}).get("requests_total", 0) > 0, 60,
+                 interval=0.2, what="unit-1 serving")  # fmt: skip
+        serving = time.monotonic() - t0
+    finally:
+        load.end()
+    print(f"load step of {LOAD_STREAMS} streams: unit added {decided:.1f} s after it began, "
+          f"routable at {routable:.1f} s, serving at {serving:.1f} s; {load.ok} requests")  # fmt: skip
+    assert load.errors == [], load.errors[:3]
+    # The load ends; one stream goes on, through the scale-in.
+    t1 = time.monotonic()
+    trickle = Load(c, 1, "trickle ")
+    try:
+        wait_for(lambda: len(_units(c)) == 1, SCALE_DOWN_S, interval=0.5,
+                 what="a unit drained and removed after the load")  # fmt: skip
+        removed_s = time.monotonic() - t1
+        time.sleep(2.0)  # the trickle on the unit that stayed
+    finally:
+        trickle.end()
+    cap = c.state()["capacity"]
+    removed = cap["last_action"]["removed"]
+    print(f"load stopped -> {removed} removed in {removed_s:.1f} s; trickle {trickle.ok} "
+          f"requests; last decisions: {[(d['reason'], d['desired']) for d in cap['decisions']]}")  # fmt: skip
+    assert len(removed) == 1 and cap["last_action"]["reason"] == "scale_down", cap["last_action"]
+    assert trickle.errors == [] and trickle.ok > 0, trickle.errors[:3]
+    log = c.proc.stdout()
+    print("\n".join(line for line in log.splitlines() if "capacity" in line or "unit-1" in line))
+    assert f"{removed[0]} drained in" in log and "stopping it anyway" not in log
+    assert _migrations(c) == migrations  # drained, not cut: nothing moved mid-stream
+    assert cap["actuator_errors"] == 0 and cap["read_errors"] == 0, cap["last_error"]
+    # Every decision is a JSON line with its signals; `status` shows the controller.
+    lines = (c.run_dir / "logs" / "capacity" / "decisions.log").read_text().splitlines()
+    reasons = {json.loads(x).get("reason") for x in lines}
+    assert {"hold", "scale_down"} <= reasons and reasons & {"panic", "scale_up"}, reasons
+    cmd = [sys.executable, "-m", "neuron_serving.cli", "status", "--proxy", c.url,
+           "--state", str(c.run_dir / "supervisor.json"), "--width", "80"]  # fmt: skip
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    line = next(x for x in text.stdout.splitlines() if x.startswith("autoscale 1..2:"))
+    assert f"-{removed[0]} (scale_down)" in line and len(line) <= 80, line
+    js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    view = json.loads(js.stdout)["capacity"]
+    assert view["current"] == 1 and view["decisions"], view

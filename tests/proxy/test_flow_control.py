@@ -418,3 +418,24 @@ async def test_a_waiter_cancelled_just_before_a_pump_is_skipped_not_placed():
     await asyncio.gather(gone, return_exceptions=True)
     assert "gone" not in fleet.started and "stays" in fleet.started
     assert fleet.flow.queued == 0 and fleet.flow.active == 0
+
+
+async def test_snapshot_has_each_class_oldest_queued_wait():
+    """The capacity controller's queue-age signal (/status admission.classes)."""
+    fleet = Fleet(unit_max_in_flight=1)
+    assert all(c["oldest_wait_s"] == 0.0 for c in fleet.flow.snapshot().values())
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(fleet.hold("blocker", fleet.job(RT), gate))
+    await settle()
+    first = asyncio.create_task(fleet.hold("n1", fleet.job(NRT, "a"), gate))
+    await asyncio.sleep(0.2)
+    second = asyncio.create_task(fleet.hold("n2", fleet.job(NRT, "b"), gate))
+    await settle()
+    snap = fleet.flow.snapshot()
+    assert snap["near-real-time"]["queued"] == 2
+    # The oldest of the class's waiting requests, whichever tenant it is under.
+    assert 0.2 <= snap["near-real-time"]["oldest_wait_s"] < 2.0
+    assert snap["real-time"]["oldest_wait_s"] == 0.0 and snap["batch"]["oldest_wait_s"] == 0.0
+    gate.set()
+    await asyncio.gather(blocker, first, second)
+    assert fleet.flow.snapshot()["near-real-time"]["oldest_wait_s"] == 0.0

@@ -18,8 +18,9 @@ def test_json_has_the_full_data_under_stable_keys() -> None:
     down = json_view(BASE, None, "unreachable", None, merge(None, STATE))
     assert set(up) == set(down) == {
         "proxy", "reachable", "error", "redacted", "warning", "routing", "classes", "batches",
-        "proxies", "units",
+        "proxies", "capacity", "units",
     }  # fmt: skip
+    assert up["capacity"] is None  # no autoscaler
     assert up["routing"] == {"policy": "prefix_cache", "active": 3, "queued": 1, "panic_models": []}
     assert (down["reachable"], down["error"], down["routing"]) == (False, "unreachable", None)
     assert (down["classes"], down["batches"]) == (None, None)
@@ -47,3 +48,40 @@ def test_json_has_the_full_data_under_stable_keys() -> None:
 def test_width_flag_beats_columns(monkeypatch, flag, env, expected) -> None:
     monkeypatch.setenv("COLUMNS", env)
     assert width(argparse.Namespace(width=flag)) == expected
+
+
+CAPACITY = {
+    "enabled": True, "min_units": 1, "max_units": 2, "tick_s": 1.0, "desired": 2, "current": 2,
+    "ready": 1, "starting": 1, "draining": 0, "mode": "panic", "reason": "hold", "held": "",
+    "last_action": {"added": ["unit-1"], "removed": [], "errors": [], "reason": "panic",
+                    "wall_time": 0.0},
+    "ticks": 40, "read_errors": 0, "actuator_errors": 1, "last_error": "add: boom",
+    "decisions": [{"desired": 2, "reason": "hold"}],
+}  # fmt: skip
+
+
+def test_capacity_line_fits_80_columns_and_json_has_the_whole_section() -> None:
+    import time
+
+    from neuron_serving.commands.status_view import capacity_line, render_text
+
+    c = dict(CAPACITY, last_action=dict(CAPACITY["last_action"], wall_time=time.time() - 14))
+    line = capacity_line(c)
+    # The error count would pass 80 columns: left out (starting units come first).
+    assert line == "autoscale 1..2: desired 2, current 2; last +unit-1 (panic) 14s ago; 1 starting"
+    assert "1 err" in capacity_line(dict(c, starting=0))
+    assert capacity_line({"min_units": 1, "max_units": 3, "desired": None}) == (
+        "autoscale 1..3: no decision yet"
+    )
+    idle = capacity_line(dict(c, last_action=None, starting=0, actuator_errors=0))
+    assert idle == "autoscale 1..2: desired 2, current 2; hold"
+    # A long reason and several units: what does not fit is left out, never cut mid-word.
+    busy = dict(c, last_action=dict(c["last_action"], added=[], removed=["unit-11", "unit-12"],
+                                    reason="batch_scale_down"), draining=2)  # fmt: skip
+    assert len(capacity_line(busy)) <= 80
+    assert "-unit-11 -unit-12 (batch_scale_down)" in capacity_line(busy)
+    rows = merge(PROXY, STATE)
+    text = [t.plain for t in render_text(BASE, PROXY, True, "", None, rows, 80, None, c)]
+    assert text[-1] == line and all(len(t) <= 80 for t in text)
+    view = json.loads(json.dumps(json_view(BASE, PROXY, "", None, rows, None, c)))
+    assert view["capacity"]["decisions"] == [{"desired": 2, "reason": "hold"}]

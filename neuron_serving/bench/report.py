@@ -28,7 +28,7 @@ from neuron_serving.bench.readme_table import MeasuredRow, rewrite_readme
 REPORT = RESULTS_DIR.parent / "REPORT.md"
 README = RESULTS_DIR.parent.parent / "README.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
-            "serving_mn", "failures", "cpu", "startup", "classes")  # fmt: skip
+            "serving_mn", "failures", "cpu", "startup", "classes", "capacity")  # fmt: skip
 
 
 def family(name: str) -> str:
@@ -388,6 +388,48 @@ def _classes_targets(r: dict[str, Any]) -> list[Target]:
     ]  # fmt: skip
 
 
+def _pct(x: Any) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _capacity_targets(r: dict[str, Any]) -> list[Target]:
+    """bench capacity: the autoscaled fleet against the peak-sized one on a compressed
+    spike trace; the minimum-sized one beside them; the simulator's prediction."""
+    arms = r.get("arms", {})
+    a, b, c = (arms.get(k, {}) for k in ("autoscaled", "fixed_peak", "fixed_min"))
+    slo = num(r.get("slo_ttft_s"), 1)
+    pts, saving = r.get("slo_points_autoscaled_minus_peak"), r.get("unit_seconds_saving_vs_peak")
+    failed_in, scale_ins = r.get("failed_during_scale_in"), r.get("scale_ins")
+    out = [
+        Target("capacity", f"autoscaled SLO attainment (TTFT <= {slo} s) within 5 points of "
+               "the peak-sized fleet",
+               f"{_pct(a.get('slo_attainment'))} vs {_pct(b.get('slo_attainment'))} "
+               f"({num(pts, 1)} points); minimum-sized {_pct(c.get('slo_attainment'))}",
+               None if pts is None else pts >= -5.0),
+        Target("capacity", "autoscaled unit-seconds >= 30% fewer than the peak-sized fleet",
+               f"{_pct(saving)} fewer ({num(a.get('unit_seconds'), 0)} vs "
+               f"{num(b.get('unit_seconds'), 0)}; minimum-sized {num(c.get('unit_seconds'), 0)})",
+               None if saving is None else saving >= 0.30),
+    ]  # fmt: skip
+    if failed_in is not None and not scale_ins:
+        out.append(Target("capacity", "no failed request during scale-in",
+                          f"{failed_in} (no scale-in happened in the run)", None,
+                          status="not measured (no scale-in)"))  # fmt: skip
+    else:
+        out.append(Target("capacity", "no failed request during scale-in",
+                          f"{num(failed_in)} over {num(scale_ins)} scale-in(s)",
+                          None if failed_in is None else failed_in == 0))  # fmt: skip
+    sim = (r.get("simulator") or {}).get("vs_measured", {}).get("autoscaled")
+    if sim:
+        p99, mean = sim["ttft_p99_s"], sim["units_mean"]
+        out.append(Target("capacity", "information: simulator vs measured, autoscaled fleet",
+                          f"TTFT p99 {num(p99['predicted'])} vs {num(p99['measured'])} s, "
+                          f"units mean {num(mean['predicted'])} vs {num(mean['measured'])}; "
+                          f"within tolerance: {num(sim['within_tolerance'])}", None,
+                          status="information, no target"))  # fmt: skip
+    return out
+
+
 TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "executor": _executor_targets,
     "serving": _serving_targets,
@@ -400,8 +442,13 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "failures": _failures_targets,
     "startup": _startup_targets,
     "classes": _classes_targets,
+    "capacity": _capacity_targets,
 }
 NOT_MEASURED = {
+    "capacity": [
+        "autoscaled SLO attainment within 5 points of the peak-sized fleet, >= 30% fewer "
+        "unit-seconds, no failed request during scale-in"
+    ],
     "classes": ["real-time TTFT p99 with batch within 1.1x; batch >= 0.8 of idle capacity"],
     "startup": ["default cluster ready within 1.5x of vllm serve; recreated unit <= 30 s"],
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
@@ -761,6 +808,53 @@ def _generic_section(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _capacity_section(r: dict[str, Any]) -> list[str]:
+    """The arms side by side, SLO attainment per minute, the simulator's prediction."""
+    arms = r.get("arms", {})
+    tr = r.get("trace", {})
+    out = [f"Trace `{tr.get('name')}` {tr.get('window_s')} s of its day, {num(tr.get('duration_s'), 0)} s "
+           f"long, {num(tr.get('base_rps'), 1)} -> {num(tr.get('peak_rps'), 1)} req/s "
+           f"({num(tr.get('arrivals'))} arrivals, seed {tr.get('seed')}); SLO TTFT <= "
+           f"{num(r.get('slo_ttft_s'), 1)} s; probe: {num((r.get('probe') or {}).get('saturated_streams_per_s'), 1)} "
+           f"streams/s saturated, {num(tr.get('per_unit_rps_at_target'), 1)} req/s at target per unit.", ""]  # fmt: skip
+    rows = []
+    for name, a in arms.items():
+        if "error" in a and "requests" not in a:
+            rows.append([name, f"error: {a['error']}", "", "", "", "", "", ""])
+            continue
+        ups = a.get("decision_to_routable_s")
+        rows.append([name, _pct(a.get("slo_attainment")), num(a.get("ttft_p50_s"), 3),
+                     num(a.get("ttft_p99_s"), 3), num(a.get("failed")),
+                     num(a.get("unit_seconds"), 0),
+                     f"{num(a.get('units_mean'))} (max {num(a.get('units_max'))})",
+                     "" if ups is None else f"+{a.get('units_added')} / -{a.get('units_removed')}; "
+                     f"decision to routable {ups} s; failed in scale-in "
+                     f"{a.get('failed_during_scale_in')}"])  # fmt: skip
+    out += _table(["fleet", "SLO met", "TTFT p50 s", "TTFT p99 s", "failed", "unit-s",
+                   "units mean", "scaling"], rows)  # fmt: skip
+    minutes = {n: a.get("per_minute", []) for n, a in arms.items() if a.get("per_minute")}
+    if minutes:
+        n = max(len(m) for m in minutes.values())
+        out += ["", *_table(["minute", *minutes], [[str(i), *(
+            f"{_pct(m[i]['slo_attainment'])}, p99 {num(m[i]['ttft_p99_s'], 2)} s"
+            if i < len(m) else "" for m in minutes.values())] for i in range(n)])]  # fmt: skip
+    sim = r.get("simulator")
+    if sim:
+        out += ["", f"Simulator (start-up {num(sim.get('startup_s'), 1)} s: "
+                f"{sim.get('startup_from')}; policy: {sim.get('policy_from')}; tolerance "
+                f"`{json.dumps(sim.get('tolerance'))}`):", ""]  # fmt: skip
+        rows = []
+        for name, v in sim.get("vs_measured", {}).items():
+            rows.append([name] + [f"{num(v[k]['predicted'], 3)} vs {num(v[k]['measured'], 3)}"
+                                  for k in ("ttft_p50_s", "ttft_p99_s", "units_mean", "units_max")]
+                        + [num(v.get("within_tolerance"))])  # fmt: skip
+        out += _table(["fleet", "TTFT p50 s (sim vs run)", "TTFT p99 s", "units mean",
+                       "units max", "within tolerance"], rows)  # fmt: skip
+    if r.get("error"):
+        out += ["", f"error: {r['error']}"]
+    return out
+
+
 SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "executor": _executor_section,
     "serving": _serving_section,
@@ -774,6 +868,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "cpu": _generic_section,
     "startup": _generic_section,
     "classes": _generic_section,
+    "capacity": _capacity_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -788,6 +883,7 @@ TITLES = {
     "cpu": "CPU per output token and per request, by process",
     "startup": "Start-up: the default cluster vs vllm serve, and a recreated unit",
     "classes": "Traffic classes: real-time beside a batch backlog",
+    "capacity": "Capacity: autoscaled vs fixed fleets on a compressed spike trace (TP=1)",
 }
 
 

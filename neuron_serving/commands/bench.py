@@ -14,8 +14,10 @@ BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", 
 # deployments, each watched for a window after a rank failure; serving_mn: a fresh
 # two-node deployment of each system per repeat; startup: a cold `vllm serve` and a cold
 # default cluster, with a unit recreation, per repeat; classes: real-time beside a
-# batch backlog, alone / through the traffic classes / first come first served).
-DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes")
+# batch backlog, alone / through the traffic classes / first come first served;
+# capacity: a compressed spike trace against an autoscaled, a peak-sized and a
+# minimum-sized fleet of TP=1 units, three clusters one after another).
+DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 

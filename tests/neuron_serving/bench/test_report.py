@@ -206,3 +206,44 @@ def test_proxy_throughput_and_cpu_targets(tmp_path):
     assert tput.met is False and tput.straddles and tput.measured.startswith("0.93 (per repeat")
     assert by["proxy CPU per output token / vLLM API server's <= 0.5"].met is True
     assert by["proxy CPU per request <= 500 us"].met is False
+
+
+def test_capacity_targets_and_section(tmp_path):
+    """bench capacity: SLO points and unit-seconds against the peak-sized fleet, scale-in
+    failures (not measured when nothing scaled in), the simulator for information."""
+
+    def arm(att: float, us: float, **kw) -> dict:
+        return {"requests": 100, "slo_attainment": att, "ttft_p50_s": 0.05, "ttft_p99_s": 0.8,
+                "failed": 0, "unit_seconds": us, "units_mean": us / 240, "units_max": 3,
+                "per_minute": [{"minute": 0, "requests": 50, "slo_attainment": att,
+                                "ttft_p99_s": 0.8, "failed": 0}], **kw}  # fmt: skip
+
+    auto = arm(0.96, 400.0, scale_in_windows=[[150.0, 160.0]], failed_during_scale_in=0,
+               decision_to_routable_s=[29.5], units_added=2, units_removed=1)  # fmt: skip
+    side = {"predicted": 1.0, "measured": 0.8, "within": True}
+    _write(tmp_path, "capacity-quick", {
+        "slo_ttft_s": 1.0, "trace": {"name": "spike", "duration_s": 240.0, "arrivals": 100},
+        "arms": {"fixed_min": arm(0.6, 240.0), "autoscaled": auto, "fixed_peak": arm(0.99, 720.0)},
+        "slo_points_autoscaled_minus_peak": -3.0, "unit_seconds_saving_vs_peak": 0.444,
+        "failed_during_scale_in": 0, "scale_ins": 1,
+        "simulator": {"startup_s": 29.5, "tolerance": {"ttft_ratio_max": 2.0},
+                      "vs_measured": {"autoscaled": {
+                          "ttft_p50_s": side, "ttft_p99_s": side, "units_mean": side,
+                          "units_max": side, "within_tolerance": True}}},
+    })  # fmt: skip
+    md_path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    cap = [t for t in ts if t.benchmark == "capacity"]
+    assert [t.met for t in cap] == [True, True, True, None]
+    assert "96.0% vs 99.0% (-3.0 points); minimum-sized 60.0%" in cap[0].measured
+    assert cap[1].measured.startswith("44.4% fewer (400 vs 720")
+    assert cap[3].status == "information, no target"
+    md = md_path.read_text()
+    assert "| autoscaled | 96.0% |" in md and "decision to routable [29.5] s" in md
+    assert "| 0 | 60.0%, p99 0.80 s | 96.0%, p99 0.80 s | 99.0%, p99 0.80 s |" in md
+    # No scale-in in the run: that target is not measured, not met.
+    _write(tmp_path, "capacity-quick", {"arms": {}, "failed_during_scale_in": 0, "scale_ins": 0,
+                                        "slo_points_autoscaled_minus_peak": -8.0})  # fmt: skip
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    cap = [t for t in ts if t.benchmark == "capacity"]
+    assert [t.met for t in cap] == [False, None, None]
+    assert cap[2].mark() == "not measured (no scale-in)"

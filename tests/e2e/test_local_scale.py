@@ -255,6 +255,10 @@ def _units(c: Cluster) -> list[str]:
     return [u["unit_id"] for u in c.state()["units"]]
 
 
+def _last_action(c: Cluster) -> dict | None:
+    return (c.state().get("capacity") or {}).get("last_action")
+
+
 def test_autoscale_adds_a_unit_under_load_and_drains_it_after(autoscaled: Cluster) -> None:
     c = autoscaled
     assert _units(c) == ["unit-0"]
@@ -266,10 +270,13 @@ def test_autoscale_adds_a_unit_under_load_and_drains_it_after(autoscaled: Cluste
     t0 = time.monotonic()
     load = Load(c, LOAD_STREAMS, "step ")
     try:
-        wait_for(lambda: "unit-1" in _units(c), SCALE_UP_DECISION_S, interval=0.2,
+        # The unit shows in the state file's units a moment before the decision that
+        # added it is recorded in its capacity section (one write later): wait for both.
+        wait_for(lambda: "unit-1" in _units(c) and _last_action(c) is not None,
+                 SCALE_UP_DECISION_S, interval=0.2,
                  what="the controller adding a unit under load")  # fmt: skip
         decided = time.monotonic() - t0
-        action = c.state()["capacity"]["last_action"]
+        action = _last_action(c)
         assert action["added"] == ["unit-1"] and action["reason"] in ("panic", "scale_up"), action
         wait_for(lambda: c.unit_state("unit-1")["routable"] and c.routable("unit-1"),
                  ADD_TIMEOUT_S, interval=0.5, what="unit-1 routable")  # fmt: skip

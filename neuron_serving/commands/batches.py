@@ -141,10 +141,11 @@ def _key(args: argparse.Namespace) -> str | None:
 
 
 def client(args: argparse.Namespace, key: str | None) -> openai.OpenAI:
-    import httpx
     import openai
 
-    timeout = httpx.Timeout(args.timeout, connect=min(CONNECT_TIMEOUT_S, args.timeout))
+    # openai's own Timeout: the client's HTTP library changed under it (httpx, then
+    # httpx2 from openai 3.63), and it refuses the other library's Timeout.
+    timeout = openai.Timeout(args.timeout, connect=min(CONNECT_TIMEOUT_S, args.timeout))
     # A proxy without client keys accepts any: the client needs one to send.
     return openai.OpenAI(
         base_url=f"{args.proxy.rstrip('/')}/v1", api_key=key or "none",

@@ -64,6 +64,7 @@ from neuron_serving.bench.sse import StreamTiming, timed_stream
 from neuron_serving.bench.stack import (
     Leader,
     Proxy,
+    http_get,
     metric,
     proxy_config,
     start_leader,
@@ -202,7 +203,7 @@ def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
         addr = p.base.removeprefix("http://")
         acc_sum += metric(addr, "proxy_prefix_cache_prediction_accuracy_sum")
         acc_n += metric(addr, "proxy_prefix_cache_prediction_accuracy_count")
-        exact += _labelled(addr, "proxy_prefix_cache_predictions_total", 'result="exact"')
+        exact += metric(addr, "proxy_prefix_cache_predictions_total", 'result="exact"')
     return {
         "requests_per_unit": per_unit,
         "kv_modes": modes,
@@ -210,16 +211,6 @@ def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
         "prediction_accuracy": acc_sum / acc_n if acc_n else None,
         "predictions_exact_share": exact / acc_n if acc_n else None,
     }
-
-
-def _labelled(addr: str, name: str, label: str) -> float:
-    from neuron_serving.bench.stack import http_get
-
-    total = 0.0
-    for line in http_get(f"http://{addr}/metrics")[1].splitlines():
-        if line.startswith(name + "{") and label in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _engine(leaders: list[Leader], name: str) -> list[float]:
@@ -275,8 +266,6 @@ def _arm_run(
 
 def _kv_blocks(leader: Leader) -> int | None:
     """The unit's KV cache size in blocks (vLLM's ``vllm:cache_config_info`` label)."""
-    from neuron_serving.bench.stack import http_get
-
     for line in http_get(f"http://{leader.metrics}/metrics")[1].splitlines():
         if line.startswith("vllm:cache_config_info{"):
             for part in line.split("{", 1)[1].split("}", 1)[0].split(","):

@@ -42,11 +42,12 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return 0, ""
 
 
-def metric(addr: str, name: str) -> float:
-    """Sum of every sample of ``name`` on a Prometheus endpoint (all label sets)."""
+def metric(addr: str, name: str, label: str = "") -> float:
+    """Sum of every sample of ``name`` on a Prometheus endpoint (all label sets, or
+    those whose labels hold ``label``, e.g. ``result="exact"``)."""
     total = 0.0
     for line in http_get(f"http://{addr}/metrics")[1].splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 

@@ -1,11 +1,13 @@
 """`neuron-serving bench capacity [--quick]`: the autoscaler on real units (issue 21).
 
-One compressed trace, replayed three times in one run against three `neuron-serving
+One compressed trace, replayed four times in one run against four `neuron-serving
 up` clusters of TP=1 demo units, one after another:
 
 - (c) fixed minimum, ``up --tp 1 --units 1`` (first: its lone unit is also where the
   per-unit capacity is probed, before the replay);
 - (a) autoscaled, ``up --tp 1 --autoscale --units-min 1 --units-max 3``;
+- (a') the same with one warm spare (``--warm-units 1``): a scale-up promotes it
+  instead of starting a unit; its unit-seconds count the spare;
 - (b) fixed peak, ``up --tp 1 --units 3``.
 
 The trace: the shipped ``spike`` trace cut to WINDOW (12:40 to 16:00 of its day: the
@@ -83,6 +85,7 @@ MAX_IN_FLIGHT = 256
 PROBE_LEVELS = (1, 4, 16, 32)
 PROBE_S = {False: 20.0, True: 8.0}
 SEED = 0
+WARM_UNITS = 1  # the warm arm's pool
 WINDOW_MINUTE_S = 60.0
 # Simulator vs measurement: TTFT p50/p99 within a factor of 2 (the simulator's TTFT
 # comes from the proxy's coarse histogram buckets), the mean unit count within 25%,
@@ -92,6 +95,8 @@ ARMS = {
     "fixed_min": ["--tp", "1", "--units", "1"],
     "autoscaled": ["--tp", "1", "--autoscale", "--units-min", str(UNITS_MIN),
                    "--units-max", str(UNITS_MAX)],
+    "autoscaled_warm": ["--tp", "1", "--autoscale", "--units-min", str(UNITS_MIN),
+                        "--units-max", str(UNITS_MAX), "--warm-units", str(WARM_UNITS)],
     "fixed_peak": ["--tp", "1", "--units", str(UNITS_MAX)],
 }  # fmt: skip
 
@@ -267,7 +272,8 @@ def unit_timeline(polls: list[tuple[float, float, list[dict[str, Any]]]]
 def scale_in_windows(polls: list[tuple[float, float, list[dict[str, Any]]]],
                      grace_s: float = 1.0) -> list[tuple[float, float]]:  # fmt: skip
     """Per unit drained or removed: from its removal's start (removing_since, else the
-    first poll showing it draining) to the first poll without its processes (+grace)."""
+    first poll showing it draining) to the first poll without its processes (+grace);
+    a unit drained into the warm pool: to the first poll showing it a spare again."""
     start: dict[str, float] = {}
     end: dict[str, float] = {}
     for mono, wall, units in polls:
@@ -279,7 +285,7 @@ def scale_in_windows(polls: list[tuple[float, float, list[dict[str, Any]]]],
             if draining and uid not in start:
                 since = u.get("removing_since")
                 start[uid] = _to_mono(since, mono, wall) if since else mono
-            if uid in start and uid not in end and not u["running"]:
+            if uid in start and uid not in end and (not u["running"] or not draining):
                 end[uid] = mono + grace_s
         for uid in start:
             if uid not in seen and uid not in end:
@@ -296,7 +302,9 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
     if not polls:
         return []
     decided: dict[str, float] = {}  # unit id -> wall time of its decision
+    promoted: set[str] = set()  # added from the warm pool (the rest started cold)
     for d in decisions:
+        promoted |= {str(u) for u in (d.get("pool") or {}).get("promoted") or []}
         for uid in d.get("added") or []:
             if isinstance(d.get("wall_time"), (int, float)):
                 decided[str(uid)] = float(d["wall_time"])
@@ -317,7 +325,8 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
         r = routable.get(uid)
         out.append({"unit_id": uid,
                     "decision": "capacity decision" if uid in decided else "first seen",
-                    "decision_to_routable_s": None if r is None else round(r - at, 1)})  # fmt: skip
+                    "promoted": uid in promoted,
+                    "decision_to_routable_s": None if r is None else round(r - at, 2)})  # fmt: skip
     return out
 
 
@@ -528,15 +537,20 @@ def summarize_arm(reqs: list[Req], t0: float, duration_s: float,
     }
 
 
-def simulate_arms(trace: Trace, model: Any, policy: Any, startup_s: float) -> dict[str, Any]:
+def simulate_arms(trace: Trace, model: Any, policy: Any, startup_s: float,
+                  promote_s: float = 1.0) -> dict[str, Any]:  # fmt: skip
+    import dataclasses
+
     from neuron_serving.capacity import histogram
     from neuron_serving.capacity.simulator import SimConfig, simulate
 
     sim = SimConfig(seed=SEED, output_tokens=RT_MAX_TOKENS, startup_s=startup_s,
                     timeline_every_s=1.0)  # fmt: skip
+    warm = dataclasses.replace(sim, warm_units=WARM_UNITS, promote_s=promote_s)
     out = {}
-    for arm, fixed in (("autoscaled", None), ("fixed_peak", UNITS_MAX), ("fixed_min", UNITS_MIN)):
-        f = simulate(trace, policy, fixed_units=fixed, model=model, sim=sim, label=arm)
+    for arm, fixed, s in (("autoscaled", None, sim), ("autoscaled_warm", None, warm),
+                          ("fixed_peak", UNITS_MAX, sim), ("fixed_min", UNITS_MIN, sim)):  # fmt: skip
+        f = simulate(trace, policy, fixed_units=fixed, model=model, sim=s, label=arm)
         q50 = histogram.quantile(0.5, histogram.LATENCY_BUCKETS, f.ttft_hist)
         q99 = histogram.quantile(0.99, histogram.LATENCY_BUCKETS, f.ttft_hist)
         # The bench's SLO is a bucket bound: the histogram's mass up to it, over every
@@ -591,6 +605,16 @@ def compare_sim(measured: dict[str, Any], predicted: dict[str, Any]) -> dict[str
 def verdicts(arms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     a, b = arms.get("autoscaled", {}), arms.get("fixed_peak", {})
     out: dict[str, Any] = {}
+    w = arms.get("autoscaled_warm", {})
+    if w.get("slo_attainment") is not None and b.get("slo_attainment") is not None:
+        out["warm"] = {
+            "slo_points_minus_peak": round(100 * (w["slo_attainment"] - b["slo_attainment"]), 2),
+            "unit_seconds_saving_vs_peak": round(1 - w["unit_seconds"] / b["unit_seconds"], 4)
+            if w.get("unit_seconds") and b.get("unit_seconds")
+            else None,
+            "failed_during_scale_in": w.get("failed_during_scale_in"),
+            "promotion_to_routable_s": w.get("promotion_to_routable_s"),
+        }  # for information: the targets are read on the cold arm (a)
     if a.get("slo_attainment") is not None and b.get("slo_attainment") is not None:
         out["slo_points_autoscaled_minus_peak"] = round(
             100 * (a["slo_attainment"] - b["slo_attainment"]), 2
@@ -629,12 +653,19 @@ async def _arm(name: str, run: UpRun, arrivals: list[float], duration_s: float
     poller.join(5)
     poller.poll()
     out = summarize_arm(reqs, t0, duration_s, poller.polls)
-    if name == "autoscaled":
+    if name.startswith("autoscaled"):
         # Per added unit (the controller's counts of acting decisions are beside it).
-        out["added_units"] = scale_ups(poller.polls, list(poller.decisions.values()))
+        # Spares the controller started and never promoted are not "added".
+        added = scale_ups(poller.polls, list(poller.decisions.values()))
+        out["added_units"] = [s for s in added if s["decision"] == "capacity decision"
+                              or s["decision_to_routable_s"] is not None]  # fmt: skip
         times = [s["decision_to_routable_s"] for s in out["added_units"]
-                 if s["decision_to_routable_s"] is not None]  # fmt: skip
+                 if s["decision_to_routable_s"] is not None and not s["promoted"]]  # fmt: skip
         out["decision_to_routable_s"] = times
+        out["promotion_to_routable_s"] = [
+            s["decision_to_routable_s"] for s in out["added_units"]
+            if s["promoted"] and s["decision_to_routable_s"] is not None
+        ]  # fmt: skip
         out["units_added"] = len(out["added_units"])
         out["units_removed"] = len(out["scale_in_windows"])
         out["capacity_section"] = poller.capacity is not None
@@ -680,7 +711,7 @@ async def _run_arms(quick: bool, model: str | None, result: dict[str, Any]) -> N
                 print(f"trace: {result['trace']}", file=sys.stderr, flush=True)
             figures, extra_out = await _arm(name, run, arrivals, duration)
             arm.update(figures)
-            if name == "autoscaled" and extra_out:
+            if name.startswith("autoscaled") and extra_out and capacity_section is None:
                 capacity_section = extra_out.get("capacity")
             arm["unit_restarts"] = {u["unit_id"]: u.get("restarts") for u in run.state()["units"]}
         except Exception as e:  # noqa: BLE001 (reported in the result; the next arm runs)
@@ -708,9 +739,12 @@ def _simulate(result: dict[str, Any]) -> None:
         startup, src = MEASURED.startup_s, "no scale-up measured: calibration.MEASURED"
     model = unit_model(result["probe"], startup)
     policy, policy_src = policy_for(capacity_section)
-    predicted = simulate_arms(tr, model, policy, startup)
+    promotions = result["arms"].get("autoscaled_warm", {}).get("promotion_to_routable_s") or []
+    promote_s = max(0.0, float(np.median(promotions))) if promotions else 1.0
+    predicted = simulate_arms(tr, model, policy, startup, promote_s)
     result["simulator"] = {
         "startup_s": round(startup, 1), "startup_from": src, "policy_from": policy_src,
+        "promote_s": round(promote_s, 2),
         "policy": {"min_units": policy.min_units, "max_units": policy.max_units,
                    "target_utilization": policy.target_utilization,
                    "max_num_seqs": policy.max_num_seqs, "ttft_slo_s": policy.ttft_slo_s},

@@ -15,6 +15,11 @@ actuator makes it so, in whole units:
   it and unregister it. Returns at once; the unit shows as ``draining`` until gone.
   Refuses (``ActuatorError``) a unit that is mid-deploy or the last ready unit of its
   model, whatever the caller decided: the rule lives in both places on purpose.
+- The warm pool (controller.py, ``warm_units``): ``add(purpose, standby=True)`` starts
+  a spare that every proxy replica has drained; ``promote(unit_id, purpose)`` puts a
+  spare into rotation (undrained: routable within a probe interval, not a start-up);
+  ``hold(unit_id)`` drains a serving unit, waits for its requests and keeps it as a
+  spare (refused as ``remove``). An actuator without a pool raises ``ActuatorError``.
 
 Every call is bounded; a failure raises ``ActuatorError`` with what happened.
 """
@@ -33,6 +38,10 @@ class ActuatorError(RuntimeError):
 class Actuator(Protocol):
     def units(self) -> list[UnitSignals]: ...
 
-    def add(self, purpose: Purpose = Purpose.INTERACTIVE) -> str: ...
+    def add(self, purpose: Purpose = Purpose.INTERACTIVE, standby: bool = False) -> str: ...
 
     def remove(self, unit_id: str) -> None: ...
+
+    def promote(self, unit_id: str, purpose: Purpose = Purpose.INTERACTIVE) -> None: ...
+
+    def hold(self, unit_id: str) -> None: ...

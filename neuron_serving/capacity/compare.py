@@ -4,6 +4,7 @@ the policy's target utilisation, capped at max_units), on the same seeded arriva
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from neuron_serving.capacity.calibration import MEASURED, UnitModel
@@ -35,6 +36,8 @@ class Comparison:
                 "startup_s": self.sim.startup_s or self.model.startup_s,
                 "output_tokens": self.sim.output_tokens or self.model.output_tokens,
                 "max_num_seqs": self.model.max_num_seqs,
+                "warm_units": self.sim.warm_units,
+                "promote_s": self.sim.promote_s,
             },
             "policy": {
                 "min_units": self.policy.min_units,
@@ -57,11 +60,15 @@ def compare(
     tokens = sim.output_tokens or model.output_tokens
     avg = min(units_for_rate(trace.mean_rate(), model, policy, tokens), policy.max_units)
     peak = min(units_for_rate(trace.peak_rate(), model, policy, tokens), policy.max_units)
+    cold = dataclasses.replace(sim, warm_units=0)
     fleets = [
-        simulate(trace, policy, model=model, sim=sim, label="autoscaled"),
-        simulate(trace, policy, fixed_units=avg, model=model, sim=sim, label="fixed: average"),
-        simulate(trace, policy, fixed_units=peak, model=model, sim=sim, label="fixed: peak"),
+        simulate(trace, policy, model=model, sim=cold, label="autoscaled"),
+        simulate(trace, policy, fixed_units=avg, model=model, sim=cold, label="fixed: average"),
+        simulate(trace, policy, fixed_units=peak, model=model, sim=cold, label="fixed: peak"),
     ]
+    if sim.warm_units:  # the same controller with its warm pool, beside the cold one
+        label = f"autoscaled + {sim.warm_units} warm"
+        fleets.append(simulate(trace, policy, model=model, sim=sim, label=label))
     return Comparison(trace, policy, model, sim, fleets)
 
 
@@ -93,7 +100,11 @@ def format_table(c: Comparison) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip()
               for r in rows]  # fmt: skip
-    auto, avg, peak = c.fleets
+    auto, avg, peak = c.fleets[:3]
+    for warm in c.fleets[3:]:
+        lines += ["", f"{warm.label} vs autoscaled: {warm.unit_seconds / auto.unit_seconds - 1:+.1%} "
+                      f"unit-hours, SLO {100 * (warm.slo_attainment - auto.slo_attainment):+.2f} "
+                      f"points, {warm.promotions} promotions, {warm.holds} holds"]  # fmt: skip
     if peak.unit_seconds:
         lines += ["", f"autoscaled vs peak-sized: {1 - auto.unit_seconds / peak.unit_seconds:.0%} "
                       f"fewer unit-hours, SLO {100 * (auto.slo_attainment - peak.slo_attainment):+.2f} "

@@ -3,12 +3,18 @@
 Every ``policy.tick_s`` its thread runs one ``tick``:
 
     reader.read()            -> Signals (reader.py: proxy replicas + actuator.units())
-    policy.decide(...)       -> Decision, next PolicyState (pure)
-    act                      actuator.add(purpose) per unit to add, actuator.remove(id) per
-                             unit to drain, at most ``max_adds_per_tick`` /
+    policy.decide(...)       -> Decision, next PolicyState (pure), on the serving units
+                             only (warm spares are not capacity until promoted)
+    act                      per unit to add: promote a warm spare (ready first, then
+                             one still starting) or else actuator.add(purpose); per unit
+                             to drain: actuator.hold(id) while the pool is short, else
+                             actuator.remove(id); at most ``max_adds_per_tick`` /
                              ``max_removes_per_tick``; each call bounded by the actuator,
                              a failure logged and counted (the next tick decides again
                              from what the actuator then reports)
+    refill                   ``warm_units`` > 0: one spare started (add(standby=True))
+                             per tick while the pool is short and the units running
+                             (spares included) stay within ``max_units``
     record                   one structured line per decision (``log``: JSON with the
                              signals, reason, held and what was done), the last
                              ``decisions_kept`` in memory, metrics
@@ -19,9 +25,11 @@ is the controller's view for supervisor.json, `neuron-serving status` and
 /status-like pages; ``registry`` holds its Prometheus metrics:
 
     capacity_desired_units                          the last decision's desired count
-    capacity_units{phase}                           starting, ready, draining, unhealthy
+    capacity_units{phase}                           starting, ready, draining, unhealthy,
+                                                    standby (warm spares, any phase)
     capacity_decisions_total{action,reason}         action: add, remove, hold
-    capacity_actuator_errors_total{op}              op: add, remove
+    capacity_actuator_errors_total{op}              op: add, remove, promote, hold, fill
+    capacity_pool_actions_total{op}                 op: promote, hold, fill
     capacity_read_errors_total                      ticks skipped: no signals
 """
 
@@ -37,13 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from neuron_serving.capacity.actuator import Actuator, ActuatorError
 from neuron_serving.capacity.config import PolicyConfig, policy_config_from_dict
 from neuron_serving.capacity.policy import Decision, PolicyState, decide
 from neuron_serving.capacity.reader import DEFAULT_LATENCY_WINDOW_S
-from neuron_serving.capacity.signals import Phase, Purpose, Signals
+from neuron_serving.capacity.signals import Phase, Purpose, Signals, UnitSignals
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +71,17 @@ class ControllerConfig:
     # Bounds on one tick's actions (the policy's rate limits apply first).
     max_adds_per_tick: int = 2
     max_removes_per_tick: int = 1
+    # Warm spares kept started but not routable (capacity/README.md, "Fast scale-up"):
+    # a scale-up promotes one (routable in about a probe interval instead of a whole
+    # start-up) and a scale-down keeps the drained unit as one. 0 = no pool. Spares
+    # count against the policy's max_units: they hold a unit's resources.
+    warm_units: int = 0
 
     def __post_init__(self) -> None:
         if not self.latency_window_s > 0:
             raise ValueError("latency_window_s must be > 0")
+        if not 0 <= self.warm_units < self.policy.max_units:
+            raise ValueError("warm_units must be in [0, max_units)")
         for name in ("decisions_kept", "max_adds_per_tick", "max_removes_per_tick"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -135,6 +151,10 @@ class CapacityController:
         self.m_read_errors = Counter(
             "capacity_read_errors", "Ticks skipped: the signals could not be read", registry=r
         )
+        self.m_pool = Counter(
+            "capacity_pool_actions", "Warm pool actions: promote, hold, fill", ["op"], registry=r
+        )
+        self.spares = 0  # warm spares at the last tick (any phase)
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -180,38 +200,93 @@ class CapacityController:
             self.m_read_errors.inc()
             self._error(f"no signals: {e}")
             return None
-        decision, self.state = decide(signals, self.state, self.config.policy)
-        done = self._act(decision)
+        spares = [u for u in signals.units if u.standby]
+        serving = msgspec.structs.replace(
+            signals, units=tuple(u for u in signals.units if not u.standby)
+        )
+        decision, self.state = decide(serving, self.state, self.config.policy)
+        decided_at = self.wall_clock()
+        done = self._act(decision, spares, signals.units)
         record = {
             "event": "capacity_decision",
-            "wall_time": round(self.wall_clock(), 3),
+            "wall_time": round(decided_at, 3),  # before acting: decision -> routable
+            "act_s": round(self.wall_clock() - decided_at, 3),
             **decision.to_dict(),
             "action": _action(decision),
             "added": done["added"],
             "removed": done["removed"],
             "errors": done["errors"],
         }
+        if self.config.warm_units:
+            record["pool"] = {
+                "spares": len(spares),
+                "promoted": done["promoted"],
+                "held": done["held"],
+                "filled": done["filled"],
+            }
+        self.spares = len(spares) - len(done["promoted"]) + len(done["held"]) + len(done["filled"])
         self._record(decision, record)
         return record
 
-    def _act(self, d: Decision) -> dict[str, list[str]]:
+    def _call(
+        self, op: str, errors: list[str], fn: Callable[..., Any], *args: Any
+    ) -> tuple[bool, Any]:
+        """One bounded actuator call: (done, its value); a failure is counted and kept
+        in ``errors``."""
+        try:
+            return True, fn(*args)
+        except Exception as e:  # noqa: BLE001 - ActuatorError or a bug: counted
+            errors.append(self._actuator_failed(op, e))
+            return False, None
+
+    def _act(
+        self, d: Decision, spares: list[UnitSignals], units: tuple[UnitSignals, ...]
+    ) -> dict[str, list[str]]:
         cfg = self.config
         added: list[str] = []
         removed: list[str] = []
         errors: list[str] = []
+        promoted: list[str] = []
+        held: list[str] = []
+        filled: list[str] = []
+        # Promotable first: warm (READY), then still starting (sooner than a cold start).
+        order = {Phase.READY: 0, Phase.STARTING: 1}
+        pool = sorted((u for u in spares if u.phase in order), key=lambda u: order[u.phase])
         adds = [Purpose.INTERACTIVE] * d.add_interactive + [Purpose.BATCH] * d.add_batch
         for purpose in adds[: cfg.max_adds_per_tick]:
-            try:
-                added.append(self.actuator.add(purpose))
-            except Exception as e:  # noqa: BLE001 - ActuatorError or a bug: counted
-                errors.append(self._actuator_failed("add", e))
+            if pool:
+                spare = pool.pop(0).unit_id
+                if not self._call("promote", errors, self.actuator.promote, spare, purpose)[0]:
+                    continue
+                self.m_pool.labels("promote").inc()
+                promoted.append(spare)
+                added.append(spare)
+                continue
+            ok, unit_id = self._call("add", errors, self.actuator.add, purpose)
+            if ok:
+                added.append(unit_id)
+        n_spares = len(spares) - len(promoted)
         for unit_id in d.remove[: cfg.max_removes_per_tick]:
-            try:
-                self.actuator.remove(unit_id)
+            if n_spares < cfg.warm_units:
+                if self._call("hold", errors, self.actuator.hold, unit_id)[0]:
+                    self.m_pool.labels("hold").inc()
+                    held.append(unit_id)
+                    removed.append(unit_id)
+                    n_spares += 1
+                continue
+            if self._call("remove", errors, self.actuator.remove, unit_id)[0]:
                 removed.append(unit_id)
-            except Exception as e:  # noqa: BLE001
-                errors.append(self._actuator_failed("remove", e))
-        return {"added": added, "removed": removed, "errors": errors}
+        # Refill: the units running after this tick (draining ones on their way out
+        # excepted, spares included) must stay within max_units.
+        running = sum(1 for u in units if u.standby or u.phase != Phase.DRAINING)
+        running += len(added) - len(promoted) - (len(removed) - len(held))
+        if n_spares < cfg.warm_units and running < cfg.policy.max_units:
+            ok, unit_id = self._call("fill", errors, self.actuator.add, Purpose.INTERACTIVE, True)
+            if ok:
+                self.m_pool.labels("fill").inc()
+                filled.append(unit_id)
+        return {"added": added, "removed": removed, "errors": errors,
+                "promoted": promoted, "held": held, "filled": filled}  # fmt: skip
 
     def _actuator_failed(self, op: str, e: Exception) -> str:
         self.actuator_errors += 1
@@ -227,12 +302,18 @@ class CapacityController:
         self.m_desired.set(d.desired)
         unhealthy = d.current - d.ready - d.starting
         for phase, n in ((Phase.STARTING, d.starting), (Phase.READY, d.ready),
-                         (Phase.DRAINING, d.draining), (Phase.UNHEALTHY, unhealthy)):  # fmt: skip
+                         (Phase.DRAINING, d.draining), (Phase.UNHEALTHY, unhealthy),
+                         ("standby", self.spares)):  # fmt: skip
             self.m_units.labels(str(phase)).set(n)
         self.m_decisions.labels(record["action"], str(d.reason)).inc()
         with self._lock:
             self.decisions.append(record)
-            if record["added"] or record["removed"] or record["errors"]:
+            if (
+                record["added"]
+                or record["removed"]
+                or record["errors"]
+                or any(record.get("pool", {}).get("filled", ()))
+            ):
                 self.last_action = record
         self.log_line(json.dumps(record, separators=(",", ":")))
 
@@ -251,6 +332,8 @@ class CapacityController:
             "min_units": p.min_units,
             "max_units": p.max_units,
             "tick_s": p.tick_s,
+            "warm_units": self.config.warm_units,
+            "spares": self.spares,
             "desired": None if d is None else d["desired"],
             "current": None if d is None else d["current"],
             "ready": None if d is None else d["ready"],

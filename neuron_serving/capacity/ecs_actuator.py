@@ -213,9 +213,25 @@ class EcsActuator:
             self._since[unit_id] = (phase, since)
             return since
 
+    # -- the warm pool ---------------------------------------------------------------
+
+    @staticmethod
+    def _no_pool(what: str) -> None:
+        # A spare on ECS would hold a whole unit's instances (the Neuron devices) idle;
+        # the pool is the local supervisor's (capacity/README.md, "Fast scale-up").
+        raise ActuatorError(f"{what}: the ECS actuator keeps no warm pool (warm_units: 0)")
+
+    def promote(self, unit_id: str, purpose: Purpose = Purpose.INTERACTIVE) -> None:
+        self._no_pool(f"promote {unit_id}")
+
+    def hold(self, unit_id: str) -> None:
+        self._no_pool(f"hold {unit_id}")
+
     # -- add -----------------------------------------------------------------------
 
-    def add(self, purpose: Purpose = Purpose.INTERACTIVE) -> str:
+    def add(self, purpose: Purpose = Purpose.INTERACTIVE, standby: bool = False) -> str:
+        if standby:
+            self._no_pool("add a warm spare")
         purpose = Purpose(purpose)
         ctl = self.ctl
         with self._ecs("add"):

@@ -10,7 +10,10 @@ it and unregisters it. Both return at once; ``units()`` shows the progress.
 
 How the supervisor's view of a unit maps to ``signals.Phase``:
 
-    removing (being drained, stopped, unregistered)            DRAINING
+    removing (being drained, stopped, unregistered), or being
+    drained into the warm pool                                 DRAINING
+    a warm spare: ready and drained on every replica ("warm")  READY, standby
+    a warm spare not warm yet                                  STARTING, standby
     group ready, and every replica has routed to it            READY
     group ready, not yet routable on every replica             STARTING
     starting / stopping for a deploy's recreation (mid_deploy) STARTING
@@ -48,8 +51,12 @@ def _phase(u: Mapping[str, Any]) -> tuple[Phase, float | None]:
     """The unit's phase and when it entered it (the supervisor's wall clock)."""
     phase = str(u.get("phase", ""))
     launched = _time(u.get("launched_at"))
-    if u.get("removing"):
+    if u.get("removing") or phase == "draining":
         return Phase.DRAINING, _time(u.get("removing_since")) or launched
+    if u.get("standby") and phase == "ready":
+        if u.get("warm"):
+            return Phase.READY, _time(u.get("standby_since")) or launched
+        return Phase.STARTING, launched
     if phase == "ready":
         if u.get("routable", True):
             times = [t for t in (_time(u.get("ready_at")), _time(u.get("routable_at"))) if t]
@@ -80,6 +87,7 @@ def unit_signals(u: Mapping[str, Any], model: str, now: float, wall_now: float) 
         mid_deploy=bool(u.get("mid_deploy", False)),
         purpose=purpose,
         since=since,
+        standby=bool(u.get("standby", False)),
     )
 
 
@@ -117,11 +125,24 @@ class LocalActuator:
         now, wall_now = self.clock(), self.wall_clock()
         return [unit_signals(u, model, now, wall_now) for u in view.get("units", [])]
 
-    def add(self, purpose: Purpose = Purpose.INTERACTIVE) -> str:
+    def add(self, purpose: Purpose = Purpose.INTERACTIVE, standby: bool = False) -> str:
         try:
-            return self.client.add_unit(str(Purpose(purpose)))
+            return self.client.add_unit(str(Purpose(purpose)), standby=standby)
         except SupervisorApiError as e:
-            raise ActuatorError(f"add a unit ({purpose}): {e}") from None
+            what = "a warm spare" if standby else f"a unit ({purpose})"
+            raise ActuatorError(f"add {what}: {e}") from None
+
+    def promote(self, unit_id: str, purpose: Purpose = Purpose.INTERACTIVE) -> None:
+        try:
+            self.client.promote_unit(unit_id, str(Purpose(purpose)))
+        except SupervisorApiError as e:
+            raise ActuatorError(f"promote {unit_id}: {e}") from None
+
+    def hold(self, unit_id: str) -> None:
+        try:
+            self.client.hold_unit(unit_id)
+        except SupervisorApiError as e:
+            raise ActuatorError(f"hold {unit_id}: {e}") from None
 
     def remove(self, unit_id: str) -> None:
         try:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_serving.capacity import histogram
@@ -178,14 +179,11 @@ def with_load(units: list[UnitSignals], loads: Mapping[str, Mapping[str, Any]]) 
         if load is None:
             out.append(u)
             continue
+        # replace(): every other field the actuator gave (phase, purpose, standby, ...)
+        # stays as it was.
         out.append(
-            UnitSignals(
-                unit_id=u.unit_id,
-                model=u.model,
-                phase=u.phase,
-                mid_deploy=u.mid_deploy,
-                purpose=u.purpose,
-                since=u.since,
+            msgspec.structs.replace(
+                u,
                 running=_int(load.get("running")),
                 waiting=_int(load.get("waiting")),
                 kv_usage=_float(load.get("kv_usage")),

@@ -64,6 +64,11 @@ class UnitSignals(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     waiting: int = 0
     kv_usage: float = 0.0  # 0..1
     max_num_seqs: int = 0  # its engine's slots; 0 = not reported
+    # A warm spare (the controller's warm pool): started, held out of rotation. The
+    # decision never sees spares (controller.py hands it the serving units only); its
+    # phase is READY once promotable, STARTING before, DRAINING while being drained
+    # into the pool.
+    standby: bool = False
 
 
 class Signals(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,6 +19,11 @@ takes about a second. Each step:
 5. every tick_s (the policy's) the same ``decide`` runs on the signals the proxy would
    show; added units start, removed ones drain (billed until their in-flight requests
    finish, one service time at c, plus the stop) or, still starting, stop at once.
+   With ``warm_units`` (the controller's warm pool): spares are started and billed but
+   not shown to ``decide``; an add promotes a warm spare (ready ``promote_s`` later)
+   or one still starting before it starts a unit; a removal while the pool is short
+   drains the unit into it; one spare is started a tick while the pool is short and
+   the units running stay within max_units (controller.py's rules).
 
 Unit-seconds count every unit paid for: starting, ready and draining. The model's
 assumptions (README.md): routing spreads load evenly over ready units, a request's
@@ -73,8 +78,14 @@ class SimConfig:
     queue_timeout_s: tuple[float, float] = (30.0, 120.0)
     batch_unit_share: float = 0.75  # CLASS_DEFAULTS["batch"].unit_share
     timeline_every_s: float = 60.0
+    # The warm pool (capacity/controller.py): spares kept, and how long a promoted
+    # spare takes to be routable (the e2e test's decision -> routable on every replica).
+    warm_units: int = 0
+    promote_s: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.warm_units < 0 or self.promote_s < 0:
+            raise ValueError("warm_units and promote_s must be >= 0")
         if self.dt_s <= 0 or self.latency_window_s < self.dt_s:
             raise ValueError("dt_s > 0 and latency_window_s >= dt_s")
         if self.concurrency_smoothing_s <= 0:
@@ -101,6 +112,8 @@ class FleetResult:
     scale_downs: int = 0
     units_added: int = 0
     units_removed: int = 0
+    promotions: int = 0  # adds served from the warm pool
+    holds: int = 0  # removals drained into the warm pool
     ttft_hist: list[float] = field(default_factory=list)
     # Every decision that changed the fleet, and (t, total req/s, paid units, ready)
     # every timeline_every_s.
@@ -144,6 +157,8 @@ class FleetResult:
             "scale_downs": self.scale_downs,
             "units_added": self.units_added,
             "units_removed": self.units_removed,
+            "promotions": self.promotions,
+            "holds": self.holds,
             "interactive_requests": round(self.requests),
             "failed": round(self.failed),
             "batch_requests": round(self.batch_requests),
@@ -156,12 +171,14 @@ class FleetResult:
 
 
 class _Unit:
-    __slots__ = ("unit_id", "phase", "since", "until", "purpose")
+    __slots__ = ("unit_id", "phase", "since", "until", "purpose", "standby", "hold")
 
     def __init__(self, unit_id: str, phase: Phase, since: float, until: float,
-                 purpose: Purpose) -> None:  # fmt: skip
+                 purpose: Purpose, standby: bool = False) -> None:  # fmt: skip
         self.unit_id, self.phase, self.since, self.until = unit_id, phase, since, until
         self.purpose = purpose
+        self.standby = standby  # a warm spare: billed, not shown to decide
+        self.hold = False  # draining into the warm pool
 
 
 class _Latency:
@@ -251,16 +268,16 @@ class _Run:
 
     # ---- units -----------------------------------------------------------------------
 
-    def _add(self, now: float, phase: Phase, purpose: Purpose) -> None:
+    def _add(self, now: float, phase: Phase, purpose: Purpose, standby: bool = False) -> None:
         uid = f"unit-{self.next_id}"
         self.next_id += 1
         until = now if phase == Phase.READY else now + self.startup_s
-        u = self.units[uid] = _Unit(uid, phase, now, until, purpose)
+        u = self.units[uid] = _Unit(uid, phase, now, until, purpose, standby)
         self.fleet_version += 1
-        if phase == Phase.READY:
-            self.ready += 1
-        else:
+        if phase != Phase.READY:
             self.pending[uid] = u
+        elif not standby:
+            self.ready += 1
 
     def _advance_units(self, now: float) -> None:
         for uid, u in list(self.pending.items()):
@@ -270,7 +287,9 @@ class _Run:
             self.fleet_version += 1
             if u.phase == Phase.STARTING:
                 u.phase, u.since = Phase.READY, now
-                self.ready += 1
+                self.ready += 0 if u.standby else 1
+            elif u.hold:  # drained into the warm pool
+                u.phase, u.since, u.standby, u.hold = Phase.READY, now, True, False
             else:
                 del self.units[uid]
 
@@ -279,10 +298,11 @@ class _Run:
         if d.add:
             r.scale_ups += 1
             r.units_added += d.add
-            for _ in range(d.add_interactive):
-                self._add(now, Phase.STARTING, Purpose.INTERACTIVE)
-            for _ in range(d.add_batch):
-                self._add(now, Phase.STARTING, Purpose.BATCH)
+            purposes = [Purpose.INTERACTIVE] * d.add_interactive + [Purpose.BATCH] * d.add_batch
+            for purpose in purposes:
+                if not self._promote(now, purpose):
+                    self._add(now, Phase.STARTING, purpose)
+        spares = self._spares()
         if d.remove:
             r.scale_downs += 1
             r.units_removed += len(d.remove)
@@ -292,13 +312,38 @@ class _Run:
                 u = self.units[uid]
                 if u.phase == Phase.STARTING:
                     del self.units[uid], self.pending[uid]  # stopped before it served
-                else:
-                    u.phase, u.since, u.until = Phase.DRAINING, now, now + drain
-                    self.ready -= 1
-                    self.pending[uid] = u
+                    continue
+                u.phase, u.since, u.until = Phase.DRAINING, now, now + drain
+                self.ready -= 1
+                self.pending[uid] = u
+                if spares < self.sim.warm_units:
+                    u.hold, spares = True, spares + 1
+                    r.holds += 1
         if d.add or d.remove:
             self.fleet_version += 1
             r.actions.append(d)
+        running = sum(1 for u in self.units.values()
+                      if u.standby or u.hold or u.phase != Phase.DRAINING)  # fmt: skip
+        if spares < self.sim.warm_units and running < self.policy.max_units:
+            self._add(now, Phase.STARTING, Purpose.INTERACTIVE, standby=True)
+
+    def _spares(self) -> int:
+        return sum(1 for u in self.units.values() if u.standby or u.hold)
+
+    def _promote(self, now: float, purpose: Purpose) -> bool:
+        """A spare into rotation, warm first (routable promote_s later), else one still
+        starting (it goes on starting); False when the pool is empty."""
+        spares = [u for u in self.units.values() if u.standby]
+        if not spares:
+            return False
+        u = min(spares, key=lambda x: x.phase != Phase.READY)
+        u.standby, u.purpose = False, purpose
+        if u.phase == Phase.READY:
+            u.phase, u.since, u.until = Phase.STARTING, now, now + self.sim.promote_s
+            self.pending[u.unit_id] = u
+        self.fleet_version += 1
+        self.result.promotions += 1
+        return True
 
     # ---- one step --------------------------------------------------------------------
 
@@ -369,7 +414,8 @@ class _Run:
                             running=running if u.phase == Phase.READY else 0,
                             kv_usage=kv if u.phase == Phase.READY else 0.0,
                             max_num_seqs=model.max_num_seqs)
-                for u in self.units.values()))  # fmt: skip
+                for u in self.units.values()
+                if not (u.standby or u.hold)))  # spares: not capacity (controller.py)  # fmt: skip
         units = self.unit_signals[1]
         classes = tuple(
             ClassSignals(

@@ -43,6 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="multiply the trace's rates")  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="stretch the trace's time (1/144: a day in 10 minutes)")  # fmt: skip
+    p.add_argument("--warm-units", type=int, default=0, metavar="W",
+                   help="also run the autoscaled fleet with W warm spares (up --warm-units)")  # fmt: skip
+    p.add_argument("--promote-s", type=float, default=None, metavar="S",
+                   help="a warm spare's promotion -> routable (default 1 s, measured)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="arrivals' random seed (0)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
@@ -75,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
             ttft_slo_s=args.slo_ms / 1e3,
             **extra,
         )
-        sim = SimConfig(seed=args.seed, startup_s=args.startup_s)
+        pool = {} if args.promote_s is None else {"promote_s": args.promote_s}
+        sim = SimConfig(
+            seed=args.seed, startup_s=args.startup_s, warm_units=args.warm_units, **pool
+        )
     except (OSError, ValueError) as e:
         print(f"neuron-serving simulate: {e}", file=sys.stderr)
         return ExitCode.USAGE

@@ -288,8 +288,9 @@ def render_text(
 
 def capacity_line(c: dict[str, Any], limit: int = 80) -> str:
     """`up --autoscale`'s controller in one line of at most ``limit`` columns: desired
-    and current units within their bounds, the last action, its reason and age; then,
-    as room allows, the units starting/draining and the error count."""
+    and current units within their bounds, the last action (+added, -removed, ^promoted
+    from the warm pool, ~held into it), its reason and age; then, as room allows, the
+    units starting/draining, the warm spares and the error count."""
     bounds = f"{c.get('min_units')}..{c.get('max_units')}"
     if c.get("error"):
         return f"autoscale {bounds}: {c['error']}"[:limit]
@@ -298,12 +299,18 @@ def capacity_line(c: dict[str, Any], limit: int = 80) -> str:
     line = f"autoscale {bounds}: desired {c['desired']}, current {c.get('current')}"
     a = c.get("last_action")
     if a:
-        did = [f"+{u}" for u in a.get("added", [])] + [f"-{u}" for u in a.get("removed", [])]
+        pool = a.get("pool") or {}
+        promoted, held = set(pool.get("promoted", ())), set(pool.get("held", ()))
+        did = [f"^{u}" if u in promoted else f"+{u}" for u in a.get("added", [])]
+        did += [f"~{u}" if u in held else f"-{u}" for u in a.get("removed", [])]
+        did += [f"+{u} (warm)" for u in pool.get("filled", ())]
         line += f"; last {' '.join(did) or 'error'} ({a.get('reason')}) {age(a.get('wall_time'))}"
     else:
         line += f"; {c.get('reason') or 'hold'}"
     errors = (c.get("read_errors") or 0) + (c.get("actuator_errors") or 0)
     moving = [f"{c[k]} {k}" for k in ("starting", "draining") if c.get(k)]
+    if c.get("warm_units"):
+        moving.append(f"{c.get('spares', 0)}/{c['warm_units']} warm")
     for extra in (", ".join(moving), f"{errors} err" if errors else ""):
         if extra and len(line) + 2 + len(extra) <= limit:
             line += f"; {extra}"

@@ -118,6 +118,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="autoscale ceiling (default 4, >= --units)",
     )
     a.add_argument(
+        "--warm-units",
+        type=int,
+        default=None,
+        metavar="W",
+        help="warm spares kept started but drained, within --units-max: a scale-up "
+        "promotes one (routable in about a second instead of a whole start-up); "
+        "default 0 (capacity/README.md, 'Fast scale-up')",
+    )
+    a.add_argument(
         "--autoscale-config",
         default=None,
         metavar="FILE",
@@ -132,8 +141,15 @@ def _capacity_config(args: argparse.Namespace) -> Any:
     """The autoscaler's config (ValueError on a bad one), or None without --autoscale;
     sets ``args.units`` to the initial count."""
     if not args.autoscale:
-        if args.units_min is not None or args.units_max is not None or args.autoscale_config:
-            raise ValueError("--units-min, --units-max and --autoscale-config need --autoscale")
+        if (
+            args.units_min is not None
+            or args.units_max is not None
+            or args.autoscale_config
+            or args.warm_units is not None
+        ):
+            raise ValueError(
+                "--units-min, --units-max, --warm-units and --autoscale-config need --autoscale"
+            )
         args.units = 2 if args.units is None else args.units
         return None
     from neuron_serving.capacity.controller import ControllerConfig
@@ -152,6 +168,8 @@ def _capacity_config(args: argparse.Namespace) -> Any:
     hi = args.units_max if args.units_max is not None else raw.get("max_units")
     if hi is None:
         hi = max(4, lo, args.units or 0)
+    if args.warm_units is not None:
+        raw = {**raw, "warm_units": args.warm_units}
     cfg = ControllerConfig.from_dict(raw, min_units=lo, max_units=hi)
     args.units = cfg.policy.min_units if args.units is None else args.units
     p = cfg.policy
@@ -186,8 +204,14 @@ def _start_autoscaler(cluster: Any, spec: Any, cfg: Any, say: Callable[[str], No
             return
         if r.get("event") == "capacity_error":
             say(f"capacity: {r.get('error')}")
-        elif r.get("added") or r.get("removed") or r.get("errors"):
-            did = [f"add {u}" for u in r["added"]] + [f"remove {u}" for u in r["removed"]]
+        elif r.get("added") or r.get("removed") or r.get("errors") or r.get("pool"):
+            pool = r.get("pool") or {}
+            promoted, held = set(pool.get("promoted", ())), set(pool.get("held", ()))
+            did = [f"promote {u}" if u in promoted else f"add {u}" for u in r["added"]]
+            did += [f"hold {u}" if u in held else f"remove {u}" for u in r["removed"]]
+            did += [f"warm spare {u}" for u in pool.get("filled", ())]
+            if not did and not r.get("errors"):
+                return
             say(
                 f"capacity: {', '.join(did) or 'no change'} ({r['reason']}): "
                 f"{r['current']} -> {r['desired']} units; concurrency "

@@ -22,6 +22,11 @@ stopped together.
     remove_unit refused mid-deploy or for the last ready unit; else at once: drain on
                 every replica, wait until none has a request in flight on it (bounded),
                 stop the group (orderly), DELETE it on every replica, forget it
+    warm pool   add_unit(standby=True) starts a unit that is registered with every
+                replica drained: started, probed, never routed to (a warm spare);
+                promote_unit undrains it on every replica (routable within a probe
+                interval instead of a whole start-up); hold_unit drains a serving unit,
+                waits for its in-flight requests and keeps it running as a spare
     shutdown()  drain through every replica's admin API (stop admitting, wait for
                 in-flight up to drain_timeout_s), then stop every unit in parallel, then
                 the replicas; finally check the process table: nothing of ours may remain.
@@ -88,6 +93,14 @@ class _UnitInfo:
     routable_at: float | None = None  # time.time()
     removing: bool = False
     removing_since: float | None = None
+    # A warm spare (add_unit(standby=True) or hold_unit): registered drained with every
+    # replica, never routed to until promote_unit. ``warm``: ready and registered
+    # everywhere (promotable at once); ``holding``: a serving unit being drained into one.
+    standby: bool = False
+    warm: bool = False
+    holding: bool = False
+    standby_since: float | None = None  # time.time()
+    admitting: bool = False  # an _admit thread runs for it
     admit: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -271,13 +284,17 @@ class ClusterSupervisor:
     def registered_units(self) -> dict[str, dict[str, Any]]:
         """Every unit the replicas should have (unit id -> {"spec", "draining"}): what a
         replica that restarts with no ready sibling is made alike (replicas.py). Drained:
-        the units being removed (any other drain is a deploy's, which a lone restarted
-        replica loses, as before units could be added)."""
+        the units being removed and the warm spares (any other drain is a deploy's,
+        which a lone restarted replica loses, as before units could be added)."""
         with self._lock:
             return {
-                unit_id: {"spec": spec, "draining": self._info_of(unit_id).removing}
+                unit_id: {"spec": spec, "draining": self._drained_by_us(self._info_of(unit_id))}
                 for unit_id, spec in self._registered.items()
             }
+
+    @staticmethod
+    def _drained_by_us(info: _UnitInfo) -> bool:
+        return info.removing or info.standby or info.holding
 
     def units_view(self) -> dict[str, Any]:
         """The supervisor API's GET /units: what a deploy needs to plan and to wait, and
@@ -296,8 +313,11 @@ class ClusterSupervisor:
             info = self._info_of(u.group_id)
             mid_deploy = u.group_id in self._deploy_target
             model_dir = self.unit_models.get(u.group_id, self.spec.model_dir)
-            if info.removing and snap["phase"] in (GroupPhase.STARTING, GroupPhase.READY):
-                snap["phase"] = "draining"  # until its group stops: stopping, stopped
+            if (info.removing or info.holding) and snap["phase"] in (
+                GroupPhase.STARTING,
+                GroupPhase.READY,
+            ):
+                snap["phase"] = "draining"  # until its group stops / it is a spare
             return {
                 **snap,
                 "model_dir": str(model_dir),
@@ -309,6 +329,9 @@ class ClusterSupervisor:
                 "routable_at": info.routable_at,
                 "removing": info.removing,
                 "removing_since": info.removing_since,
+                "standby": info.standby or info.holding,
+                "warm": info.warm,
+                "standby_since": info.standby_since,
                 "mid_deploy": mid_deploy,
             }
 
@@ -327,6 +350,10 @@ class ClusterSupervisor:
             info = self._info_of(unit_id)
             if info.removing:
                 raise RuntimeError(f"{unit_id} is being removed")
+            if info.standby or info.holding:
+                # A deploy admits (undrains) what it recreated: a spare would serve
+                # afterwards while counted as one.
+                raise RuntimeError(f"{unit_id} is a warm spare; promote or remove it first")
             procs = plan.unit_processes(
                 self.spec, info.index, self._token_file, Path(model_dir), manifest_sha256
             )
@@ -358,10 +385,11 @@ class ClusterSupervisor:
             return self.spec.model_dir, None
         return next(k for k, n in counts.items() if n == top)
 
-    def add_unit(self, purpose: str = "interactive") -> str:
+    def add_unit(self, purpose: str = "interactive", standby: bool = False) -> str:
         """Start one more unit and return its id at once (see the module doc). It is
         registered with every replica once ready and counted routable once every
-        replica's /status shows it so (``routable`` in its view). ValueError for an
+        replica's /status shows it so (``routable`` in its view); with ``standby`` it
+        is registered drained and waits, ``warm``, for promote_unit. ValueError for an
         unknown purpose; RuntimeError while starting or stopping, or with no port
         block left."""
         if purpose not in PURPOSES:
@@ -389,7 +417,10 @@ class ClusterSupervisor:
             procs = plan.unit_processes(spec, index, self._token_file, model_dir, pin)
             group = self._new_group(index, procs)
             unit_id = group.group_id
-            info = _UnitInfo(index, purpose, added=True, registered=False, routable=False)
+            info = _UnitInfo(index, purpose, added=True, registered=False, routable=False,
+                             standby=standby, admitting=True)  # fmt: skip
+            if standby:
+                info.standby_since = time.time()
             self.units.append(group)
             self._info[unit_id] = info
             self.unit_models[unit_id] = model_dir
@@ -398,7 +429,8 @@ class ClusterSupervisor:
             group.start()
         ports = spec.unit_ports(index)
         self.on_event(
-            f"{unit_id} added ({purpose}): ports {ports.base}..{ports.all()[-1]}, "
+            f"{unit_id} added ({'warm spare' if standby else purpose}): "
+            f"ports {ports.base}..{ports.all()[-1]}, "
             f"CPU binding {spec.unit_cpu_bind(index)!r}, model {model_dir}"
         )
         threading.Thread(
@@ -413,47 +445,135 @@ class ClusterSupervisor:
     def _admit(self, group: GroupSupervisor, info: _UnitInfo, model_dir: Path) -> None:
         """An added unit's way into rotation: ready -> registered with every replica ->
         routable on every replica. Ends early when the unit is removed or the cluster
-        stops; a unit that fails meanwhile is recreated by its group (and waited for)."""
+        stops; a unit that fails meanwhile is recreated by its group (and waited for).
+        A warm spare's way ends once it is ready and registered (drained) with every
+        replica (``warm``); promote_unit undrains it and runs this again to see it
+        routable (the registration is then a no-op: an add never undrains)."""
         assert self.replicas is not None
         unit_id, started = group.group_id, time.monotonic()
-        entry = unit_entry(self.spec, info.index, model_dir)
-        while not self._gone(info) and group.phase != GroupPhase.READY:
-            time.sleep(_ADMIT_POLL_S)
-        next_add = 0.0
-        while not self._gone(info):
-            if time.monotonic() >= next_add:
-                next_add = time.monotonic() + _READD_S
-                # Under ``admit``: a removal waits for a registration in progress, so it
-                # never deletes the unit on a replica before the add reaches it.
-                with info.admit:
-                    if self._gone(info):
-                        return
-                    with self._lock:  # before the calls: a replica restarting meanwhile
-                        self._registered[unit_id] = entry  # with no sibling gets it too
-                    out = self.replicas.admin.add(entry)
-                    first = not info.registered
+        what = "promoted" if info.registered else "added"
+        try:
+            entry = unit_entry(self.spec, info.index, model_dir)
+            while not self._gone(info) and group.phase != GroupPhase.READY:
+                time.sleep(_ADMIT_POLL_S)
+            next_add = 0.0
+            while not self._gone(info):
+                if time.monotonic() >= next_add:
+                    next_add = time.monotonic() + _READD_S
+                    # Under ``admit``: a removal waits for a registration in progress, so
+                    # it never deletes the unit on a replica before the add reaches it;
+                    # a promotion sees ``standby`` and ``registered`` change together.
+                    with info.admit:
+                        if self._gone(info):
+                            return
+                        with self._lock:  # before the calls: a replica restarting meanwhile
+                            self._registered[unit_id] = entry  # with no sibling gets it too
+                        out = self.replicas.admin.add(entry, draining=info.standby)
+                        first = not info.registered
+                        with self._lock:
+                            info.registered = True
+                        everywhere = not out.failed((200, 201))
+                        if info.standby and everywhere and group.phase == GroupPhase.READY:
+                            with self._lock:
+                                info.warm, info.admitting = True, False
+                            self.on_event(
+                                f"{unit_id} warm (ready, held drained on every proxy replica) "
+                                f"{time.monotonic() - started:.1f} s after it was added"
+                            )
+                            self.write_state()
+                            return
+                    if first:
+                        self.on_event(
+                            f"{unit_id} ready after {time.monotonic() - started:.1f} s; "
+                            f"registered with {len(out.answers) - len(out.failed((200, 201)))} "
+                            f"of {len(out.answers)} proxy replicas"
+                        )
+                    for answer in out.failed((200, 201)):
+                        # A replica down now gets the unit from a sibling (or from
+                        # registered_units) when it is back; the others are asked again.
+                        self.on_event(f"register {unit_id}: {answer.describe()}")
+                if (
+                    not info.standby
+                    and group.phase == GroupPhase.READY
+                    and self.replicas.routes(unit_id)
+                ):
                     with self._lock:
-                        info.registered = True
-                if first:
+                        info.routable, info.routable_at = True, time.time()
                     self.on_event(
-                        f"{unit_id} ready after {time.monotonic() - started:.1f} s; registered "
-                        f"with {len(out.answers) - len(out.failed((200, 201)))} of "
-                        f"{len(out.answers)} proxy replicas"
+                        f"{unit_id} routable on every proxy replica "
+                        f"{time.monotonic() - started:.1f} s after it was {what}"
                     )
-                for answer in out.failed((200, 201)):
-                    # A replica down now gets the unit from a sibling (or from
-                    # registered_units) when it is back; the others are asked again.
-                    self.on_event(f"register {unit_id}: {answer.describe()}")
-            if group.phase == GroupPhase.READY and self.replicas.routes(unit_id):
-                with self._lock:
-                    info.routable, info.routable_at = True, time.time()
-                self.on_event(
-                    f"{unit_id} routable on every proxy replica "
-                    f"{time.monotonic() - started:.1f} s after it was added"
-                )
-                self.write_state()
-                return
-            time.sleep(_ADMIT_POLL_S)
+                    self.write_state()
+                    return
+                time.sleep(_ADMIT_POLL_S)
+        finally:
+            with info.admit, self._lock:
+                info.admitting = False
+
+    def promote_unit(self, unit_id: str, purpose: str = "interactive") -> None:
+        """A warm spare into rotation: undrained on every replica (bounded calls), then
+        counted routable once every replica routes to it (in the background, as an
+        added unit). A spare still starting is promoted too: it is registered
+        undrained when ready. KeyError for an unknown unit; ValueError for an unknown
+        purpose; RuntimeError when it is not a spare (or being drained into one)."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"purpose must be one of {', '.join(PURPOSES)}")
+        self._check_changes_allowed()
+        assert self.replicas is not None
+        group = self._group(unit_id)
+        if group is None:
+            raise KeyError(unit_id)
+        with self._lock:
+            info = self._info_of(unit_id)
+        with info.admit:
+            with self._lock:
+                if info.removing:
+                    raise RuntimeError(f"{unit_id} is being removed")
+                if info.holding:
+                    raise RuntimeError(f"{unit_id} is still being drained into a spare")
+                if not info.standby:
+                    raise RuntimeError(f"{unit_id} is not a warm spare")
+                info.standby, info.warm, info.purpose = False, False, purpose
+                info.standby_since = None
+                registered, running = info.registered, info.admitting
+                info.admitting = True
+            if registered:
+                for answer in self.replicas.admin.undrain(unit_id).failed():
+                    # Down now: it gets the unit's state from a sibling when back.
+                    self.on_event(f"undrain {unit_id}: {answer.describe()}")
+        self.on_event(f"{unit_id} promoted from the warm pool ({purpose})")
+        if not running:
+            model_dir = self.unit_models.get(unit_id, self.spec.model_dir)
+            threading.Thread(
+                target=self._admit, args=(group, info, model_dir), name=f"admit-{unit_id}",
+                daemon=True,
+            ).start()  # fmt: skip
+        self.write_state()
+
+    def hold_unit(self, unit_id: str) -> None:
+        """A serving unit into the warm pool, without losing a request: refused as
+        remove_unit refuses; else drained on every replica and, once none has a request
+        in flight there (bounded), kept running as a warm spare. Returns at once."""
+        self._check_changes_allowed()
+        claimed = self._claim_for_drain(unit_id, holding=True)
+        assert claimed is not None  # a hold never finds the unit already claimed
+        group, info = claimed
+        self.on_event(f"{unit_id} into the warm pool: draining on every proxy replica")
+        threading.Thread(
+            target=self._hold, args=(group, info), name=f"hold-{unit_id}", daemon=True
+        ).start()
+        self.write_state()
+
+    def _hold(self, group: GroupSupervisor, info: _UnitInfo) -> None:
+        unit_id, start = group.group_id, time.monotonic()
+        self._drain_and_wait(group, info, start)
+        with self._lock:
+            info.holding = False
+            info.standby, info.warm = True, True
+            info.routable, info.routable_at = False, None
+            info.standby_since = time.time()
+        self.on_event(f"{unit_id} warm spare after {time.monotonic() - start:.1f} s")
+        self.write_state()
 
     def _held_by_others(self, unit_id: str) -> list[str]:
         """The replicas that have ``unit_id`` drained although this supervisor is not
@@ -491,6 +611,21 @@ class ClusterSupervisor:
         unit, or while starting or stopping. Removing a unit already being removed is
         accepted (nothing more is done)."""
         self._check_changes_allowed()
+        claimed = self._claim_for_drain(unit_id, holding=False)
+        if claimed is None:
+            return
+        group, info = claimed
+        self.on_event(f"{unit_id} removing: draining on every proxy replica")
+        threading.Thread(
+            target=self._retire, args=(group, info), name=f"retire-{unit_id}", daemon=True
+        ).start()
+        self.write_state()
+
+    def _claim_for_drain(
+        self, unit_id: str, holding: bool
+    ) -> tuple[GroupSupervisor, _UnitInfo] | None:
+        """remove_unit's and hold_unit's refusals; marks the unit removing (or holding)
+        and returns (group, info), or None when it is already being removed."""
         if self._group(unit_id) is None:
             raise KeyError(unit_id)
         self._refresh_deploys()
@@ -501,10 +636,18 @@ class ClusterSupervisor:
                 raise KeyError(unit_id)
             info = self._info_of(unit_id)
             if info.removing:
-                return
+                if holding:
+                    raise RuntimeError(f"{unit_id} is being removed")
+                return None
+            if holding and (info.standby or info.holding):
+                raise RuntimeError(f"{unit_id} is already a warm spare")
+            if holding and not self._counts_ready(group):
+                raise RuntimeError(f"{unit_id} is not serving (only a routable unit is held)")
+            if info.holding:
+                raise RuntimeError(f"{unit_id} is being drained into a spare; wait for it")
             if unit_id in self._deploy_target:
                 raise RuntimeError(f"{unit_id} is mid-deploy (being recreated by a deploy)")
-            if held:
+            if held and not info.standby:  # a spare is drained by this supervisor
                 raise RuntimeError(
                     f"{unit_id} is drained on {', '.join(held)} by someone else "
                     "(a deploy in progress?); undrain it first"
@@ -515,41 +658,52 @@ class ClusterSupervisor:
                 raise RuntimeError(f"{unit_id} is the last unit")
             if self._counts_ready(group) and not any(self._counts_ready(u) for u in others):
                 raise RuntimeError(f"{unit_id} is the last ready unit")
-            info.removing, info.removing_since = True, time.time()
-        self.on_event(f"{unit_id} removing: draining on every proxy replica")
-        threading.Thread(
-            target=self._retire, args=(group, info), name=f"retire-{unit_id}", daemon=True
-        ).start()
-        self.write_state()
+            if holding:
+                info.holding, info.removing_since = True, time.time()
+            else:
+                info.removing, info.removing_since = True, time.time()
+        return group, info
 
     def _counts_ready(self, u: GroupSupervisor) -> bool:
         """Ready and routable (callers hold ``_lock``)."""
         info = self._info_of(u.group_id)
-        return u.phase == GroupPhase.READY and info.routable and not info.removing
+        return (
+            u.phase == GroupPhase.READY
+            and info.routable
+            and not (info.removing or info.holding or info.standby)
+        )
+
+    def _drain_and_wait(self, group: GroupSupervisor, info: _UnitInfo, start: float) -> bool:
+        """Drain the unit on every replica and wait (bounded by drain_timeout_s) until
+        none has a request in flight on it; whether it was registered at all."""
+        assert self.replicas is not None
+        unit_id = group.group_id
+        with info.admit:  # a registration in progress finishes first
+            registered = info.registered
+        if not registered:
+            return False
+        for answer in self.replicas.admin.drain(unit_id).failed():
+            self.on_event(f"drain {unit_id}: {answer.describe()}")
+        timeout = self.spec.drain_timeout_s
+        while True:
+            left, unknown = self.replicas.unit_in_flight(unit_id)
+            if left == 0 and not unknown:
+                self.on_event(f"{unit_id} drained in {time.monotonic() - start:.1f} s")
+                return True
+            if time.monotonic() - start > timeout:
+                self.on_event(
+                    f"{unit_id}: {left} request(s) in flight after {timeout:.0f} s"
+                    + (f" (no answer from {', '.join(unknown)})" if unknown else "")
+                    + "; going on anyway (the proxy migrates its streams)"
+                )
+                return True
+            time.sleep(0.1)
 
     def _retire(self, group: GroupSupervisor, info: _UnitInfo) -> None:
         """A removal's steps, in order; each proxy call bounded, the wait too."""
         assert self.replicas is not None
         unit_id, start = group.group_id, time.monotonic()
-        with info.admit:  # a registration in progress finishes first
-            registered = info.registered
-        if registered:
-            for answer in self.replicas.admin.drain(unit_id).failed():
-                self.on_event(f"drain {unit_id}: {answer.describe()}")
-            timeout = self.spec.drain_timeout_s
-            while True:
-                left, unknown = self.replicas.unit_in_flight(unit_id)
-                if left == 0 and not unknown:
-                    self.on_event(f"{unit_id} drained in {time.monotonic() - start:.1f} s")
-                    break
-                if time.monotonic() - start > timeout:
-                    self.on_event(
-                        f"{unit_id}: {left} request(s) in flight after {timeout:.0f} s"
-                        + (f" (no answer from {', '.join(unknown)})" if unknown else "")
-                        + "; stopping it anyway (the proxy migrates its streams)"
-                    )
-                    break
-                time.sleep(0.1)
+        registered = self._drain_and_wait(group, info, start)
         stopped_at = time.monotonic()
         group.stop()
         stop_s = time.monotonic() - stopped_at

@@ -10,9 +10,16 @@ directory (``supervisor.sock``):
                                       (planned: graceful stop, start on DIR, no backoff;
                                       ready when phase is "ready" at generation >= G)
     POST /units                       {"purpose": "interactive"|"batch"} (default
-                                      interactive) -> 202 {"unit_id": U}: a new unit,
-                                      starting; "routable" in GET /units once every
-                                      proxy replica routes to it
+                                      interactive), "standby": bool (default false)
+                                      -> 202 {"unit_id": U}: a new unit, starting;
+                                      "routable" in GET /units once every proxy replica
+                                      routes to it; a standby one is registered drained
+                                      and shows "warm" once ready everywhere
+    POST /units/{unit_id}/promote     {"purpose": ...} -> 202: a warm spare undrained on
+                                      every replica ("routable" once they route to it);
+                                      409 when it is not a spare
+    POST /units/{unit_id}/hold        -> 202: a serving unit drained, waited for and kept
+                                      running as a warm spare; 409 as DELETE
     DELETE /units/{unit_id}           -> 202: drained, waited for, stopped, unregistered
                                       in the background ("removing" until gone from
                                       GET /units); 409 mid-deploy or the last ready unit
@@ -59,12 +66,17 @@ class Recreatable(Protocol):
     ) -> int: ...
 
     # ValueError: bad purpose (400); RuntimeError: refused (409); KeyError: unknown (404).
-    def add_unit(self, purpose: str = "interactive") -> str: ...
+    def add_unit(self, purpose: str = "interactive", standby: bool = False) -> str: ...
+
+    def promote_unit(self, unit_id: str, purpose: str = "interactive") -> None: ...
+
+    def hold_unit(self, unit_id: str) -> None: ...
 
     def remove_unit(self, unit_id: str) -> None: ...
 
 
-_ADD_FIELDS = frozenset({"purpose"})
+_ADD_FIELDS = frozenset({"purpose", "standby"})
+_PROMOTE_FIELDS = frozenset({"purpose"})
 
 
 class SupervisorApiServer:
@@ -171,7 +183,8 @@ class SupervisorApiServer:
             status = 400 if isinstance(e, ValueError) else 409
             return web.json_response({"error": str(e)}, status=status)
 
-        async def add(request: web.Request) -> web.Response:
+        async def body_of(request: web.Request, fields: frozenset[str]) -> Any:
+            """The request's JSON object with only ``fields``, or a 400 response."""
             body: Any = {}
             if request.body_exists:
                 try:
@@ -180,20 +193,55 @@ class SupervisorApiServer:
                     return web.json_response({"error": "body must be JSON"}, status=400)
             if not isinstance(body, dict):
                 return web.json_response({"error": "body must be a JSON object"}, status=400)
-            unknown = sorted(set(body) - _ADD_FIELDS)
+            unknown = sorted(set(body) - fields)
             if unknown:
                 return web.json_response(
                     {"error": f"unknown fields: {', '.join(map(str, unknown))[:200]}"}, status=400
                 )
-            purpose = body.get("purpose", "interactive")
-            if not isinstance(purpose, str):
+            if not isinstance(body.get("purpose", ""), str):
                 return web.json_response({"error": "'purpose' must be a string"}, status=400)
+            if not isinstance(body.get("standby", False), bool):
+                return web.json_response({"error": "'standby' must be true or false"}, status=400)
+            return body
+
+        async def add(request: web.Request) -> web.Response:
+            body = await body_of(request, _ADD_FIELDS)
+            if isinstance(body, web.Response):
+                return body
+            purpose = body.get("purpose", "interactive")
+            standby = body.get("standby", False)
             try:
                 # Quick (picks ports, spawns the group's thread), but off the event loop.
-                unit_id = await asyncio.to_thread(self.cluster.add_unit, purpose)
+                unit_id = await asyncio.to_thread(self.cluster.add_unit, purpose, standby)
             except (ValueError, RuntimeError) as e:
                 return refused(e)
+            return web.json_response(
+                {"unit_id": unit_id, "purpose": purpose, "standby": standby}, status=202
+            )
+
+        async def promote(request: web.Request) -> web.Response:
+            unit_id = request.match_info["unit_id"]
+            body = await body_of(request, _PROMOTE_FIELDS)
+            if isinstance(body, web.Response):
+                return body
+            purpose = body.get("purpose", "interactive")
+            try:
+                # Undrains on every replica: bounded, blocking.
+                await asyncio.to_thread(self.cluster.promote_unit, unit_id, purpose)
+            except (KeyError, ValueError, RuntimeError) as e:
+                return refused(e, unit_id)
             return web.json_response({"unit_id": unit_id, "purpose": purpose}, status=202)
+
+        async def hold(request: web.Request) -> web.Response:
+            unit_id = request.match_info["unit_id"]
+            body = await body_of(request, frozenset())
+            if isinstance(body, web.Response):
+                return body
+            try:
+                await asyncio.to_thread(self.cluster.hold_unit, unit_id)
+            except (KeyError, RuntimeError) as e:
+                return refused(e, unit_id)
+            return web.json_response({"unit_id": unit_id, "holding": True}, status=202)
 
         async def remove(request: web.Request) -> web.Response:
             unit_id = request.match_info["unit_id"]
@@ -210,6 +258,8 @@ class SupervisorApiServer:
                 web.get("/units", units),
                 web.post("/units", add),
                 web.delete("/units/{unit_id}", remove),
+                web.post("/units/{unit_id}/promote", promote),
+                web.post("/units/{unit_id}/hold", hold),
                 web.post("/units/{unit_id}/recreate", recreate),
             ]
         )
@@ -288,9 +338,19 @@ class SupervisorApiClient:
             body["manifest_sha256"] = manifest_sha256
         return int(self._call("POST", f"/units/{unit_id}/recreate", body)["generation"])
 
-    def add_unit(self, purpose: str = "interactive") -> str:
-        """Start one more unit; its id at once (it is starting)."""
-        return str(self._call("POST", "/units", {"purpose": purpose})["unit_id"])
+    def add_unit(self, purpose: str = "interactive", standby: bool = False) -> str:
+        """Start one more unit (a warm spare with ``standby``); its id at once."""
+        body = {"purpose": purpose, **({"standby": True} if standby else {})}
+        return str(self._call("POST", "/units", body)["unit_id"])
+
+    def promote_unit(self, unit_id: str, purpose: str = "interactive") -> None:
+        """Put warm spare ``unit_id`` into rotation (undrained on every replica)."""
+        path = f"/units/{urllib.parse.quote(unit_id, safe='')}/promote"
+        self._call("POST", path, {"purpose": purpose})
+
+    def hold_unit(self, unit_id: str) -> None:
+        """Have serving ``unit_id`` drained and kept running as a warm spare."""
+        self._call("POST", f"/units/{urllib.parse.quote(unit_id, safe='')}/hold")
 
     def remove_unit(self, unit_id: str) -> None:
         """Have ``unit_id`` drained, stopped and unregistered (in the background)."""

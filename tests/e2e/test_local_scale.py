@@ -9,11 +9,13 @@ remove it -> every stream completes with no error (the removal waited for them: 
 unit was drained, not killed under them), its processes are gone, the proxy no longer
 lists it, and the last ready unit is refused. Every wait is bounded.
 
-Then `up --autoscale --units-min 1 --units-max 2` (a second cluster, short windows and
-cool-downs from --autoscale-config): a load step of concurrent openai streams makes
-the controller add a unit, which starts and becomes routable and serves; the load
-stops (a trickle goes on) and the controller drains and removes a unit, with no
-request failed and no stream migrated.
+Then `up --autoscale --units-min 1 --units-max 3 --warm-units 1` (a second cluster,
+short windows and cool-downs from --autoscale-config): the controller starts a warm
+spare (unit-1: started, drained on the proxy); a load step of concurrent openai
+streams makes it promote the spare, which is routable about a second after the
+decision and serves, and start the next spare (unit-2, cold); the load stops (a
+trickle goes on) and, the pool being full, the controller drains and removes a unit,
+with no request failed and no stream migrated.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def test_removal_under_streaming_load_loses_no_request(cluster: Cluster, actuato
     log = cluster.proc.stdout()
     print("\n".join(line for line in log.splitlines() if unit_id in line))
     assert f"{unit_id} drained in" in log, cluster.log_tail()
-    assert "stopping it anyway" not in log
+    assert "going on anyway" not in log
     # Nothing was cut and moved: the streams on it finished there before it stopped.
     assert _migrations(cluster) == migrations
     # Its processes are gone, the proxy no longer lists it, the other unit serves.
@@ -184,10 +186,12 @@ def test_removal_under_streaming_load_loses_no_request(cluster: Cluster, actuato
 
 
 # The autoscaled cluster: decide every second on short windows (policy defaults are
-# 60 s / 6 s, cool-downs 10 s / 120 s), so a load step and its end show within a minute.
+# 60 s / 6 s, cool-downs 10 s / 120 s), so a load step and its end show within a minute;
+# one warm spare.
 AUTOSCALE_CONFIG = {
     "tick_s": 1.0, "stable_window_s": 8.0, "panic_window_s": 2.0,
     "scale_up_cooldown_s": 5.0, "scale_down_cooldown_s": 10.0, "latency_window_s": 10.0,
+    "warm_units": 1,
 }  # fmt: skip
 LOAD_STREAMS = 12  # 12 concurrent on units of target 8 (0.5 x max_num_seqs 16): 2 units
 LOAD_TOKENS = 48
@@ -204,7 +208,7 @@ def autoscaled(demo_model: Path, tmp_path_factory) -> Cluster:
     config.write_text(json.dumps(AUTOSCALE_CONFIG))  # JSON is YAML
     yield from start_cluster(
         demo_model, tmp,
-        ["--autoscale", "--units-min", "1", "--units-max", "2", "--autoscale-config",
+        ["--autoscale", "--units-min", "1", "--units-max", "3", "--autoscale-config",
          str(config), *UNIT_ARGS], units=1,
     )  # fmt: skip
 
@@ -255,71 +259,101 @@ def _units(c: Cluster) -> list[str]:
     return [u["unit_id"] for u in c.state()["units"]]
 
 
+def _serving(c: Cluster) -> list[str]:
+    """Units that are not warm spares (being drained into the pool counts as a spare)."""
+    return [u["unit_id"] for u in c.state()["units"] if not u.get("standby")]
+
+
+def _promotion(c: Cluster) -> dict | None:
+    """The last recorded decision that promoted a spare."""
+    decisions = (c.state().get("capacity") or {}).get("decisions") or []
+    return next((d for d in reversed(decisions) if (d.get("pool") or {}).get("promoted")), None)
+
+
+def _warm(c: Cluster) -> list[str]:
+    return [u["unit_id"] for u in c.state()["units"] if u.get("standby") and u.get("warm")]
+
+
 def _last_action(c: Cluster) -> dict | None:
     return (c.state().get("capacity") or {}).get("last_action")
 
 
-def test_autoscale_adds_a_unit_under_load_and_drains_it_after(autoscaled: Cluster) -> None:
+def test_autoscale_promotes_a_warm_spare_under_load_and_removes_a_unit_after(
+    autoscaled: Cluster,
+) -> None:
     c = autoscaled
-    assert _units(c) == ["unit-0"]
-    wait_for(lambda: (c.state().get("capacity") or {}).get("ticks", 0) >= 3, 30, interval=0.5,
-             what="the controller deciding")  # fmt: skip
+    assert _serving(c) == ["unit-0"]
+    # The first ticks start the spare (cold, while idle); it is drained on every replica.
+    wait_for(lambda: _warm(c) == ["unit-1"], ADD_TIMEOUT_S, interval=0.5,
+             what="the warm spare unit-1 started and held")  # fmt: skip
     cap = c.state()["capacity"]
-    assert (cap["min_units"], cap["max_units"], cap["desired"]) == (1, 2, 1), cap
+    assert (cap["min_units"], cap["max_units"], cap["desired"]) == (1, 3, 1), cap
+    assert cap["warm_units"] == 1 and _serving(c) == ["unit-0"]
+    assert not c.routable("unit-1") and c.proxy_unit("unit-1")["state"] == "draining"
     migrations = _migrations(c)
     t0 = time.monotonic()
     load = Load(c, LOAD_STREAMS, "step ")
     try:
-        # The unit shows in the state file's units a moment before the decision that
-        # added it is recorded in its capacity section (one write later): wait for both.
-        wait_for(lambda: "unit-1" in _units(c) and _last_action(c) is not None,
+        # The unit shows as serving in the state file's units a moment before the
+        # decision that promoted it is recorded in its capacity section: wait for both.
+        wait_for(lambda: "unit-1" in _serving(c) and _promotion(c) is not None,
                  SCALE_UP_DECISION_S, interval=0.2,
-                 what="the controller adding a unit under load")  # fmt: skip
+                 what="the controller promoting the spare under load")  # fmt: skip
         decided = time.monotonic() - t0
-        action = _last_action(c)
-        assert action["added"] == ["unit-1"] and action["reason"] in ("panic", "scale_up"), action
+        promote = _promotion(c)
+        assert promote["pool"]["promoted"] == ["unit-1"], promote
+        assert promote["reason"] in ("panic", "scale_up"), promote
         wait_for(lambda: c.unit_state("unit-1")["routable"] and c.routable("unit-1"),
-                 ADD_TIMEOUT_S, interval=0.5, what="unit-1 routable")  # fmt: skip
-        routable = time.monotonic() - t0
-        c.unit_tree("unit-1")
+                 60, interval=0.2, what="unit-1 routable")  # fmt: skip
+        routable_at = c.unit_state("unit-1")["routable_at"]
+        promote_s = routable_at - promote["wall_time"]
         wait_for(lambda: (c.proxy_unit("unit-1") or {}).get("requests_total", 0) > 0, 60,
                  interval=0.2, what="unit-1 serving")  # fmt: skip
         serving = time.monotonic() - t0
+        # The pool refills: the next spare starts (3 units = max_units).
+        wait_for(lambda: "unit-2" in _units(c), 30, interval=0.5, what="the next spare")
     finally:
         load.end()
-    print(f"load step of {LOAD_STREAMS} streams: unit added {decided:.1f} s after it began, "
-          f"routable at {routable:.1f} s, serving at {serving:.1f} s; {load.ok} requests")  # fmt: skip
+    print(f"load step of {LOAD_STREAMS} streams: spare promoted {decided:.1f} s after it began, "
+          f"decision -> routable on every replica in {promote_s:.2f} s, serving at "
+          f"{serving:.1f} s; {load.ok} requests")  # fmt: skip
     assert load.errors == [], load.errors[:3]
-    # The load ends; one stream goes on, through the scale-in.
+    # The load ends; one stream goes on, through the scale-in. The pool is full (unit-2),
+    # so the drained unit is removed, not held.
     t1 = time.monotonic()
     trickle = Load(c, 1, "trickle ")
     try:
-        wait_for(lambda: len(_units(c)) == 1, SCALE_DOWN_S, interval=0.5,
-                 what="a unit drained and removed after the load")  # fmt: skip
+        wait_for(lambda: len(_serving(c)) == 1 and len(_units(c)) == 2, SCALE_DOWN_S + 60,
+                 interval=0.5, what="a unit drained and removed after the load")  # fmt: skip
         removed_s = time.monotonic() - t1
         time.sleep(2.0)  # the trickle on the unit that stayed
     finally:
         trickle.end()
     cap = c.state()["capacity"]
-    removed = cap["last_action"]["removed"]
+    # Every decision is a JSON line with its signals (the state file keeps the last 10).
+    lines = (c.run_dir / "logs" / "capacity" / "decisions.log").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
+    down = [d for d in records if d.get("removed")]
+    assert down, records[-5:]
+    removed = down[-1]["removed"]
     print(f"load stopped -> {removed} removed in {removed_s:.1f} s; trickle {trickle.ok} "
           f"requests; last decisions: {[(d['reason'], d['desired']) for d in cap['decisions']]}")  # fmt: skip
-    assert len(removed) == 1 and cap["last_action"]["reason"] == "scale_down", cap["last_action"]
+    assert len(removed) == 1 and down[-1]["reason"] == "scale_down", down[-1]
+    assert down[-1]["pool"]["held"] == [], down[-1]
     assert trickle.errors == [] and trickle.ok > 0, trickle.errors[:3]
     log = c.proc.stdout()
-    print("\n".join(line for line in log.splitlines() if "capacity" in line or "unit-1" in line))
-    assert f"{removed[0]} drained in" in log and "stopping it anyway" not in log
+    print("\n".join(line for line in log.splitlines() if "capacity" in line or "unit-" in line))
+    assert f"{removed[0]} drained in" in log and "going on anyway" not in log
     assert _migrations(c) == migrations  # drained, not cut: nothing moved mid-stream
     assert cap["actuator_errors"] == 0 and cap["read_errors"] == 0, cap["last_error"]
-    # Every decision is a JSON line with its signals; `status` shows the controller.
-    lines = (c.run_dir / "logs" / "capacity" / "decisions.log").read_text().splitlines()
-    reasons = {json.loads(x).get("reason") for x in lines}
+    # `status` shows the controller.
+    reasons = {d.get("reason") for d in records}
     assert {"hold", "scale_down"} <= reasons and reasons & {"panic", "scale_up"}, reasons
     cmd = [sys.executable, "-m", "neuron_serving.cli", "status", "--proxy", c.url,
            "--state", str(c.run_dir / "supervisor.json"), "--width", "80"]  # fmt: skip
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    line = next(x for x in text.stdout.splitlines() if x.startswith("autoscale 1..2:"))
-    assert f"-{removed[0]} (scale_down)" in line and len(line) <= 80, line
+    line = next(x for x in text.stdout.splitlines() if x.startswith("autoscale 1..3:"))
+    assert len(line) <= 80, line
     js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
     view = json.loads(js.stdout)["capacity"]
-    assert view["current"] == 1 and view["decisions"], view
+    assert view["current"] == 1 and view["decisions"] and view["warm_units"] == 1, view

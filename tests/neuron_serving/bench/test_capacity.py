@@ -101,6 +101,18 @@ def test_scale_in_windows_and_failures_inside_them():
     assert not cap.overlaps(_req(0, None, "x", start=90.0, end=100.0), [w])
     tl = cap.unit_timeline(polls)
     assert [n for _, n, _ in tl] == [2, 2, 1, 1] and [r for _, _, r in tl] == [2, 1, 1, 1]
+    # Drained into the warm pool: the window ends when it shows as a spare, running.
+    held = [
+        (100.0, 1000.0, [_unit("unit-0"), _unit("unit-1", added=True)]),
+        (101.0, 1001.0, [_unit("unit-0"), _unit("unit-1", added=True, phase="draining",
+                                                 standby=True, removing_since=1000.5)]),
+        (102.0, 1002.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True,
+                                                 warm=True, routable=False)]),
+        (110.0, 1010.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True,
+                                                 warm=True, routable=False)]),
+    ]  # fmt: skip
+    assert cap.scale_in_windows(held, grace_s=1.0) == [(pytest.approx(100.5), 103.0)]
+    assert [n for _, n, _ in cap.unit_timeline(held)] == [2, 2, 2, 2]  # a spare is paid for
 
 
 def test_scale_ups_from_the_decision_that_named_the_unit():
@@ -111,13 +123,22 @@ def test_scale_ups_from_the_decision_that_named_the_unit():
                          _unit("unit-2", added=True, routable_at=1039.0)]),
     ]  # fmt: skip
     decisions = [{"wall_time": 1003.0, "added": ["unit-1"], "removed": []},
-                 {"wall_time": 1010.0, "added": [], "removed": []}]  # fmt: skip
+                 {"wall_time": 1010.0, "added": [], "removed": []},
+                 {"wall_time": 1038.5, "added": ["unit-2"], "removed": [],
+                  "pool": {"promoted": ["unit-2"], "held": [], "filled": []}}]  # fmt: skip
     ups = cap.scale_ups(polls, decisions)
     assert ups == [
-        {"unit_id": "unit-1", "decision": "capacity decision", "decision_to_routable_s": 30.0},
-        {"unit_id": "unit-2", "decision": "first seen", "decision_to_routable_s": -1.0},
-    ]
-    assert cap.scale_actions(decisions) == {"decisions_acting": 1, "scale_ups": 1,
+        {"unit_id": "unit-1", "decision": "capacity decision", "promoted": False,
+         "decision_to_routable_s": 30.0},
+        # A warm spare (first seen long before) promoted: timed from its promotion.
+        {"unit_id": "unit-2", "decision": "capacity decision", "promoted": True,
+         "decision_to_routable_s": 0.5},
+    ]  # fmt: skip
+    # Without the decision that named it: from its first appearance.
+    assert cap.scale_ups(polls, decisions[:2])[1] == {
+        "unit_id": "unit-2", "decision": "first seen", "promoted": False,
+        "decision_to_routable_s": -1.0}  # fmt: skip
+    assert cap.scale_actions(decisions) == {"decisions_acting": 2, "scale_ups": 2,
                                             "scale_downs": 0}  # fmt: skip
 
 

@@ -6,6 +6,7 @@ import json
 import threading
 import time
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,7 +14,7 @@ from neuron_serving.capacity.actuator import ActuatorError
 from neuron_serving.capacity.config import PolicyConfig
 from neuron_serving.capacity.controller import CapacityController, ControllerConfig
 from neuron_serving.capacity.reader import ReaderError
-from neuron_serving.capacity.signals import Phase, Purpose, Signals
+from neuron_serving.capacity.signals import Phase, Purpose, Signals, UnitSignals
 from tests.neuron_serving.capacity.helpers import fleet, signals, unit
 
 FAST = PolicyConfig(min_units=1, max_units=3, tick_s=1, stable_window_s=4, panic_window_s=2,
@@ -29,12 +30,12 @@ class FakeActuator:
     def units(self):
         return []
 
-    def add(self, purpose: Purpose = Purpose.INTERACTIVE) -> str:
+    def add(self, purpose: Purpose = Purpose.INTERACTIVE, standby: bool = False) -> str:
         if self.fail_add:
             self.fail_add -= 1
             raise ActuatorError("add a unit: no room for another unit")
         self.n += 1
-        self.calls.append(("add", str(purpose)))
+        self.calls.append(("add", "standby" if standby else str(purpose)))
         return f"new-{self.n}"
 
     def remove(self, unit_id: str) -> None:
@@ -42,6 +43,12 @@ class FakeActuator:
             self.fail_remove -= 1
             raise ActuatorError(f"remove {unit_id}: the last ready unit")
         self.calls.append(("remove", unit_id))
+
+    def promote(self, unit_id: str, purpose: Purpose = Purpose.INTERACTIVE) -> None:
+        self.calls.append(("promote", unit_id))
+
+    def hold(self, unit_id: str) -> None:
+        self.calls.append(("hold", unit_id))
 
 
 class Script:
@@ -183,3 +190,75 @@ def test_config_from_one_mapping_with_flag_overrides() -> None:
         ControllerConfig.from_dict({"stable_windw_s": 3})
     with pytest.raises(ValueError, match="decisions_kept"):
         ControllerConfig.from_dict({"decisions_kept": 0})
+
+
+# ---- the warm pool ------------------------------------------------------------------
+
+
+def spare(i: int, phase: Phase = Phase.READY) -> UnitSignals:
+    return msgspec.structs.replace(unit(i, phase), standby=True)
+
+
+POOL = ControllerConfig(policy=FAST, warm_units=1, max_adds_per_tick=2)
+
+
+def test_a_scale_up_promotes_the_warm_spare_first_then_starts_cold_units() -> None:
+    act = FakeActuator()
+    c, _ = controller([signals(0, (*fleet(1), spare(5)), rt=30)], act, POOL)
+    record = c.tick()
+    assert record["desired"] == 3  # the spare is not capacity: 1 serving unit, panic
+    assert act.calls[:2] == [("promote", "u5"), ("add", "interactive")]
+    assert record["pool"]["promoted"] == ["u5"] and record["added"] == ["u5", "new-1"]
+    # 3 serving units now = max_units: no room left for a new spare.
+    assert record["pool"]["filled"] == [] and len(act.calls) == 2
+    assert metric(c, "capacity_pool_actions_total", op="promote") == 1
+
+
+def test_a_spare_still_starting_is_promoted_before_a_cold_start() -> None:
+    act = FakeActuator()
+    pool = ControllerConfig(policy=FAST, warm_units=1, max_adds_per_tick=1)
+    c, _ = controller([signals(0, (*fleet(1), spare(5, Phase.STARTING)), rt=30)], act, pool)
+    c.tick()
+    assert act.calls[0] == ("promote", "u5")
+
+
+def test_the_pool_is_filled_within_max_units_one_spare_a_tick() -> None:
+    act = FakeActuator()
+    cfg = ControllerConfig(policy=FAST, warm_units=2)
+    c, _ = controller([signals(0, fleet(1), rt=5), signals(1, (*fleet(1), spare(7)), rt=5),
+                       signals(2, (*fleet(1), spare(7), spare(8)), rt=5)], act, cfg)  # fmt: skip
+    r = c.tick()
+    assert act.calls == [("add", "standby")] and r["action"] == "hold"
+    assert r["pool"]["filled"] == ["new-1"] and c.status()["spares"] == 1
+    c.tick()
+    assert act.calls[-1] == ("add", "standby")
+    c.tick()  # 1 serving + 2 spares = 3 = max_units, and the pool is full
+    assert len(act.calls) == 2
+    assert metric(c, "capacity_units", phase="standby") == 2
+
+
+def test_a_scale_down_keeps_the_drained_unit_as_the_spare_while_the_pool_is_short() -> None:
+    units = (unit(0, since=1.0), unit(1, since=5.0))
+    act = FakeActuator()
+    c, _ = controller([signals(t, units) for t in range(6)], act, POOL)
+    records = [c.tick() for _ in range(6)]
+    held = [r for r in records if r["action"] == "remove"]
+    assert held and held[0]["pool"]["held"] == ["u1"]
+    assert ("hold", "u1") in act.calls and not any(op == "remove" for op, _ in act.calls)
+    # With the spare held, nothing is filled on that tick.
+    assert held[0]["pool"]["filled"] == []
+
+
+def test_a_full_pool_lets_a_scale_down_remove_the_unit() -> None:
+    units = (unit(0, since=1.0), unit(1, since=5.0), spare(2))
+    act = FakeActuator()
+    c, _ = controller([signals(t, units) for t in range(6)], act, POOL)
+    for _ in range(6):
+        c.tick()
+    assert ("remove", "u1") in act.calls and not any(op == "hold" for op, _ in act.calls)
+    assert not any(u == "u2" for _, u in act.calls)  # a spare is never a scale-in choice
+
+
+def test_warm_units_must_leave_room_for_a_serving_unit() -> None:
+    with pytest.raises(ValueError, match="warm_units"):
+        ControllerConfig(policy=FAST, warm_units=3)

@@ -149,7 +149,7 @@ def test_read_merges_replicas_queues_loads_latency_and_backlog() -> None:
     m0, m1 = ProxyMetrics(), ProxyMetrics()
     admin.metrics = {"proxy-0": m0, "proxy-1": m1}
     units = FakeUnits([
-        UnitSignals(unit_id="unit-0", model="m", since=1.0),
+        UnitSignals(unit_id="unit-0", model="m", since=1.0, standby=True, mid_deploy=True),
         UnitSignals(unit_id="unit-1", model="m", phase=Phase.STARTING, purpose=Purpose.BATCH),
     ])  # fmt: skip
     clock = iter([10.0, 12.0]).__next__
@@ -163,6 +163,7 @@ def test_read_merges_replicas_queues_loads_latency_and_backlog() -> None:
     # The freshest report of unit-0 (proxy-0's), the actuator's phase and purpose.
     assert (u0.running, u0.waiting, u0.kv_usage, u0.max_num_seqs) == (7, 2, 0.4, 16)
     assert u0.since == 1.0 and u1.phase == Phase.STARTING and u1.purpose == Purpose.BATCH
+    assert u0.standby and u0.mid_deploy  # the actuator's facts survive the load merge
     assert u1.running == 0 and u1.max_num_seqs == 0  # no report yet
     # 100 - 41 - 5 open lines (the later count), 5 of them in flight on the replicas.
     assert s.batch_backlog == 54 - 5

@@ -466,6 +466,72 @@ def test_a_real_lone_replica_sigkilled_comes_back_with_the_added_unit(tmp_path):
 # ---- the supervisor API -------------------------------------------------------------
 
 
+# ---- the warm pool -------------------------------------------------------------------
+
+
+def test_a_warm_spare_is_registered_drained_and_promoted_by_an_undrain(rig):
+    c = rig.cluster
+    unit_id = c.add_unit(standby=True)
+    view = rig.view(unit_id)
+    assert view["standby"] is True and view["warm"] is False and view["routable"] is False
+    rig.make_ready(unit_id)
+    wait_for(lambda: rig.view(unit_id)["warm"], 10, what="warm")
+    # Drained on every replica from its first registration: never routed to.
+    for p in rig.proxies:
+        assert p.units[unit_id] == {"spec": unit_entry(c.spec, 2), "draining": True}
+    assert not any(f"undrain {unit_id}" in x for x in rig.log.lines)
+    assert c.registered_units()[unit_id]["draining"] is True  # a lone restart keeps it so
+    time.sleep(0.6)
+    assert rig.view(unit_id)["routable"] is False
+    # A spare is not "the last ready unit"'s rival, nor a deploy's target.
+    with pytest.raises(RuntimeError, match="warm spare"):
+        c.recreate_unit(unit_id, c.spec.model_dir)
+    with pytest.raises(RuntimeError, match="not a warm spare"):
+        c.promote_unit("unit-0")
+    c.promote_unit(unit_id, "batch")
+    assert sorted(x for x in rig.log.of(unit_id) if "undrain" in x) == [
+        f"proxy-0 undrain {unit_id}", f"proxy-1 undrain {unit_id}"]  # fmt: skip
+    wait_for(lambda: rig.view(unit_id)["routable"], 10, what="routable after promotion")
+    view = rig.view(unit_id)
+    assert view["standby"] is False and view["purpose"] == "batch"
+    assert c.registered_units()[unit_id]["draining"] is False
+    assert any("promoted" in x and unit_id in x for x in rig.log.lines)
+
+
+def test_a_spare_promoted_while_starting_is_registered_undrained(rig):
+    c = rig.cluster
+    unit_id = c.add_unit(standby=True)
+    c.promote_unit(unit_id)
+    rig.make_ready(unit_id)
+    wait_for(lambda: rig.view(unit_id)["routable"], 10, what="routable")
+    for p in rig.proxies:
+        assert p.units[unit_id]["draining"] is False
+
+
+def test_hold_drains_waits_and_keeps_the_unit_running_as_a_spare(rig):
+    c = rig.cluster
+    for p in rig.proxies:
+        p.in_flight["unit-1"] = 1
+    c.hold_unit("unit-1")
+    assert rig.view("unit-1")["phase"] == "draining" and rig.view("unit-1")["standby"]
+    wait_for(lambda: all(p.units["unit-1"]["draining"] for p in rig.proxies), 10, what="drained")
+    time.sleep(0.4)
+    assert rig.view("unit-1")["warm"] is False  # a request still in flight
+    with pytest.raises(RuntimeError, match="being drained into a spare"):
+        c.remove_unit("unit-1")
+    for p in rig.proxies:
+        p.in_flight["unit-1"] = 0
+    wait_for(lambda: rig.view("unit-1")["warm"], 10, what="warm")
+    assert "stop unit-1" not in rig.log.lines and rig.view("unit-1")["phase"] == "ready"
+    assert rig.view("unit-1")["routable"] is False
+    # The last serving unit is never held; a spare can be removed (drained by us).
+    with pytest.raises(RuntimeError, match="last ready unit"):
+        c.hold_unit("unit-0")
+    c.remove_unit("unit-1")
+    wait_for(lambda: rig.view("unit-1") is None, 10, what="removed")
+    assert "stop unit-1" in rig.log.lines
+
+
 class FakeCluster:
     def __init__(self) -> None:
         self.added: list[str] = []
@@ -482,13 +548,27 @@ class FakeCluster:
     def recreate_unit(self, unit_id: str, model_dir: Path, manifest_sha256: str | None = None):
         raise AssertionError("not called here")
 
-    def add_unit(self, purpose: str = "interactive") -> str:
+    def add_unit(self, purpose: str = "interactive", standby: bool = False) -> str:
         if purpose not in ("interactive", "batch"):
             raise ValueError("purpose must be one of interactive, batch")
         if self.refuse:
             raise RuntimeError(self.refuse)
-        self.added.append(purpose)
+        self.added.append("standby" if standby else purpose)
         return f"unit-{len(self.added) + 1}"
+
+    def promote_unit(self, unit_id: str, purpose: str = "interactive") -> None:
+        if unit_id not in ("unit-0", "unit-1"):
+            raise KeyError(unit_id)
+        if purpose not in ("interactive", "batch"):
+            raise ValueError("purpose must be one of interactive, batch")
+        if self.refuse:
+            raise RuntimeError(self.refuse)
+        self.removed.append(f"promote {unit_id} {purpose}")
+
+    def hold_unit(self, unit_id: str) -> None:
+        if unit_id not in ("unit-0", "unit-1"):
+            raise KeyError(unit_id)
+        self.removed.append(f"hold {unit_id}")
 
     def remove_unit(self, unit_id: str) -> None:
         if unit_id not in ("unit-0", "unit-1"):
@@ -534,6 +614,11 @@ def test_api_adds_and_removes(api):
     assert status == 202 and json.loads(body)["unit_id"] == "unit-4"
     status, _ = _raw(srv.socket_path, "DELETE", "/units/unit-0", None)
     assert status == 202
+    assert client.add_unit(standby=True) == "unit-5"
+    client.promote_unit("unit-1", "batch")
+    client.hold_unit("unit-0")
+    assert cluster.added[-1] == "standby"
+    assert cluster.removed[-2:] == ["promote unit-1 batch", "hold unit-0"]
 
 
 def test_api_refuses_hostile_input_and_changes_nothing(api):
@@ -547,10 +632,20 @@ def test_api_refuses_hostile_input_and_changes_nothing(api):
         (b'{"purpose": 7}', 400),
         (b'{"purpose": "bulk"}', 400),
         (b'{"purpose": "batch", "' + b"x" * 70000 + b'": 1}', 413),  # over 64 KiB
+        (b'{"standby": "yes"}', 400),
+        (b'{"standby": 1}', 400),
     ]
     for body, want in cases:
         status, _ = _raw(sock, "POST", "/units", body)
         assert status == want, body[:40]
+    for body, want in [(b'{"purpose": "bulk"}', 400), (b'{"standby": true}', 400),
+                       (b"[]", 400), (b"nope", 400)]:  # fmt: skip
+        assert _raw(sock, "POST", "/units/unit-1/promote", body)[0] == want, body
+    assert _raw(sock, "POST", "/units/unit-1/hold", b'{"purpose": "batch"}')[0] == 400
+    assert _raw(sock, "POST", "/units/unit-9/promote", None)[0] == 404
+    assert _raw(sock, "POST", "/units/unit-9/hold", None)[0] == 404
+    assert _raw(sock, "POST", "/units/unit-1/promote", None, token="wrong")[0] == 401
+    assert _raw(sock, "POST", "/units/unit-1/hold", None, token="wrong")[0] == 401
     assert _raw(sock, "POST", "/units", b"{}", token="wrong")[0] == 401
     assert _raw(sock, "DELETE", "/units/unit-0", None, token="wrong")[0] == 401
     assert _raw(sock, "DELETE", "/units/unit-9", None)[0] == 404
@@ -610,9 +705,18 @@ def test_local_actuator_unreachable_is_an_actuator_error(tmp_path):
          Phase.STARTING, 75),  # a deploy's recreation
         ({"phase": "draining", "removing": True, "removing_since": 97}, Phase.DRAINING, 97),
         ({"phase": "stopping", "removing": True, "removing_since": 97}, Phase.DRAINING, 97),
+        # warm spares: promotable once warm; being drained into the pool
+        ({"phase": "ready", "standby": True, "warm": True, "routable": False,
+          "standby_since": 93, "launched_at": 40}, Phase.READY, 93),
+        ({"phase": "ready", "standby": True, "warm": False, "routable": False,
+          "launched_at": 40}, Phase.STARTING, 40),
+        ({"phase": "starting", "standby": True, "restarts": 0, "launched_at": 41},
+         Phase.STARTING, 41),
+        ({"phase": "draining", "standby": True, "removing_since": 96}, Phase.DRAINING, 96),
     ],
 )  # fmt: skip
 def test_unit_signals_phases(view, phase, since):
     u = unit_signals({"unit_id": "unit-3", **view}, "m", now=1000.0, wall_now=100.0)
     assert (u.phase, u.since) == (phase, 900.0 + since)
+    assert u.standby is bool(view.get("standby"))
     assert u.mid_deploy is bool(view.get("mid_deploy"))

@@ -60,6 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "admin port, log and status (default 1)",
     )
     p.add_argument(
+        "--routing",
+        default="",
+        metavar="POLICY",
+        help="the proxy replicas' routing policy (default: kv_aware with --proxies > 1, "
+        "else prefix_cache_aware; proxy/README.md 'Routing policies')",
+    )  # fmt: skip
+    p.add_argument(
         "--base-port", type=int, default=29600, help="first port of the units' port blocks"
     )
     p.add_argument(
@@ -281,6 +288,11 @@ def run(args: argparse.Namespace) -> int:
             pass  # stdout redirected to a full disk: the cluster matters more than its log
 
     try:
+        if args.routing:
+            from proxy.config import POLICIES  # the proxy's own list (imported late: a CLI)
+
+            if args.routing not in POLICIES:
+                raise ValueError(f"--routing must be one of {', '.join(POLICIES)}")
         capacity = _capacity_config(args)
         leader_args = _leader_args(args)
         model = Path(args.model) if args.model else demo_model_dir(say)
@@ -292,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             port=args.port,
             admin_port=args.admin_port,
             proxies=args.proxies,
+            routing=args.routing,
             base_port=args.base_port,
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes,

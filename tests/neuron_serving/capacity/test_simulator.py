@@ -90,3 +90,32 @@ def test_a_fixed_fleet_too_small_fails_requests() -> None:
                     {"real-time": (2 * per_unit, 2 * per_unit)})  # fmt: skip
     r = simulate(t, POLICY, fixed_units=1)
     assert r.failed > 0 and r.slo_attainment < 0.6 and r.unit_seconds == 300
+
+
+def test_a_warm_spare_is_promoted_at_once_paid_for_and_refilled() -> None:
+    # A small fleet (max 4) stepping from under one unit's target to about two: with one
+    # spare the first added unit is ready promote_s after the decision, not a start-up
+    # later; the spare is paid for the whole run; after the step a unit is drained into
+    # the pool only while it is short.
+    low, high = MEASURED.requests_per_s(8, 32), 2 * MEASURED.requests_per_s(28, 32)
+    t = trace.Trace("step", "up and down", (0.0, 600.0, 601.0, 1800.0, 1801.0, 3600.0),
+                    {"real-time": (low, low, high, high, low, low)})  # fmt: skip
+    policy = PolicyConfig(max_units=4, max_num_seqs=MEASURED.max_num_seqs,
+                          unit_curve=MEASURED.curve())  # fmt: skip
+    sim = SimConfig(timeline_every_s=1.0)
+    cold = simulate(t, policy, sim=sim)
+    warm = simulate(t, policy, sim=SimConfig(timeline_every_s=1.0, warm_units=1, promote_s=1.0))
+    ready_c = {t_: r for t_, _, _, r in cold.timeline}
+    ready_w = {t_: r for t_, _, _, r in warm.timeline}
+    up = next(d.at for d in warm.actions if d.add)
+    assert 600 <= up <= 610 and warm.promotions >= 1
+    assert ready_w[up + 2] == 2 and ready_c[up + 2] == 1  # promoted vs still starting
+    # Paid: the spare from the first tick on (started cold, then kept).
+    paid_w = {t_: p for t_, _, p, _ in warm.timeline}
+    assert all(paid_w[t_] >= ready_w[t_] + 1 for t_ in (100.0, 300.0, 3500.0))
+    assert warm.unit_seconds > cold.unit_seconds
+    assert warm.slo_attainment >= cold.slo_attainment
+    # compare() runs the warm fleet beside the cold one and says what it cost.
+    c = compare(t, policy, sim=SimConfig(warm_units=1))
+    assert [f.label for f in c.fleets][-1] == "autoscaled + 1 warm"
+    assert "autoscaled + 1 warm vs autoscaled" in format_table(c)

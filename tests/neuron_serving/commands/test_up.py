@@ -138,3 +138,17 @@ def test_bad_engine_args_stop_up_before_anything_starts(
     assert main(argv) == ExitCode.USAGE
     assert FakeCluster.made == []
     assert "use --tp" in capsys.readouterr().err
+
+
+def test_routing_is_checked_and_reaches_the_spec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:  # fmt: skip
+    _fake_cluster(monkeypatch)
+    base = ["up", "--run-dir", str(tmp_path / "run"), "--model", str(_model(tmp_path))]
+    assert main([*base, "--routing", "fastest"]) == ExitCode.USAGE
+    assert FakeCluster.made == [] and "--routing must be one of" in capsys.readouterr().err
+    assert main([*base, "--routing", "round_robin"]) == ExitCode.OK
+    assert FakeCluster.made[-1].spec.routing_policy == "round_robin"
+    assert main([*base, "--proxies", "2"]) == ExitCode.OK
+    assert FakeCluster.made[-1].spec.routing_policy == "kv_aware"

@@ -96,6 +96,11 @@ def test_proxy_config_is_accepted_by_the_proxy(model_dir: Path, tmp_path: Path) 
     h = cfg.health
     assert h.unhealthy_threshold * h.interval_s + h.timeout_s + h.jitter_s < 3.0
     assert cfg.host == "127.0.0.1" and cfg.admin_host == "127.0.0.1"
+    assert cfg.routing.policy == "prefix_cache_aware"  # one replica: the approximate index
+    chosen = ClusterSpec(model_dir, tmp_path / "run2", units=1, tp=1, port=18090,
+                         base_port=30100, routing="round_robin")  # fmt: skip
+    (path,), _, _ = write_proxy_config(chosen)
+    assert load_config(path).routing.policy == "round_robin"
 
 
 def test_proxy_replicas_share_the_client_port_and_store_with_their_own_admin_port_and_id(
@@ -119,6 +124,8 @@ def test_proxy_replicas_share_the_client_port_and_store_with_their_own_admin_por
         assert (c.port, c.reuse_port, c.admin_token()) == (18080, True, token)
         assert c.batch.data_dir == str(spec.run_dir / "proxy-data")
         assert c.units == configs[0].units and c.health == configs[0].health
+        # Several replicas route by the engines' own KV events, so they route alike.
+        assert c.routing.policy == "kv_aware"
 
 
 def test_secrets_are_private_and_fresh(tmp_path: Path) -> None:

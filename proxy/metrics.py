@@ -55,8 +55,9 @@ class ProxyMetrics:
         )
         self.ttft = Histogram(
             "proxy_time_to_first_token_seconds",
-            "Time to first token by the unit that produced it",
-            ["unit"],
+            "Time to first token by the unit that produced it and the request's traffic "
+            "class (the capacity controller reads the interactive classes' p99)",
+            ["unit", "class"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -187,11 +188,12 @@ class ProxyMetrics:
             found = self._children[key] = metric.labels(*values)
         return found
 
-    def first_token(self, request: web.Request, unit: str, ttft_s: float) -> None:
-        """Once per request, when its first token is ready: TTFT by unit, and the unit
-        for the request counter (which the server's middleware increments at the end)."""
+    def first_token(self, request: web.Request, unit: str, ttft_s: float, cls: str) -> None:
+        """Once per request, when its first token is ready: TTFT by unit and traffic
+        class, and the unit for the request counter (which the server's middleware
+        increments at the end)."""
         request[REQUEST_UNIT] = unit
-        self.child(self.ttft, unit).observe(ttft_s)
+        self.child(self.ttft, unit, cls).observe(ttft_s)
 
     def first_written(self, upstream_ttft_s: float | None, ttft_s: float) -> None:
         """Once per stream, after its first chunk is written (``ttft_s`` since the

@@ -191,7 +191,9 @@ class Pipeline:
                 async with contextlib.aclosing(gen):
                     first = await anext(gen)  # failures up to here are plain HTTP errors
                     if first.status is None or first.status == 200:
-                        deps.metrics.first_token(request, job.units[-1], loop.time() - start)
+                        deps.metrics.first_token(
+                            request, job.units[-1], loop.time() - start, job.traffic_class.label
+                        )
                     else:  # vLLM's error answer: served by the unit, but no first token
                         request[REQUEST_UNIT] = job.units[-1]
                     if render.streams(first):

@@ -11,8 +11,10 @@ each call bounded) for ``GET /status`` and ``GET /metrics``, and the actuator fo
                    them); each one's engine load (running, waiting, kv_usage,
                    max_num_seqs) from /status units[].engine_load: every replica
                    hears the same leader report, so the freshest (smallest age_s)
-    ttft_p99_s     proxy_time_to_first_token_seconds (every unit's series) and
-    itl_p99_s      proxy_inter_token_latency_seconds from /metrics: the bucket counts'
+    ttft_p99_s     proxy_time_to_first_token_seconds (every unit's series of the
+                   interactive classes, real-time and near-real-time: a batch tail is
+                   not an SLO breach; a proxy without the class label: every series)
+    itl_p99_s      and proxy_inter_token_latency_seconds from /metrics: the bucket counts'
                    increase since the previous tick, per replica and series, summed
                    over the replicas and over the ticks of the last latency_window_s,
                    then histogram.quantile(0.99) (None when nothing was observed)
@@ -38,7 +40,14 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_serving.capacity import histogram
-from neuron_serving.capacity.signals import CLASSES, ClassSignals, Signals, UnitSignals
+from neuron_serving.capacity.signals import (
+    BATCH,
+    CLASSES,
+    REAL_TIME,
+    ClassSignals,
+    Signals,
+    UnitSignals,
+)
 from neuron_serving.proxy_admin import FanOut
 
 TTFT = "proxy_time_to_first_token_seconds"
@@ -59,6 +68,11 @@ class _FanOut(Protocol):
 
 class _Units(Protocol):
     def units(self) -> list[UnitSignals]: ...
+
+
+def interactive(series: dict[Series, Buckets]) -> dict[Series, Buckets]:
+    """The series of the interactive classes (and those without a class label)."""
+    return {s: b for s, b in series.items() if dict(s).get("class", REAL_TIME) != BATCH}
 
 
 def parse_histograms(text: str, names: tuple[str, ...]) -> dict[str, dict[Series, Buckets]]:
@@ -253,7 +267,7 @@ class ProxyReader:
                 problems.append(f"/metrics {a.describe()}"[:300])
         units = self.actuator.units()  # ActuatorError: the controller counts it
         now = self.clock()
-        self.ttft.update(now, {r: h[TTFT] for r, h in scraped.items()})
+        self.ttft.update(now, {r: interactive(h[TTFT]) for r, h in scraped.items()})
         self.itl.update(now, {r: h[ITL] for r, h in scraped.items()})
         self.problems = problems
         return Signals(

@@ -58,7 +58,12 @@ from neuron_serving.deploy.source import Release
 from neuron_serving.ecs import fleet
 from neuron_serving.ecs.controller import UnitController, UnitFailed
 from neuron_serving.ecs.launch import MID_DEPLOY_TAG
-from neuron_serving.ecs.registrar import ProxyRegistrar, UnitEntry
+from neuron_serving.ecs.registrar import (
+    NullRegistrar,
+    ProxyRegistrar,
+    RegistrarError,
+    UnitEntry,
+)
 from neuron_serving.ecs.schema import SchemaError
 from neuron_serving.ecs.spec import TRITON_HTTP_PORT, DeploymentSpec, SpecError
 from neuron_serving.ecs.taskdef import static_environment
@@ -148,7 +153,7 @@ class EcsRecreator:
         spec = self.spec
         try:
             views = fleet.units(self.base.ecs, spec)
-            ids = {spec.unit_id(i) for i in range(spec.units)} | set(views)
+            ids = self._expected(spec) | set(views)
             units = {
                 u: self._state(u, views.get(u))
                 for u in sorted(ids, key=lambda u: int(u.rsplit("-", 1)[1]))
@@ -157,6 +162,20 @@ class EcsRecreator:
             raise RecreateError(f"ECS cluster {spec.cluster}: {e}") from None
         device = static_environment(spec, "leader")["NEURON_SERVING_DEVICE"]
         return FleetState(UnitShape(spec.nodes_per_unit, device), units)
+
+    def _expected(self, spec: DeploymentSpec) -> set[str]:
+        """The unit ids a deploy must find running besides those ECS has: the spec's
+        ids the proxy replicas still list (a unit that lost its tasks is "absent" and
+        refuses the deploy). A unit the autoscaler retired is unregistered, so a fleet
+        scaled below the spec's ``units`` deploys; with no proxy to ask (NullRegistrar),
+        or none answering, every id of the spec, as before autoscaling."""
+        ids = {spec.unit_id(i) for i in range(spec.units)}
+        if isinstance(self.base.registrar, NullRegistrar):
+            return ids
+        try:
+            return ids & self.base.registrar.units()
+        except RegistrarError:
+            return ids
 
     def _state(self, unit_id: str, view: fleet.UnitView | None) -> UnitState:
         if view is None:

@@ -189,8 +189,8 @@ async def test_request_counts_and_ttft_are_labelled_by_unit(fleet):
     assert f'proxy_requests_total{{{rt}code="400",{ep},tenant="",unit="u1"}} 1.0' in text
     served = 'endpoint="/v2/models/{model}/generate_stream"'
     assert f'proxy_requests_total{{{rt}code="200",{served},tenant="",unit="u0"}} 1.0' in text
-    assert 'proxy_time_to_first_token_seconds_count{unit="u0"} 3.0' in text
-    assert 'proxy_time_to_first_token_seconds_count{unit="u1"} 2.0' in text
+    assert 'proxy_time_to_first_token_seconds_count{class="real-time",unit="u0"} 3.0' in text
+    assert 'proxy_time_to_first_token_seconds_count{class="real-time",unit="u1"} 2.0' in text
     assert "proxy_inter_token_latency_seconds_count" in text
 
 

@@ -20,6 +20,7 @@ from neuron_serving.capacity.reader import (
     HistogramWindow,
     ProxyReader,
     ReaderError,
+    interactive,
     parse_histograms,
 )
 from neuron_serving.capacity.signals import Phase, Purpose, UnitSignals
@@ -82,12 +83,21 @@ class FakeUnits:
 
 def test_parse_reads_every_series_of_the_proxy_histograms() -> None:
     m = ProxyMetrics()
-    m.ttft.labels("unit-0").observe(0.02)
-    m.ttft.labels("unit-1").observe(0.3)
+    m.ttft.labels("unit-0", "real-time").observe(0.02)
+    m.ttft.labels("unit-1", "real-time").observe(0.3)
     m.itl.observe(0.004)
+    m.ttft.labels("unit-1", "batch").observe(9.0)
     h = parse_histograms(m.render().decode(), (TTFT, ITL))
-    assert set(h[TTFT]) == {(("unit", "unit-0"),), (("unit", "unit-1"),)}
-    b = h[TTFT][(("unit", "unit-0"),)]
+    rt0, rt1 = (
+        (("class", "real-time"), ("unit", "unit-0")),
+        (("class", "real-time"), ("unit", "unit-1")),
+    )
+    b1 = (("class", "batch"), ("unit", "unit-1"))
+    assert set(h[TTFT]) == {rt0, rt1, b1}
+    # The SLO signal reads the interactive classes only (and unlabelled series).
+    assert set(interactive(h[TTFT])) == {rt0, rt1}
+    assert set(interactive({(("unit", "u"),): {}})) == {(("unit", "u"),)}
+    b = h[TTFT][rt0]
     assert sorted(b) == sorted([*LATENCY_BUCKETS, math.inf]) and b[0.01] == 0 and b[0.025] == 1
     assert h[ITL][()][0.005] == 1
 
@@ -95,7 +105,9 @@ def test_parse_reads_every_series_of_the_proxy_histograms() -> None:
 def test_window_takes_increases_between_ticks_over_replicas_and_forgets_old_ones() -> None:
     m0, m1 = ProxyMetrics(), ProxyMetrics()
     for _ in range(50):
-        m0.ttft.labels("u0").observe(0.02)  # history before the first tick: not counted
+        m0.ttft.labels("u0", "real-time").observe(
+            0.02
+        )  # history before the first tick: not counted
     w = HistogramWindow(window_s=10)
 
     def scrape(*ms):
@@ -105,8 +117,10 @@ def test_window_takes_increases_between_ticks_over_replicas_and_forgets_old_ones
     w.update(0, scrape(m0, m1))
     assert w.quantile(0.99) is None
     for _ in range(99):
-        m0.ttft.labels("u0").observe(0.02)
-    m1.ttft.labels("u1").observe(2.0)  # one slow request on the other replica, new series
+        m0.ttft.labels("u0", "real-time").observe(0.02)
+    m1.ttft.labels("u1", "real-time").observe(
+        2.0
+    )  # one slow request on the other replica, new series
     w.update(2, scrape(m0, m1))
     counts = [0.0] * (len(LATENCY_BUCKETS) + 1)
     counts[LATENCY_BUCKETS.index(0.025)] = 99
@@ -117,7 +131,7 @@ def test_window_takes_increases_between_ticks_over_replicas_and_forgets_old_ones
     assert w.quantile(1.0) > 1.0  # the slow one is in the window
     # A restarted replica's counters start again from zero: all of them count.
     m1 = ProxyMetrics()
-    m1.ttft.labels("u1").observe(4.0)
+    m1.ttft.labels("u1", "real-time").observe(4.0)
     w.update(4, scrape(m0, m1))
     assert w.quantile(1.0) > 2.5
     # Nothing new for a window: nothing to say.
@@ -169,7 +183,8 @@ def test_read_merges_replicas_queues_loads_latency_and_backlog() -> None:
     assert s.batch_backlog == 54 - 5
     assert s.ttft_p99_s is None and s.itl_p99_s is None  # first scrape: a baseline
     for _ in range(10):
-        m0.ttft.labels("unit-0").observe(0.3)
+        m0.ttft.labels("unit-0", "real-time").observe(0.3)
+        m0.ttft.labels("unit-0", "batch").observe(9.0)  # a batch tail: not the SLO's
         m1.itl.observe(0.04)
     # proxy-1 stops answering /status and /metrics: left out, said in problems.
     admin.status["proxy-1"] = None

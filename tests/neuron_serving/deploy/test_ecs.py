@@ -180,3 +180,16 @@ def test_rollback_after_a_manifest_swap_keeps_the_deployed_pin(aws, proxy, deplo
     assert target.manifest is None, "canaries must not come from the swapped manifest"
     spec = fresh.spec_for(target)
     assert spec.model_manifest_sha256 == release.manifest_sha256
+
+
+def test_a_unit_the_autoscaler_retired_does_not_block_a_deploy(aws, proxy, deployed):
+    views = fleet.units(aws.ecs, deployed.spec)
+    deployed.base.retire(views["llama-1"], "scaled in by the autoscaler")
+    assert "llama-1" not in proxy.units()
+    state = deployed.fleet()
+    # Below the spec's 2 units: what runs is the fleet (no "absent" llama-1 to refuse).
+    assert sorted(state.units) == ["llama-0"] and state.units["llama-0"].ready
+    # A unit the proxy still lists whose tasks are gone is reported, not ready.
+    for node in views["llama-0"].tasks():
+        aws.ecs.stop_task(cluster="trn", task=node.task_arn, reason="lost")
+    assert not deployed.fleet().units["llama-0"].ready

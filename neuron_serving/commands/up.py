@@ -134,6 +134,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "default 0 (capacity/README.md, 'Fast scale-up')",
     )
     a.add_argument(
+        "--autoscale-metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the controller's GET /metrics and /status (admin token) on --host at "
+        "this port; default any free port, shown by `status --json` (capacity.metrics_url)",
+    )
+    a.add_argument(
         "--autoscale-config",
         default=None,
         metavar="FILE",
@@ -153,9 +161,11 @@ def _capacity_config(args: argparse.Namespace) -> Any:
             or args.units_max is not None
             or args.autoscale_config
             or args.warm_units is not None
+            or args.autoscale_metrics_port is not None
         ):
             raise ValueError(
-                "--units-min, --units-max, --warm-units and --autoscale-config need --autoscale"
+                "--units-min, --units-max, --warm-units, --autoscale-metrics-port and "
+                "--autoscale-config need --autoscale"
             )
         args.units = 2 if args.units is None else args.units
         return None
@@ -185,13 +195,16 @@ def _capacity_config(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def _start_autoscaler(cluster: Any, spec: Any, cfg: Any, say: Callable[[str], None]) -> Any:
+def _start_autoscaler(
+    cluster: Any, spec: Any, cfg: Any, say: Callable[[str], None], metrics_port: int
+) -> tuple[Any, Any]:
     """The capacity controller on this `up`: the LocalActuator over the supervisor API
     socket (the same path `deploy` and the e2e tests take), the reader over every
     replica's admin port; every decision one JSON line in logs/capacity/decisions.log,
     the ones that act (or fail) also here; its status in supervisor.json."""
     from neuron_serving.capacity.controller import CapacityController
     from neuron_serving.capacity.local_actuator import LocalActuator
+    from neuron_serving.capacity.metrics_server import CapacityMetricsServer
     from neuron_serving.capacity.reader import ProxyReader
     from neuron_serving.local.rotating_log import RotatingLog
     from neuron_serving.proxy_admin import AdminFanOut
@@ -228,14 +241,27 @@ def _start_autoscaler(cluster: Any, spec: Any, cfg: Any, say: Callable[[str], No
             )
 
     controller = CapacityController(reader, actuator, cfg, log_line=log_line)
-    cluster.capacity_view = controller.status
+    try:
+        server = CapacityMetricsServer(
+            spec.host, metrics_port, cluster.admin_token, controller.render_metrics,
+            controller.status,
+        )  # fmt: skip
+    except OSError as e:  # the port is taken: autoscale all the same, say so
+        server = None
+        say(f"capacity: no metrics endpoint on {spec.host}:{metrics_port}: {e}")
+        cluster.capacity_view = controller.status
+    else:
+        server.start()
+        url = server.url
+        cluster.capacity_view = lambda: {**controller.status(), "metrics_url": url}
     controller.start()
     p = cfg.policy
+    where = f"; metrics {server.url}/metrics with the admin token" if server else ""
     say(
         f"autoscaling {p.min_units}..{p.max_units} units every {p.tick_s:g} s "
-        f"(decisions in {decisions.path})"
+        f"(decisions in {decisions.path}{where})"
     )
-    return controller
+    return controller, server
 
 
 def _examples(base: str, model: str, api_key: str) -> str:
@@ -340,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
         f"run dir {spec.run_dir}"
     )
     rc = ExitCode.OK
-    controller = None
+    controller = metrics_server = None
     try:
         cluster.prepare()
         cluster.start()
@@ -368,7 +394,9 @@ Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
             stamp=False,
         )
         if capacity is not None:
-            controller = _start_autoscaler(cluster, spec, capacity, say)
+            controller, metrics_server = _start_autoscaler(
+                cluster, spec, capacity, say, args.autoscale_metrics_port or 0
+            )
         cluster.serve(stop)
     except StartupFailed as e:
         if not stop.is_set():
@@ -377,6 +405,8 @@ Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
     finally:
         if controller is not None:
             controller.stop()  # no unit added or removed while everything stops
+        if metrics_server is not None:
+            metrics_server.stop()
         survivors = cluster.shutdown(drain=signals["count"] <= 1)
         if survivors:
             print(f"neuron-serving up: processes left running: {survivors}", file=sys.stderr)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -357,3 +358,11 @@ def test_autoscale_promotes_a_warm_spare_under_load_and_removes_a_unit_after(
     js = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
     view = json.loads(js.stdout)["capacity"]
     assert view["current"] == 1 and view["decisions"] and view["warm_units"] == 1, view
+    # The controller's own endpoint: its metrics, with the admin token only.
+    req = urllib.request.Request(f"{view['metrics_url']}/metrics",
+                                 headers={"Authorization": f"Bearer {c.admin_token}"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'capacity_pool_actions_total{op="promote"} 1.0' in text, text[-2000:]
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(f"{view['metrics_url']}/metrics", timeout=10)

@@ -554,15 +554,7 @@ class ClusterSupervisor:
         """A serving unit into the warm pool, without losing a request: refused as
         remove_unit refuses; else drained on every replica and, once none has a request
         in flight there (bounded), kept running as a warm spare. Returns at once."""
-        self._check_changes_allowed()
-        claimed = self._claim_for_drain(unit_id, holding=True)
-        assert claimed is not None  # a hold never finds the unit already claimed
-        group, info = claimed
-        self.on_event(f"{unit_id} into the warm pool: draining on every proxy replica")
-        threading.Thread(
-            target=self._hold, args=(group, info), name=f"hold-{unit_id}", daemon=True
-        ).start()
-        self.write_state()
+        self._drain_out(unit_id, holding=True)
 
     def _hold(self, group: GroupSupervisor, info: _UnitInfo) -> None:
         unit_id, start = group.group_id, time.monotonic()
@@ -610,14 +602,23 @@ class ClusterSupervisor:
         yet admitted again, or drained by someone else), the last ready unit, the last
         unit, or while starting or stopping. Removing a unit already being removed is
         accepted (nothing more is done)."""
+        self._drain_out(unit_id, holding=False)
+
+    def _drain_out(self, unit_id: str, holding: bool) -> None:
+        """remove_unit's and hold_unit's start: claim the unit (or refuse), then drain it
+        and retire it (or keep it as a spare) on a thread of its own."""
         self._check_changes_allowed()
-        claimed = self._claim_for_drain(unit_id, holding=False)
-        if claimed is None:
+        claimed = self._claim_for_drain(unit_id, holding)
+        if claimed is None:  # already being removed
             return
         group, info = claimed
-        self.on_event(f"{unit_id} removing: draining on every proxy replica")
+        what, steps, name = (
+            ("into the warm pool", self._hold, "hold") if holding
+            else ("removing", self._retire, "retire")
+        )  # fmt: skip
+        self.on_event(f"{unit_id} {what}: draining on every proxy replica")
         threading.Thread(
-            target=self._retire, args=(group, info), name=f"retire-{unit_id}", daemon=True
+            target=steps, args=(group, info), name=f"{name}-{unit_id}", daemon=True
         ).start()
         self.write_state()
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import threading
@@ -544,8 +545,11 @@ def simulate_arms(trace: Trace, model: Any, policy: Any, startup_s: float,
     from neuron_serving.capacity import histogram
     from neuron_serving.capacity.simulator import SimConfig, simulate
 
+    # What this rig is beside the units: the load generator's in-flight cap (an arrival
+    # beyond it fails unsent, as measured) and the CPUs the units share.
     sim = SimConfig(seed=SEED, output_tokens=RT_MAX_TOKENS, startup_s=startup_s,
-                    timeline_every_s=1.0)  # fmt: skip
+                    timeline_every_s=1.0, max_in_flight=MAX_IN_FLIGHT,
+                    host_cpus=float(os.cpu_count() or 1))  # fmt: skip
     warm = dataclasses.replace(sim, warm_units=WARM_UNITS, promote_s=promote_s)
     out = {}
     for arm, fixed, s in (("autoscaled", None, sim), ("autoscaled_warm", None, warm),
@@ -744,13 +748,36 @@ def _simulate(result: dict[str, Any]) -> None:
     predicted = simulate_arms(tr, model, policy, startup, promote_s)
     result["simulator"] = {
         "startup_s": round(startup, 1), "startup_from": src, "policy_from": policy_src,
-        "promote_s": round(promote_s, 2),
+        "promote_s": round(promote_s, 2), "max_in_flight": MAX_IN_FLIGHT,
+        "host_cpus": os.cpu_count(),
         "policy": {"min_units": policy.min_units, "max_units": policy.max_units,
                    "target_utilization": policy.target_utilization,
                    "max_num_seqs": policy.max_num_seqs, "ttft_slo_s": policy.ttft_slo_s},
         "tolerance": SIM_TOLERANCE, "predicted": predicted,
         "vs_measured": compare_sim(result["arms"], predicted),
     }  # fmt: skip
+
+
+def resimulate(path: str) -> int:
+    """Redo only the simulator's side of a saved result (its probe, trace and measured
+    arms; the simulator as it is now) and write it back: the simulator can be checked
+    against a real run without running the clusters again."""
+    from pathlib import Path
+
+    result = json.loads(Path(path).read_text())
+    t = result.get("trace") or {}
+    if "probe" not in result or "per_unit_rps_at_target" not in t:
+        print(f"bench capacity: {path} has no probe or trace to simulate", file=sys.stderr)
+        return 1
+    result["_trace"] = scaled_trace(float(t["per_unit_rps_at_target"]), float(t["duration_s"]))
+    _simulate(result)
+    Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    for arm, row in result["simulator"]["vs_measured"].items():
+        print(f"{arm}: within tolerance {row['within_tolerance']}; " + ", ".join(
+            f"{k} {row[k]['predicted']} vs {row[k]['measured']}"
+            for k in ("ttft_p50_s", "ttft_p99_s", "units_mean", "units_max", "slo_attainment")
+        ))  # fmt: skip
+    return 0
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -> int:

@@ -27,8 +27,9 @@ takes about a second. Each step:
 
 Unit-seconds count every unit paid for: starting, ready and draining. The model's
 assumptions (README.md): routing spreads load evenly over ready units, a request's
-service time is at most a few steps, the proxy's queue size limits are not modelled
-(only timeouts), and no unit fails.
+service time is at most a few steps, the proxy's queue size limits are modelled only
+as one bound on interactive requests queued or running (``max_in_flight``, off by
+default) besides the timeouts, and no unit fails.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ class SimConfig:
     # proxy/config.py CLASS_DEFAULTS: real-time 30 s, near-real-time 120 s queue
     # timeouts; batch waits in the runner's store (its deadline is hours).
     queue_timeout_s: tuple[float, float] = (30.0, 120.0)
+    # Interactive requests queued or running at once, beyond which an arrival fails at
+    # once (a client's in-flight cap, as `bench capacity`'s MAX_IN_FLIGHT; or the
+    # proxy's queue bounds plus the units' slots). None: unbounded (only timeouts).
+    max_in_flight: float | None = None
+    # Units that share this many CPUs (this project's CPU test rig: `bench capacity`'s
+    # units on 2 cores), each unit calibrated alone on one: with more ready units than
+    # CPUs each runs at cpus/ready of its speed (its throughput curve scaled down, its
+    # TTFT stretched). None: every unit has its own device, as on Trainium.
+    host_cpus: float | None = None
     batch_unit_share: float = 0.75  # CLASS_DEFAULTS["batch"].unit_share
     timeline_every_s: float = 60.0
     # The warm pool (capacity/controller.py): spares kept, and how long a promoted
@@ -189,11 +199,13 @@ class _Latency:
         self.model, self.slo_s, self.dt_s = model, slo_s, dt_s
         self._cache: dict[tuple[int, int], tuple[float, np.ndarray]] = {}
 
-    def __call__(self, c: float, wait_steps: int) -> tuple[float, np.ndarray]:
-        key = (int(c * 4 + 0.5), wait_steps)
+    def __call__(self, c: float, wait_steps: int, slow: float = 1.0) -> tuple[float, np.ndarray]:
+        """``slow``: the unit runs that many times slower than calibrated (host_cpus)."""
+        key = (int(c * 4 + 0.5), wait_steps, int(slow * 100 + 0.5))
         hit = self._cache.get(key)
         if hit is None:
             mu, sigma = self.model.ttft_sigma(key[0] / 4)
+            mu += math.log(key[2] / 100)
             wait = wait_steps * self.dt_s
 
             def cdf(x: np.ndarray) -> np.ndarray:
@@ -351,8 +363,11 @@ class _Run:
         """Start queued requests up to the ready units' capacity; account TTFT."""
         sim, model, r = self.sim, self.model, self.result
         served: list[tuple[int, int, float]] = []  # (class index, wait steps, count)
+        # Units sharing too few CPUs run slower (host_cpus; 1 = as calibrated).
+        speed = min(1.0, sim.host_cpus / ready) if sim.host_cpus and ready else 1.0
         if ready:
-            room, batch_room = ready * self.unit_room, ready * self.unit_batch_room
+            room = ready * self.unit_room * speed
+            batch_room = ready * self.unit_batch_room * speed
             for ci in range(3):
                 q = self.queues[ci]
                 cap = min(room, batch_room) if ci == 2 else room
@@ -373,7 +388,7 @@ class _Run:
         # curve would swing a lone unit between a quarter and all of its slots. So the
         # rate is averaged (exponentially) before it is turned into a concurrency.
         self.rate += (total / sim.dt_s - self.rate) * self.smoothing
-        self.c = c = (model.concurrency_for(self.rate * self.tokens / ready)
+        self.c = c = (model.concurrency_for(self.rate * self.tokens / (ready * speed))
                       if ready and self.rate > 0 else 0.0)  # fmt: skip
         by_class = [0.0, 0.0, 0.0]
         by_wait: dict[int, float] = {}  # interactive requests served, by their wait
@@ -385,7 +400,7 @@ class _Run:
             else:
                 by_wait[wait] = by_wait.get(wait, 0.0) + n
         for wait, n in by_wait.items():
-            p, mass = self.latency(c, wait)
+            p, mass = self.latency(c, wait, 1.0 / speed)
             r.met_slo += n * p
             self.hist += n * mass
         # Little's law: the requests in the units, split by what each class started.
@@ -450,6 +465,11 @@ class _Run:
             self._advance_units(now)
             for ci in range(3):
                 n = self.arrivals[k, ci]
+                if n > 0 and ci < 2 and sim.max_in_flight is not None:
+                    held = self.queued[0] + self.queued[1] + self.active[0] + self.active[1]
+                    admitted = min(n, max(0.0, sim.max_in_flight - held))
+                    r.failed += n - admitted
+                    n = admitted
                 if n > 0:
                     self.queues[ci].append([k, n])
                     self.queued[ci] += n

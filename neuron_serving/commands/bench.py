@@ -35,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--full", action="store_true", help="bench all: default sizes instead of --quick ones"
     )
     p.add_argument(
+        "--resimulate", default=None, metavar="RESULT",
+        help="capacity: redo only the simulator's predictions for a saved result file",
+    )  # fmt: skip
+    p.add_argument(
         "--py-spy", default=None, metavar="DIR",
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
     )  # fmt: skip
@@ -64,6 +68,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
         from neuron_serving.bench import cpu
 
         return cpu.main(quick, model, emit_json, repeats, profile_dir=args.py_spy)
+    if name == "capacity" and args.resimulate:
+        from neuron_serving.bench import capacity
+
+        return capacity.resimulate(args.resimulate)
     module = importlib.import_module(f"neuron_serving.bench.{name}")
     return module.main(quick, model, emit_json, repeats)
 

@@ -4,6 +4,8 @@ requests failed in them, scale-up decision to routable, the simulator comparison
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from neuron_serving.bench import capacity as cap
@@ -162,3 +164,26 @@ def test_compare_sim_and_verdicts():
     assert v["unit_seconds_saving_vs_peak"] == pytest.approx(1 - 400 / 720, abs=1e-4)
     assert v["met"] == {"slo_within_5_points": True, "unit_seconds_30pct_fewer": True,
                         "zero_failed_during_scale_in": True}  # fmt: skip
+
+
+def test_resimulate_redoes_the_predictions_of_a_saved_result(tmp_path, capsys):
+    levels = [(1, 17.9, 0.0062, 0.0085), (4, 53.4, 0.0113, 0.017), (16, 80.0, 0.1225, 0.1965),
+              (32, 80.0, 0.3187, 0.4091)]  # fmt: skip
+    probe = {"levels": [{"concurrency": c, "streams_per_s": s, "output_tok_s": s * 24,
+                         "ttft_p50_s": p50, "ttft_p99_s": p99, "itl_p99_s": 0.005, "errors": 0}
+                        for c, s, p50, p99 in levels],
+             "saturated_streams_per_s": 80.0, "window_s": 8.0}  # fmt: skip
+    arm = {"requests": 100, "ttft_p50_s": 0.05, "ttft_p99_s": 3.0, "units_mean": 2.4,
+           "units_max": 3, "slo_attainment": 0.7, "decision_to_routable_s": [40.0]}  # fmt: skip
+    saved = {"probe": probe, "trace": {"per_unit_rps_at_target": 59.8, "duration_s": 240.0},
+             "arms": {"autoscaled": arm, "fixed_min": {**arm, "units_mean": 1.0, "units_max": 1}}}  # fmt: skip
+    path = tmp_path / "capacity-quick.json"
+    path.write_text(json.dumps(saved))
+    assert cap.resimulate(str(path)) == 0
+    sim = json.loads(path.read_text())["simulator"]
+    assert sim["startup_s"] == 40.0 and sim["max_in_flight"] == cap.MAX_IN_FLIGHT
+    assert set(sim["predicted"]) == {"autoscaled", "autoscaled_warm", "fixed_peak", "fixed_min"}
+    assert set(sim["vs_measured"]) == {"autoscaled", "fixed_min"}  # the arms measured
+    assert "autoscaled: within tolerance" in capsys.readouterr().out
+    path.write_text(json.dumps({"arms": {}}))
+    assert cap.resimulate(str(path)) == 1

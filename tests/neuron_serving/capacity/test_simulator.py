@@ -119,3 +119,28 @@ def test_a_warm_spare_is_promoted_at_once_paid_for_and_refilled() -> None:
     c = compare(t, policy, sim=SimConfig(warm_units=1))
     assert [f.label for f in c.fleets][-1] == "autoscaled + 1 warm"
     assert "autoscaled + 1 warm vs autoscaled" in format_table(c)
+
+
+def test_an_in_flight_cap_fails_arrivals_at_once_and_bounds_the_wait() -> None:
+    per_unit = MEASURED.requests_per_s(64, 32)
+    t = trace.Trace("over", "2x one unit's most", (0.0, 300.0),
+                    {"real-time": (2 * per_unit, 2 * per_unit)})  # fmt: skip
+    free = simulate(t, POLICY, fixed_units=1)
+    capped = simulate(t, POLICY, fixed_units=1, sim=SimConfig(max_in_flight=256))
+    # Beyond 256 queued or running an arrival fails unsent: more failures, sooner, and
+    # the requests served waited behind at most 256.
+    assert capped.failed > free.failed
+    assert capped.ttft_p99_s is not None and free.ttft_p99_s is not None
+    assert capped.ttft_p99_s < free.ttft_p99_s
+    assert capped.requests == free.requests  # every arrival counted, failed or not
+
+
+def test_units_sharing_too_few_cpus_run_slower() -> None:
+    rate = 3 * MEASURED.requests_per_s(40, 32)  # 3 units at 40 of 64 slots each
+    t = trace.Trace("flat", "3 units' worth", (0.0, 300.0), {"real-time": (rate, rate)})
+    alone = simulate(t, POLICY, fixed_units=3)
+    enough = simulate(t, POLICY, fixed_units=3, sim=SimConfig(host_cpus=3.0))
+    shared = simulate(t, POLICY, fixed_units=3, sim=SimConfig(host_cpus=2.0))
+    assert enough.summary() == alone.summary()  # a CPU each: as calibrated
+    assert shared.ttft_p99_s is not None and alone.ttft_p99_s is not None
+    assert shared.ttft_p99_s > alone.ttft_p99_s and shared.slo_attainment <= alone.slo_attainment

@@ -312,9 +312,12 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
     initial = {u["unit_id"] for u in polls[0][2]}
     first: dict[str, float] = {}  # wall
     routable: dict[str, float] = {}  # wall
+    warm_at: dict[str, float] = {}  # wall: first poll showing the unit a warm spare
     for _, wall, units in polls:
         for u in units:
             uid = u["unit_id"]
+            if u.get("standby") and u.get("warm"):
+                warm_at.setdefault(uid, wall)
             if uid in initial and not u.get("added"):
                 continue
             first.setdefault(uid, wall)
@@ -327,6 +330,8 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
         out.append({"unit_id": uid,
                     "decision": "capacity decision" if uid in decided else "first seen",
                     "promoted": uid in promoted,
+                    # promoted warm (else still starting: its start went on)
+                    "was_warm": uid in promoted and warm_at.get(uid, math.inf) <= at,
                     "decision_to_routable_s": None if r is None else round(r - at, 2)})  # fmt: skip
     return out
 
@@ -743,7 +748,10 @@ def _simulate(result: dict[str, Any]) -> None:
         startup, src = MEASURED.startup_s, "no scale-up measured: calibration.MEASURED"
     model = unit_model(result["probe"], startup)
     policy, policy_src = policy_for(capacity_section)
-    promotions = result["arms"].get("autoscaled_warm", {}).get("promotion_to_routable_s") or []
+    # A warm spare's promotion (one still starting went on starting: not this figure).
+    added = result["arms"].get("autoscaled_warm", {}).get("added_units") or []
+    promotions = [a["decision_to_routable_s"] for a in added
+                  if a.get("was_warm") and a.get("decision_to_routable_s") is not None]  # fmt: skip
     promote_s = max(0.0, float(np.median(promotions))) if promotions else 1.0
     predicted = simulate_arms(tr, model, policy, startup, promote_s)
     result["simulator"] = {

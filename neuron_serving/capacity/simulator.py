@@ -265,6 +265,9 @@ class _Run:
         self.unit_signals: tuple[tuple[int, int], tuple[UnitSignals, ...]] = ((-1, -1), ())
         for _ in range(n0):
             self._add(0.0, Phase.READY, Purpose.INTERACTIVE)
+        if fixed is None:  # a settled fleet: its warm pool full, within max_units
+            for _ in range(min(sim.warm_units, policy.max_units - n0)):
+                self._add(0.0, Phase.READY, Purpose.INTERACTIVE, standby=True)
         self.autoscaled = fixed is None
         self.state = PolicyState()
         # Queues: per class a deque of [arrival step, count]; totals kept beside.

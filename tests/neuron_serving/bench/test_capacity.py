@@ -120,7 +120,8 @@ def test_scale_in_windows_and_failures_inside_them():
 def test_scale_ups_from_the_decision_that_named_the_unit():
     polls = [
         (100.0, 1000.0, [_unit("unit-0")]),
-        (105.0, 1005.0, [_unit("unit-0"), _unit("unit-1", added=True, phase="starting")]),
+        (105.0, 1005.0, [_unit("unit-0"), _unit("unit-1", added=True, phase="starting"),
+                         _unit("unit-2", added=True, standby=True, warm=True)]),
         (140.0, 1040.0, [_unit("unit-0"), _unit("unit-1", added=True, routable_at=1033.0),
                          _unit("unit-2", added=True, routable_at=1039.0)]),
     ]  # fmt: skip
@@ -131,15 +132,15 @@ def test_scale_ups_from_the_decision_that_named_the_unit():
     ups = cap.scale_ups(polls, decisions)
     assert ups == [
         {"unit_id": "unit-1", "decision": "capacity decision", "promoted": False,
-         "decision_to_routable_s": 30.0},
+         "was_warm": False, "decision_to_routable_s": 30.0},
         # A warm spare (first seen long before) promoted: timed from its promotion.
         {"unit_id": "unit-2", "decision": "capacity decision", "promoted": True,
-         "decision_to_routable_s": 0.5},
+         "was_warm": True, "decision_to_routable_s": 0.5},
     ]  # fmt: skip
     # Without the decision that named it: from its first appearance.
     assert cap.scale_ups(polls, decisions[:2])[1] == {
-        "unit_id": "unit-2", "decision": "first seen", "promoted": False,
-        "decision_to_routable_s": -1.0}  # fmt: skip
+        "unit_id": "unit-2", "decision": "first seen", "promoted": False, "was_warm": False,
+        "decision_to_routable_s": 34.0}  # fmt: skip
     assert cap.scale_actions(decisions) == {"decisions_acting": 2, "scale_ups": 2,
                                             "scale_downs": 0}  # fmt: skip
 

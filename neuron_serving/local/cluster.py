@@ -452,6 +452,7 @@ class ClusterSupervisor:
         assert self.replicas is not None
         unit_id, started = group.group_id, time.monotonic()
         what = "promoted" if info.registered else "added"
+        handed_off = False  # a warm spare's end: ``admitting`` cleared with ``warm``
         try:
             entry = unit_entry(self.spec, info.index, model_dir)
             while not self._gone(info) and group.phase != GroupPhase.READY:
@@ -475,7 +476,9 @@ class ClusterSupervisor:
                         everywhere = not out.failed((200, 201))
                         if info.standby and everywhere and group.phase == GroupPhase.READY:
                             with self._lock:
-                                info.warm, info.admitting = True, False
+                                # Together, under ``admit``: a promotion from now on
+                                # starts its own _admit; this one must not clear it.
+                                info.warm, info.admitting, handed_off = True, False, True
                             self.on_event(
                                 f"{unit_id} warm (ready, held drained on every proxy replica) "
                                 f"{time.monotonic() - started:.1f} s after it was added"
@@ -507,8 +510,9 @@ class ClusterSupervisor:
                     return
                 time.sleep(_ADMIT_POLL_S)
         finally:
-            with info.admit, self._lock:
-                info.admitting = False
+            if not handed_off:
+                with info.admit, self._lock:
+                    info.admitting = False
 
     def promote_unit(self, unit_id: str, purpose: str = "interactive") -> None:
         """A warm spare into rotation: undrained on every replica (bounded calls), then

@@ -96,7 +96,10 @@ def merge(proxy: dict[str, Any] | None, state: dict[str, Any] | None) -> list[di
         rows.append(
             {
                 "unit_id": unit_id,
-                "health": p.get("state"),
+                # A warm spare is drained on purpose (capacity/README.md, the warm pool).
+                "health": "spare"
+                if s.get("standby") and p.get("state") == "draining"
+                else p.get("state"),
                 "phase": s.get("phase"),
                 "restarts": s.get("restarts"),
                 "in_flight": p.get("in_flight"),

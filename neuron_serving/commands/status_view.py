@@ -118,6 +118,7 @@ COLUMNS = (
     Column("LAST ERROR", drop_rank=3, elastic=True, min_width=16),
 )
 _COLORS = {"routable": "green", "healthy": "green", "unhealthy": "red", "draining": "yellow",
+           "spare": "cyan",
            "ejected": "magenta", "pending": "yellow"}  # fmt: skip
 
 

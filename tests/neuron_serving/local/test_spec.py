@@ -176,6 +176,10 @@ def test_status_merges_proxy_and_supervisor() -> None:
     # A unit only the supervisor knows (not yet in the proxy) still shows its nodes.
     assert rows[1]["health"] is None and rows[1]["nodes"][0]["node_state"] == "loading"
     assert merge(None, None) == []
+    # A warm spare: drained on the proxy on purpose.
+    spare = merge({"units": [{"unit_id": "unit-2", "state": "draining"}]},
+                  {"units": [{"unit_id": "unit-2", "phase": "ready", "standby": True}]})  # fmt: skip
+    assert spare[0]["health"] == "spare"
 
 
 def test_sharded_checkpoint_is_served_under_its_manifest_name(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_hashes_equal_vllms(monkeypatch, algo, seed, block_size, salt):
     if algo.startswith("xxhash"):
         if seed is None:
             pytest.skip("vLLM seeds xxhash at random per process: nothing outside matches")
-        pytest.importorskip("xxhash")  # optional for vLLM too, and not installed here
+        pytest.importorskip("xxhash")  # optional for vLLM; in the dev extras
     # the seed as the leader resolves it (resolve_none_hash_seed)
     ours = BlockHasher(block_size, algo, seed=DEFAULT_NONE_HASH_SEED if seed is None else seed)
     for tokens in PROMPTS:

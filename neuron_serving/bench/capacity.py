@@ -67,7 +67,7 @@ import numpy as np
 
 from neuron_serving.bench.classes import _prompt
 from neuron_serving.bench.cluster import UpRun
-from neuron_serving.bench.common import percentile, write_result
+from neuron_serving.bench.common import percentile, publish
 from neuron_serving.capacity import trace as traces
 from neuron_serving.capacity.trace import Trace
 
@@ -814,11 +814,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -
         "unit_seconds_saving_vs_peak": ">= 0.30",
         "failed_during_scale_in": "== 0",
     }
-    path = write_result("capacity-quick" if quick else "capacity", result)
-    print(f"wrote {path}", file=sys.stderr)
-    for k in ("slo_points_autoscaled_minus_peak", "unit_seconds_saving_vs_peak",
-              "failed_during_scale_in", "met"):  # fmt: skip
-        print(f"{k}: {result.get(k)}", file=sys.stderr)
-    if emit_json:
-        print(json.dumps(result))
+    publish("capacity-quick" if quick else "capacity", result,
+            ("slo_points_autoscaled_minus_peak", "unit_seconds_saving_vs_peak",
+             "failed_during_scale_in", "met"), emit_json)  # fmt: skip
     return rc

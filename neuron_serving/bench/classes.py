@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from neuron_serving.bench.cluster import UpRun
-from neuron_serving.bench.common import percentile, spread, write_result
+from neuron_serving.bench.common import percentile, publish, spread
 
 RT_MAX_TOKENS = 24
 BATCH_MAX_TOKENS = 32
@@ -352,11 +352,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -
     finally:
         result["leftover_processes"] = run.stop()
     result["quick"] = quick
-    path = write_result("classes-quick" if quick else "classes", result)
-    print(f"wrote {path}", file=sys.stderr)
-    for k in ("rt_ttft_p99_ratio_b_over_a", "rt_ttft_p99_ratio_c_over_a",
-              "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"):  # fmt: skip
-        print(f"{k}: {result.get(k)}", file=sys.stderr)
-    if emit_json:
-        print(json.dumps(result))
+    publish("classes-quick" if quick else "classes", result,
+            ("rt_ttft_p99_ratio_b_over_a", "rt_ttft_p99_ratio_c_over_a",
+             "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"), emit_json)  # fmt: skip
     return rc

@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from neuron_serving import proctree
-from neuron_serving.bench.common import write_result
+from neuron_serving.bench.common import publish
 from neuron_serving.local.probe import get_json
 from neuron_serving.local.proxy_config import read_api_key
 from neuron_serving.local.spec import API_KEY_FILE
@@ -250,8 +250,5 @@ def main(quick: bool, emit_json: bool, streams: int = 8) -> int:
         leftover_processes=left,
         quick=quick,
     )
-    path = write_result("failover", result)
-    print(f"wrote {path}", file=sys.stderr)
-    if emit_json:
-        print(json.dumps(result))
+    publish("failover", result, (), emit_json)
     return rc

@@ -8,6 +8,7 @@ import platform
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -112,4 +113,16 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     }
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def publish(name: str, result: dict[str, Any], headline: tuple[str, ...], emit_json: bool) -> Path:
+    """A benchmark's end: write its result file, say where and its headline figures on
+    stderr, and with ``emit_json`` print the whole result as the last stdout line."""
+    path = write_result(name, result)
+    print(f"wrote {path}", file=sys.stderr)
+    for k in headline:
+        print(f"{k}: {result.get(k)}", file=sys.stderr)
+    if emit_json:
+        print(json.dumps(result))
     return path

@@ -15,7 +15,9 @@ flat day, the 5x event ramping in 10 minutes, held 45, back in 20, and the flat 
 after it; the whole day compressed to ten minutes would leave the event 31 s, about
 one unit start-up), time-scaled to DURATION_S (600 s, quick 240 s) and rate-scaled
 so that its peak asks for PEAK_UNITS units at the policy's target (3 units after
-rounding up; the flat day ~0.45 of one unit, so 1). Its interactive classes are all
+rounding up; the flat day ~0.45 of one unit, so 1). ``--trace diurnal`` replays the
+whole shipped diurnal day instead (144x; the night trough ~0.43 of a unit, the evening
+peak 3 units), into ``capacity-diurnal.json``. Its interactive classes are all
 sent as real-time. Arrivals: a Poisson process on the rate, seeded, identical in
 every arm; each one a real-time chat stream (a short prompt, RT_MAX_TOKENS tokens,
 ignore_eos) with a per-request timeout, at most MAX_IN_FLIGHT in flight (an arrival
@@ -42,7 +44,9 @@ unit-seconds than (b); no request failed during scale-in. (c) beside them.
 Simulator validation: ``capacity.simulator.simulate`` on the same scaled trace, the
 same policy bounds, and a unit model calibrated from the probe and the measured
 start-up (median decision-to-routable of the autoscaled arm), predicted vs measured
-TTFT p50/p99 and unit count (mean, max) per arm, against SIM_TOLERANCE.
+TTFT p50/p99 and unit count (mean, max) per arm, against SIM_TOLERANCE; and the
+start-up sweep: the cold autoscaled arm predicted at each of STARTUP_SWEEP_S, which
+says how fast a unit would have to start for the targets on this trace.
 
 This machine has 2 CPUs and every TP=1 unit is pinned to one (round robin): a third
 unit shares a CPU with the first, so the peak-sized fleet has about two units of
@@ -76,6 +80,12 @@ RT_MAX_TOKENS = 24
 PROMPT_WORDS = 24
 TRACE = "spike"
 WINDOW = (45600.0, 57600.0)  # seconds of the spike trace's day: 12:40 to 16:00
+# `--trace NAME`: the cut of each shipped trace the benchmark replays. The diurnal day
+# is replayed whole (144x: its evening rise doubles the rate in about a minute).
+WINDOWS = {"spike": WINDOW, "diurnal": (0.0, 86400.0)}
+# The simulator's start-up sweep: the cold autoscaled arm predicted with each
+# decision-to-routable time, to say how fast a start would have to be for the targets.
+STARTUP_SWEEP_S = (5.0, 10.0, 16.0, 28.0, 55.0, 83.0)
 DURATION_S = {False: 600.0, True: 240.0}  # full, quick
 PEAK_UNITS = 2.2  # the peak asks for this many units at the policy's target (ceil: 3)
 UNITS_MIN, UNITS_MAX = 1, 3
@@ -543,34 +553,65 @@ def summarize_arm(reqs: list[Req], t0: float, duration_s: float,
     }
 
 
+def _sim_config(startup_s: float) -> Any:
+    from neuron_serving.capacity.simulator import SimConfig
+
+    # What this rig is beside the units: the load generator's in-flight cap (an arrival
+    # beyond it fails unsent, as measured) and the CPUs the units share.
+    return SimConfig(seed=SEED, output_tokens=RT_MAX_TOKENS, startup_s=startup_s,
+                     timeline_every_s=1.0, max_in_flight=MAX_IN_FLIGHT,
+                     host_cpus=float(os.cpu_count() or 1))  # fmt: skip
+
+
+def _sim_arm(trace: Trace, model: Any, policy: Any, sim: Any, fixed: int | None,
+             label: str) -> dict[str, Any]:  # fmt: skip
+    from neuron_serving.capacity import histogram
+    from neuron_serving.capacity.simulator import simulate
+
+    f = simulate(trace, policy, fixed_units=fixed, model=model, sim=sim, label=label)
+    q50 = histogram.quantile(0.5, histogram.LATENCY_BUCKETS, f.ttft_hist)
+    q99 = histogram.quantile(0.99, histogram.LATENCY_BUCKETS, f.ttft_hist)
+    # The bench's SLO is a bucket bound: the histogram's mass up to it, over every
+    # request (timed-out ones count as missed, as measured).
+    k = histogram.LATENCY_BUCKETS.index(SLO_TTFT_S)
+    att = sum(f.ttft_hist[: k + 1]) / f.requests if f.requests else None
+    return {"ttft_p50_s": None if q50 is None else round(q50, 4),
+            "ttft_p99_s": None if q99 is None else round(q99, 4),
+            "units_mean": round(f.units_mean, 3), "units_max": f.units_max,
+            "slo_attainment": None if att is None else round(att, 4),
+            "failed": round(f.failed), "scale_actions": f.scale_actions}  # fmt: skip
+
+
 def simulate_arms(trace: Trace, model: Any, policy: Any, startup_s: float,
                   promote_s: float = 1.0) -> dict[str, Any]:  # fmt: skip
     import dataclasses
 
-    from neuron_serving.capacity import histogram
-    from neuron_serving.capacity.simulator import SimConfig, simulate
-
-    # What this rig is beside the units: the load generator's in-flight cap (an arrival
-    # beyond it fails unsent, as measured) and the CPUs the units share.
-    sim = SimConfig(seed=SEED, output_tokens=RT_MAX_TOKENS, startup_s=startup_s,
-                    timeline_every_s=1.0, max_in_flight=MAX_IN_FLIGHT,
-                    host_cpus=float(os.cpu_count() or 1))  # fmt: skip
+    sim = _sim_config(startup_s)
     warm = dataclasses.replace(sim, warm_units=WARM_UNITS, promote_s=promote_s)
-    out = {}
-    for arm, fixed, s in (("autoscaled", None, sim), ("autoscaled_warm", None, warm),
-                          ("fixed_peak", UNITS_MAX, sim), ("fixed_min", UNITS_MIN, sim)):  # fmt: skip
-        f = simulate(trace, policy, fixed_units=fixed, model=model, sim=s, label=arm)
-        q50 = histogram.quantile(0.5, histogram.LATENCY_BUCKETS, f.ttft_hist)
-        q99 = histogram.quantile(0.99, histogram.LATENCY_BUCKETS, f.ttft_hist)
-        # The bench's SLO is a bucket bound: the histogram's mass up to it, over every
-        # request (timed-out ones count as missed, as measured).
-        k = histogram.LATENCY_BUCKETS.index(SLO_TTFT_S)
-        att = sum(f.ttft_hist[: k + 1]) / f.requests if f.requests else None
-        out[arm] = {"ttft_p50_s": None if q50 is None else round(q50, 4),
-                    "ttft_p99_s": None if q99 is None else round(q99, 4),
-                    "units_mean": round(f.units_mean, 3), "units_max": f.units_max,
-                    "slo_attainment": None if att is None else round(att, 4),
-                    "failed": round(f.failed), "scale_actions": f.scale_actions}  # fmt: skip
+    return {arm: _sim_arm(trace, model, policy, s, fixed, arm)
+            for arm, fixed, s in (("autoscaled", None, sim), ("autoscaled_warm", None, warm),
+                                  ("fixed_peak", UNITS_MAX, sim),
+                                  ("fixed_min", UNITS_MIN, sim))}  # fmt: skip
+
+
+def startup_sweep(trace: Trace, probe_result: dict[str, Any], policy: Any,
+                  peak: dict[str, Any]) -> list[dict[str, Any]]:  # fmt: skip
+    """The cold autoscaled arm predicted at each of STARTUP_SWEEP_S (decision to
+    routable), against the predicted peak-sized fleet ``peak``: which start-up time the
+    targets need on this trace, everything else as measured."""
+    out = []
+    for s in STARTUP_SWEEP_S:
+        a = _sim_arm(trace, unit_model(probe_result, s), policy, _sim_config(s), None,
+                     f"autoscaled@{s:g}s")  # fmt: skip
+        pts = (None if a["slo_attainment"] is None or peak.get("slo_attainment") is None
+               else round(100 * (a["slo_attainment"] - peak["slo_attainment"]), 2))  # fmt: skip
+        saving = (
+            round(1 - a["units_mean"] / peak["units_mean"], 4) if peak.get("units_mean") else None
+        )
+        out.append({"startup_s": s, "slo_points_minus_peak": pts,
+                    "unit_seconds_saving_vs_peak": saving,
+                    "targets_met": bool(pts is not None and saving is not None
+                                        and pts >= -5.0 and saving >= 0.30)})  # fmt: skip
     return out
 
 
@@ -682,8 +723,9 @@ async def _arm(name: str, run: UpRun, arrivals: list[float], duration_s: float
     return out, {"capacity": poller.capacity}
 
 
-async def _run_arms(quick: bool, model: str | None, result: dict[str, Any]) -> None:
-    duration = DURATION_S[quick]
+async def _run_arms(quick: bool, model: str | None, result: dict[str, Any],
+                    trace: str = TRACE) -> None:  # fmt: skip
+    duration, cut = DURATION_S[quick], WINDOWS[trace]
     extra = ["--model", model] if model else []
     result["arms"] = {}
     arrivals: list[float] | None = None
@@ -706,11 +748,11 @@ async def _run_arms(quick: bool, model: str | None, result: dict[str, Any]) -> N
 
                 m = unit_model(result["probe"], MEASURED.startup_s)
                 per_unit = m.requests_per_s(TARGET_UTILIZATION * MAX_NUM_SEQS, RT_MAX_TOKENS)
-                tr = scaled_trace(per_unit, duration)
+                tr = scaled_trace(per_unit, duration, name=trace, cut=cut)
                 arrivals = poisson_arrivals(tr)
                 result["trace"] = {
-                    "name": TRACE, "window_s": list(WINDOW), "duration_s": duration,
-                    "time_scale": round(duration / (WINDOW[1] - WINDOW[0]), 5),
+                    "name": trace, "window_s": list(cut), "duration_s": duration,
+                    "time_scale": round(duration / (cut[1] - cut[0]), 5),
                     "per_unit_rps_at_target": round(per_unit, 3), "peak_units": PEAK_UNITS,
                     "peak_rps": round(tr.peak_rate(), 2), "mean_rps": round(tr.mean_rate(), 2),
                     "base_rps": round(tr.rates["real-time"][0], 2), "arrivals": len(arrivals),
@@ -754,6 +796,7 @@ def _simulate(result: dict[str, Any]) -> None:
                   if a.get("was_warm") and a.get("decision_to_routable_s") is not None]  # fmt: skip
     promote_s = max(0.0, float(np.median(promotions))) if promotions else 1.0
     predicted = simulate_arms(tr, model, policy, startup, promote_s)
+    sweep = startup_sweep(tr, result["probe"], policy, predicted["fixed_peak"])
     result["simulator"] = {
         "startup_s": round(startup, 1), "startup_from": src, "policy_from": policy_src,
         "promote_s": round(promote_s, 2), "max_in_flight": MAX_IN_FLIGHT,
@@ -761,7 +804,7 @@ def _simulate(result: dict[str, Any]) -> None:
         "policy": {"min_units": policy.min_units, "max_units": policy.max_units,
                    "target_utilization": policy.target_utilization,
                    "max_num_seqs": policy.max_num_seqs, "ttft_slo_s": policy.ttft_slo_s},
-        "tolerance": SIM_TOLERANCE, "predicted": predicted,
+        "tolerance": SIM_TOLERANCE, "predicted": predicted, "startup_sweep": sweep,
         "vs_measured": compare_sim(result["arms"], predicted),
     }  # fmt: skip
 
@@ -777,7 +820,10 @@ def resimulate(path: str) -> int:
     if "probe" not in result or "per_unit_rps_at_target" not in t:
         print(f"bench capacity: {path} has no probe or trace to simulate", file=sys.stderr)
         return 1
-    result["_trace"] = scaled_trace(float(t["per_unit_rps_at_target"]), float(t["duration_s"]))
+    name = t.get("name", TRACE)
+    cut = tuple(t.get("window_s") or WINDOWS[name])
+    result["_trace"] = scaled_trace(float(t["per_unit_rps_at_target"]), float(t["duration_s"]),
+                                    name=name, cut=(float(cut[0]), float(cut[1])))  # fmt: skip
     _simulate(result)
     Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     for arm, row in result["simulator"]["vs_measured"].items():
@@ -788,7 +834,18 @@ def resimulate(path: str) -> int:
     return 0
 
 
-def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -> int:
+def result_name(trace: str, quick: bool) -> str:
+    """bench/results/ file stem: capacity[-diurnal][-quick] (the spike trace keeps the
+    original name)."""
+    return "capacity" + ("" if trace == TRACE else f"-{trace}") + ("-quick" if quick else "")
+
+
+def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None,
+         trace: str = TRACE) -> int:  # fmt: skip
+    if trace not in WINDOWS:
+        print(f"bench capacity: unknown trace {trace!r} (one of {sorted(WINDOWS)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     rc = 0
     result: dict[str, Any] = {"quick": quick, "slo_ttft_s": SLO_TTFT_S,
                               "workload": {"max_tokens": RT_MAX_TOKENS,
@@ -799,7 +856,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -
     if repeats not in (None, 1):
         print("bench capacity: one repeat (--repeats ignored)", file=sys.stderr)
     try:
-        asyncio.run(_run_arms(quick, model, result))
+        asyncio.run(_run_arms(quick, model, result, trace))
         _simulate(result)
     except Exception as e:  # noqa: BLE001 (reported in the result)
         result["error"] = f"{type(e).__name__}: {e}"
@@ -814,7 +871,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None) -
         "unit_seconds_saving_vs_peak": ">= 0.30",
         "failed_during_scale_in": "== 0",
     }
-    publish("capacity-quick" if quick else "capacity", result,
+    publish(result_name(trace, quick), result,
             ("slo_points_autoscaled_minus_peak", "unit_seconds_saving_vs_peak",
              "failed_during_scale_in", "met"), emit_json)  # fmt: skip
     return rc

@@ -15,8 +15,8 @@ BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", 
 # two-node deployment of each system per repeat; startup: a cold `vllm serve` and a cold
 # default cluster, with a unit recreation, per repeat; classes: real-time beside a
 # batch backlog, alone / through the traffic classes / first come first served;
-# capacity: a compressed spike trace against an autoscaled, a peak-sized and a
-# minimum-sized fleet of TP=1 units, three clusters one after another).
+# capacity: a compressed spike trace (--trace diurnal: the whole day) against autoscaled,
+# peak-sized and minimum-sized fleets of TP=1 units, one cluster after another).
 DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
@@ -37,6 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resimulate", default=None, metavar="RESULT",
         help="capacity: redo only the simulator's predictions for a saved result file",
+    )  # fmt: skip
+    p.add_argument(
+        "--trace", default=None, choices=("spike", "diurnal"),
+        help="capacity: the shipped trace to replay (default spike; diurnal writes "
+        "capacity-diurnal.json)",
     )  # fmt: skip
     p.add_argument(
         "--py-spy", default=None, metavar="DIR",
@@ -68,10 +73,12 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
         from neuron_serving.bench import cpu
 
         return cpu.main(quick, model, emit_json, repeats, profile_dir=args.py_spy)
-    if name == "capacity" and args.resimulate:
+    if name == "capacity":
         from neuron_serving.bench import capacity
 
-        return capacity.resimulate(args.resimulate)
+        if args.resimulate:
+            return capacity.resimulate(args.resimulate)
+        return capacity.main(quick, model, emit_json, repeats, trace=args.trace or capacity.TRACE)
     module = importlib.import_module(f"neuron_serving.bench.{name}")
     return module.main(quick, model, emit_json, repeats)
 

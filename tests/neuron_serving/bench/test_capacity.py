@@ -36,6 +36,18 @@ def test_window_cuts_and_sums_interactive_classes():
         cap.window(spike, 80000, 90000)
 
 
+def test_diurnal_trace_is_replayed_whole_and_named_apart():
+    day = traces.load("diurnal")
+    lo, hi = cap.WINDOWS["diurnal"]
+    w = cap.window(day, lo, hi)
+    assert w.duration_s == day.duration_s == 86400
+    assert set(w.rates) == {"real-time"}  # the nightly batch class is not sent
+    assert 0.4 < w.mean_rate() / w.peak_rate() < 0.6  # room for the saving target
+    assert cap.result_name("spike", False) == "capacity"
+    assert cap.result_name("diurnal", True) == "capacity-diurnal-quick"
+    assert cap.main(True, None, False, None, trace="nope") == 2
+
+
 def test_unit_model_from_probe_is_monotonic_and_sized_to_max_num_seqs():
     m = cap.unit_model(PROBE, 30.0)
     assert m.concurrency == (1.0, 4.0, 16.0) and m.max_num_seqs == cap.MAX_NUM_SEQS
@@ -186,5 +198,12 @@ def test_resimulate_redoes_the_predictions_of_a_saved_result(tmp_path, capsys):
     assert set(sim["predicted"]) == {"autoscaled", "autoscaled_warm", "fixed_peak", "fixed_min"}
     assert set(sim["vs_measured"]) == {"autoscaled", "fixed_min"}  # the arms measured
     assert "autoscaled: within tolerance" in capsys.readouterr().out
+    # The start-up sweep: one row per start-up time; a slower start never predicts a
+    # better SLO, and the sweep's slowest start misses the SLO target on this spike.
+    sweep = sim["startup_sweep"]
+    assert [r["startup_s"] for r in sweep] == list(cap.STARTUP_SWEEP_S)
+    pts = [r["slo_points_minus_peak"] for r in sweep]
+    assert all(b <= a + 0.5 for a, b in zip(pts, pts[1:])), pts
+    assert sweep[-1]["targets_met"] is False and pts[-1] < -5
     path.write_text(json.dumps({"arms": {}}))
     assert cap.resimulate(str(path)) == 1

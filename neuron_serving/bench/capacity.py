@@ -502,18 +502,23 @@ def unit_model(probe_result: dict[str, Any], startup_s: float) -> Any:
 
 def policy_for(capacity: dict[str, Any] | None) -> tuple[Any, str]:
     """The controller's policy: `up --autoscale` without --autoscale-config runs
-    PolicyConfig's defaults (no unit curve) with its bounds, which supervisor.json's
-    capacity section states (min_units, max_units, tick_s)."""
+    PolicyConfig's defaults with `up`'s unit curve (calibration.UP_UNIT_CURVE) and its
+    bounds, which supervisor.json's capacity section states (min_units, max_units,
+    tick_s, unit_curve; a section without unit_curve is from before up had one: linear)."""
+    from neuron_serving.capacity.calibration import UP_UNIT_CURVE
     from neuron_serving.capacity.config import PolicyConfig
 
     cap = capacity or {}
+    curve = cap.get("unit_curve", () if cap else UP_UNIT_CURVE)
     try:
         return PolicyConfig(min_units=int(cap["min_units"]), max_units=int(cap["max_units"]),
                             tick_s=float(cap["tick_s"]), max_num_seqs=MAX_NUM_SEQS,
+                            unit_curve=curve,
                             ), "supervisor.json capacity section + PolicyConfig defaults"  # fmt: skip
     except (KeyError, TypeError, ValueError):
         return PolicyConfig(min_units=UNITS_MIN, max_units=UNITS_MAX, max_num_seqs=MAX_NUM_SEQS,
-                            ), "PolicyConfig defaults with this run's bounds"  # fmt: skip
+                            unit_curve=UP_UNIT_CURVE,
+                            ), "PolicyConfig defaults, up's unit curve, this run's bounds"  # fmt: skip
 
 
 def summarize_arm(reqs: list[Req], t0: float, duration_s: float,
@@ -802,6 +807,7 @@ def _simulate(result: dict[str, Any]) -> None:
         "promote_s": round(promote_s, 2), "max_in_flight": MAX_IN_FLIGHT,
         "host_cpus": os.cpu_count(),
         "policy": {"min_units": policy.min_units, "max_units": policy.max_units,
+                   "tick_s": policy.tick_s, "unit_curve": [list(p) for p in policy.unit_curve],
                    "target_utilization": policy.target_utilization,
                    "max_num_seqs": policy.max_num_seqs, "ttft_slo_s": policy.ttft_slo_s},
         "tolerance": SIM_TOLERANCE, "predicted": predicted, "startup_sweep": sweep,
@@ -820,11 +826,18 @@ def resimulate(path: str) -> int:
     if "probe" not in result or "per_unit_rps_at_target" not in t:
         print(f"bench capacity: {path} has no probe or trace to simulate", file=sys.stderr)
         return 1
+    # The policy the run's controller had (a result from before the capacity section
+    # stated a unit curve ran without one).
+    saved = (result.get("simulator") or {}).get("policy")
+    if saved:
+        result["_capacity_section"] = {"unit_curve": [], "tick_s": 2.0, **saved}  # 2.0: the default
     name = t.get("name", TRACE)
     cut = tuple(t.get("window_s") or WINDOWS[name])
     result["_trace"] = scaled_trace(float(t["per_unit_rps_at_target"]), float(t["duration_s"]),
                                     name=name, cut=(float(cut[0]), float(cut[1])))  # fmt: skip
     _simulate(result)
+    if saved and "simulator" in result:
+        result["simulator"]["policy_from"] = "the saved result's simulator.policy"
     Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     for arm, row in result["simulator"]["vs_measured"].items():
         print(f"{arm}: within tolerance {row['within_tolerance']}; " + ", ".join(

@@ -28,11 +28,18 @@ from neuron_serving.bench.readme_table import MeasuredRow, rewrite_readme
 REPORT = RESULTS_DIR.parent / "REPORT.md"
 README = RESULTS_DIR.parent.parent / "README.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
-            "serving_mn", "failures", "cpu", "startup", "classes", "capacity")  # fmt: skip
+            "serving_mn", "failures", "cpu", "startup", "classes", "capacity",
+            "capacity_diurnal")  # fmt: skip
+# A family run by a command other than `bench <family>`.
+COMMANDS = {"capacity_diurnal": "capacity --trace diurnal"}
 
 
 def family(name: str) -> str:
-    """``serving-quick`` -> ``serving``; ``load-sharded`` -> ``load``."""
+    """``serving-quick`` -> ``serving``; ``load-sharded`` -> ``load``;
+    ``capacity-diurnal[-quick]`` -> ``capacity_diurnal`` (a trace of its own, reported
+    beside the spike's ``capacity``)."""
+    if name.startswith("capacity-diurnal"):
+        return "capacity_diurnal"
     base = name.split("-", 1)[0]
     return base
 
@@ -392,37 +399,38 @@ def _pct(x: Any) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _capacity_targets(r: dict[str, Any]) -> list[Target]:
+def _capacity_targets(r: dict[str, Any], fam: str = "capacity") -> list[Target]:
     """bench capacity: the autoscaled fleet against the peak-sized one on a compressed
-    spike trace; the minimum-sized one beside them; the simulator's prediction."""
+    trace (``fam``: capacity, the spike; capacity_diurnal, the diurnal day); the
+    minimum-sized one beside them; the simulator's prediction."""
     arms = r.get("arms", {})
     a, b, c = (arms.get(k, {}) for k in ("autoscaled", "fixed_peak", "fixed_min"))
     slo = num(r.get("slo_ttft_s"), 1)
     pts, saving = r.get("slo_points_autoscaled_minus_peak"), r.get("unit_seconds_saving_vs_peak")
     failed_in, scale_ins = r.get("failed_during_scale_in"), r.get("scale_ins")
     out = [
-        Target("capacity", f"autoscaled SLO attainment (TTFT <= {slo} s) within 5 points of "
+        Target(fam, f"autoscaled SLO attainment (TTFT <= {slo} s) within 5 points of "
                "the peak-sized fleet",
                f"{_pct(a.get('slo_attainment'))} vs {_pct(b.get('slo_attainment'))} "
                f"({num(pts, 1)} points); minimum-sized {_pct(c.get('slo_attainment'))}",
                None if pts is None else pts >= -5.0),
-        Target("capacity", "autoscaled unit-seconds >= 30% fewer than the peak-sized fleet",
+        Target(fam, "autoscaled unit-seconds >= 30% fewer than the peak-sized fleet",
                f"{_pct(saving)} fewer ({num(a.get('unit_seconds'), 0)} vs "
                f"{num(b.get('unit_seconds'), 0)}; minimum-sized {num(c.get('unit_seconds'), 0)})",
                None if saving is None else saving >= 0.30),
     ]  # fmt: skip
     if failed_in is not None and not scale_ins:
-        out.append(Target("capacity", "no failed request during scale-in",
+        out.append(Target(fam, "no failed request during scale-in",
                           f"{failed_in} (no scale-in happened in the run)", None,
                           status="not measured (no scale-in)"))  # fmt: skip
     else:
-        out.append(Target("capacity", "no failed request during scale-in",
+        out.append(Target(fam, "no failed request during scale-in",
                           f"{num(failed_in)} over {num(scale_ins)} scale-in(s)",
                           None if failed_in is None else failed_in == 0))  # fmt: skip
     sim = (r.get("simulator") or {}).get("vs_measured", {}).get("autoscaled")
     if sim:
         p99, mean = sim["ttft_p99_s"], sim["units_mean"]
-        out.append(Target("capacity", "information: simulator vs measured, autoscaled fleet",
+        out.append(Target(fam, "information: simulator vs measured, autoscaled fleet",
                           f"TTFT p99 {num(p99['predicted'])} vs {num(p99['measured'])} s, "
                           f"units mean {num(mean['predicted'])} vs {num(mean['measured'])}; "
                           f"within tolerance: {num(sim['within_tolerance'])}", None,
@@ -443,12 +451,15 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "startup": _startup_targets,
     "classes": _classes_targets,
     "capacity": _capacity_targets,
+    "capacity_diurnal": lambda r: _capacity_targets(r, "capacity_diurnal"),
 }
+_CAPACITY_NOT_MEASURED = [
+    "autoscaled SLO attainment within 5 points of the peak-sized fleet, >= 30% fewer "
+    "unit-seconds, no failed request during scale-in"
+]
 NOT_MEASURED = {
-    "capacity": [
-        "autoscaled SLO attainment within 5 points of the peak-sized fleet, >= 30% fewer "
-        "unit-seconds, no failed request during scale-in"
-    ],
+    "capacity": _CAPACITY_NOT_MEASURED,
+    "capacity_diurnal": _CAPACITY_NOT_MEASURED,
     "classes": ["real-time TTFT p99 with batch within 1.1x; batch >= 0.8 of idle capacity"],
     "startup": ["default cluster ready within 1.5x of vllm serve; recreated unit <= 30 s"],
     "executor": ["unit / MultiprocExecutor output tok/s >= 0.9"],
@@ -850,6 +861,14 @@ def _capacity_section(r: dict[str, Any]) -> list[str]:
                         + [num(v.get("within_tolerance"))])  # fmt: skip
         out += _table(["fleet", "TTFT p50 s (sim vs run)", "TTFT p99 s", "units mean",
                        "units max", "within tolerance"], rows)  # fmt: skip
+        sweep = sim.get("startup_sweep") or []
+        if sweep:
+            out += ["", "The simulator's start-up sweep (the cold autoscaled fleet at each "
+                    "decision-to-routable time, against the predicted peak fleet):", ""]  # fmt: skip
+            out += _table(["decision -> routable", *(f"{num(x['startup_s'], 0)} s" for x in sweep)],
+                          [["SLO points vs peak", *(num(x["slo_points_minus_peak"], 1) for x in sweep)],
+                           ["unit-seconds fewer", *(_pct(x["unit_seconds_saving_vs_peak"]) for x in sweep)],
+                           ["both targets", *(num(x["targets_met"]) for x in sweep)]])  # fmt: skip
     if r.get("error"):
         out += ["", f"error: {r['error']}"]
     return out
@@ -869,6 +888,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "startup": _generic_section,
     "classes": _generic_section,
     "capacity": _capacity_section,
+    "capacity_diurnal": _capacity_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -884,6 +904,7 @@ TITLES = {
     "startup": "Start-up: the default cluster vs vllm serve, and a recreated unit",
     "classes": "Traffic classes: real-time beside a batch backlog",
     "capacity": "Capacity: autoscaled vs fixed fleets on a compressed spike trace (TP=1)",
+    "capacity_diurnal": "Capacity: autoscaled vs fixed fleets on the compressed diurnal day (TP=1)",
 }
 
 
@@ -919,7 +940,7 @@ def render(results: dict[str, dict[str, Any]], plots_dir: Path, report_path: Pat
         lines += ["", f"## {TITLES[fam]}", ""]
         r = results.get(fam)
         if r is None:
-            lines.append("No result yet (`neuron-serving bench " + fam + "`).")
+            lines.append(f"No result yet (`neuron-serving bench {COMMANDS.get(fam, fam)}`).")
             continue
         lines += _meta(r) + [""]
         try:

@@ -172,3 +172,15 @@ MEASURED = UnitModel(
     startup_s=28.2,
     source=f"{SCALING_RESULT} (2026-12-03) + {STARTUP_RESULT} (2026-12-04)",
 )
+
+
+# The throughput curve `up --autoscale` runs with unless its config sets unit_curve:
+# `up`'s default engine (the TP=1 demo unit, max_num_seqs 16, 24-token chat streams)
+# as `bench capacity`'s probe measured it, rounded down (bench/results/capacity.json,
+# commit b4e1cd0: (0.0625, 0.19), (0.25, 0.56); capacity-quick.json, 0cc3087: 0.21,
+# 0.62; a later probe, 0.25, 0.70). Without a curve the policy reads two units each
+# running 4 of 16 as one unit's worth of work at target and removes one; the survivor
+# then has more than its saturated throughput to carry. `bench capacity --trace
+# diurnal` did exactly that three times in ten minutes (351 requests failed during
+# those scale-ins) before this default.
+UP_UNIT_CURVE: tuple[tuple[float, float], ...] = ((0.0625, 0.2), (0.25, 0.6), (1.0, 1.0))

@@ -332,6 +332,8 @@ class CapacityController:
             "min_units": p.min_units,
             "max_units": p.max_units,
             "tick_s": p.tick_s,
+            "target_utilization": p.target_utilization,
+            "unit_curve": [list(pt) for pt in p.unit_curve],
             "warm_units": self.config.warm_units,
             "spares": self.spares,
             "desired": None if d is None else d["desired"],

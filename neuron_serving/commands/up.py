@@ -187,6 +187,12 @@ def _capacity_config(args: argparse.Namespace) -> Any:
         hi = max(4, lo, args.units or 0)
     if args.warm_units is not None:
         raw = {**raw, "warm_units": args.warm_units}
+    if "unit_curve" not in raw:
+        # up's own engine batches: its measured curve, not Knative's linear one
+        # (calibration.UP_UNIT_CURVE says why); `unit_curve: []` asks for linear.
+        from neuron_serving.capacity.calibration import UP_UNIT_CURVE
+
+        raw = {**raw, "unit_curve": UP_UNIT_CURVE}
     cfg = ControllerConfig.from_dict(raw, min_units=lo, max_units=hi)
     args.units = cfg.policy.min_units if args.units is None else args.units
     p = cfg.policy

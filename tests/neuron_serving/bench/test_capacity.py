@@ -203,7 +203,7 @@ def test_resimulate_redoes_the_predictions_of_a_saved_result(tmp_path, capsys):
     sweep = sim["startup_sweep"]
     assert [r["startup_s"] for r in sweep] == list(cap.STARTUP_SWEEP_S)
     pts = [r["slo_points_minus_peak"] for r in sweep]
-    assert all(b <= a + 0.5 for a, b in zip(pts, pts[1:])), pts
+    assert all(b <= a + 0.5 for a, b in zip(pts, pts[1:], strict=False)), pts
     assert sweep[-1]["targets_met"] is False and pts[-1] < -5
     path.write_text(json.dumps({"arms": {}}))
     assert cap.resimulate(str(path)) == 1

@@ -229,7 +229,12 @@ def test_capacity_targets_and_section(tmp_path):
         "simulator": {"startup_s": 29.5, "tolerance": {"ttft_ratio_max": 2.0},
                       "vs_measured": {"autoscaled": {
                           "ttft_p50_s": side, "ttft_p99_s": side, "units_mean": side,
-                          "units_max": side, "within_tolerance": True}}},
+                          "units_max": side, "within_tolerance": True}},
+                      "startup_sweep": [
+                          {"startup_s": 5.0, "slo_points_minus_peak": -0.3,
+                           "unit_seconds_saving_vs_peak": 0.388, "targets_met": True},
+                          {"startup_s": 28.0, "slo_points_minus_peak": -9.3,
+                           "unit_seconds_saving_vs_peak": 0.383, "targets_met": False}]},
     })  # fmt: skip
     md_path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     cap = [t for t in ts if t.benchmark == "capacity"]
@@ -240,6 +245,20 @@ def test_capacity_targets_and_section(tmp_path):
     md = md_path.read_text()
     assert "| autoscaled | 96.0% |" in md and "decision to routable [29.5] s" in md
     assert "| 0 | 60.0%, p99 0.80 s | 96.0%, p99 0.80 s | 99.0%, p99 0.80 s |" in md
+    assert "| SLO points vs peak | -0.3 | -9.3 |" in md and "| both targets | true | false |" in md
+    # The diurnal day is a family of its own: the spike's result stays beside it.
+    assert "No result yet (`neuron-serving bench capacity --trace diurnal`)" in md
+    _write(tmp_path, "capacity-diurnal", {
+        "slo_ttft_s": 1.0, "trace": {"name": "diurnal"},
+        "arms": {"fixed_min": arm(0.7, 600.0), "autoscaled": auto, "fixed_peak": arm(0.99, 720.0)},
+        "slo_points_autoscaled_minus_peak": -1.0, "unit_seconds_saving_vs_peak": 0.35,
+        "failed_during_scale_in": 0, "scale_ins": 2})  # fmt: skip
+    found = report.latest_results(tmp_path)
+    assert found["capacity"]["_file"] == "capacity-quick.json"
+    assert found["capacity_diurnal"]["_file"] == "capacity-diurnal.json"
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    assert [t.met for t in ts if t.benchmark == "capacity_diurnal"] == [True, True, True]
+    (tmp_path / "capacity-diurnal.json").unlink()
     # No scale-in in the run: that target is not measured, not met.
     _write(tmp_path, "capacity-quick", {"arms": {}, "failed_during_scale_in": 0, "scale_ins": 0,
                                         "slo_points_autoscaled_minus_peak": -8.0})  # fmt: skip

@@ -150,6 +150,9 @@ def test_keeps_the_last_n_decisions_and_reports_status() -> None:
     assert len(c.decisions) == 5 and [d["at"] for d in st["decisions"]] == [5, 6, 7]
     assert st["desired"] == 1 and st["current"] == 1 and st["reason"] == "hold"
     assert st["last_action"] is None and (st["min_units"], st["max_units"]) == (1, 3)
+    # The policy's shape as bench capacity's simulator reads it back.
+    assert st["unit_curve"] == [list(p) for p in FAST.unit_curve]
+    assert st["target_utilization"] == FAST.target_utilization
     json.dumps(st)  # supervisor.json
 
 

@@ -217,3 +217,21 @@ def test_config_defaults_are_valid() -> None:
     cfg = policy_config_from_dict({})
     assert cfg.stable_window_s == 60 and cfg.panic_window_s == 6
     assert cfg.target_per_unit(16) == 8
+
+
+def test_ups_unit_curve_keeps_the_unit_a_linear_policy_would_take_away() -> None:
+    """What `bench capacity --trace diurnal` measured before up had a curve: two units of
+    16 slots, 8 requests running between them (100 req/s of 24-token streams, each unit
+    at about 4 of its 16). Linear, that is one unit's work at target (0.5 x 16), so one
+    goes after the cool-down, and the survivor gets more than its saturated
+    throughput. Through up's curve it is still two units' work."""
+    import msgspec
+
+    from neuron_serving.capacity.calibration import UP_UNIT_CURVE
+
+    units = tuple(msgspec.structs.replace(u, max_num_seqs=16) for u in fleet(2))
+    for curve, removes in (((), True), (UP_UNIT_CURVE, False)):
+        cfg = PolicyConfig(max_units=3, max_num_seqs=16, unit_curve=curve)
+        decisions, _ = run(cfg, steady(cfg, units, 8, 300))
+        assert any(d.remove for d in decisions) is removes, curve
+        assert decisions[-1].stable_desired == (1 if removes else 2), curve

@@ -7,6 +7,7 @@ left after shutdown onto the exit-code table, and that it always shuts down.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import threading
 from collections.abc import Iterator
@@ -152,3 +153,28 @@ def test_routing_is_checked_and_reaches_the_spec(
     assert FakeCluster.made[-1].spec.routing_policy == "round_robin"
     assert main([*base, "--proxies", "2"]) == ExitCode.OK
     assert FakeCluster.made[-1].spec.routing_policy == "kv_aware"
+
+
+def _autoscale_args(**kw: object) -> argparse.Namespace:
+    base = dict(autoscale=True, units=None, units_min=1, units_max=3, autoscale_config=None,
+                warm_units=None, autoscale_metrics_port=None)  # fmt: skip
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_autoscale_runs_with_ups_unit_curve_unless_the_config_sets_one(tmp_path: Path) -> None:
+    from neuron_serving.capacity.calibration import UP_UNIT_CURVE
+    from neuron_serving.commands.up import _capacity_config
+
+    cfg = _capacity_config(_autoscale_args())
+    assert cfg.policy.unit_curve == UP_UNIT_CURVE and (
+        cfg.policy.min_units,
+        cfg.policy.max_units,
+    ) == (1, 3)
+    linear = tmp_path / "linear.yaml"
+    linear.write_text("unit_curve: []\nscale_down_cooldown_s: 30\n")
+    cfg = _capacity_config(_autoscale_args(autoscale_config=str(linear)))
+    assert cfg.policy.unit_curve == () and cfg.policy.scale_down_cooldown_s == 30
+    own = tmp_path / "own.yaml"
+    own.write_text("unit_curve: [[0.5, 0.9], [1.0, 1.0]]\n")
+    assert _capacity_config(_autoscale_args(autoscale_config=str(own))).policy.unit_curve == (
+        (0.5, 0.9), (1.0, 1.0))  # fmt: skip

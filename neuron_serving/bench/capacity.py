@@ -307,21 +307,24 @@ def scale_in_windows(polls: list[tuple[float, float, list[dict[str, Any]]]],
 
 def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
               decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
-    """Per unit added while the cluster ran: when it was decided (the capacity
-    decision whose ``added`` names it, at its ``wall_time``; else the unit's first
-    appearance in supervisor.json), when it was routable, and the time between."""
+    """Per addition while the cluster ran: when it was decided (the capacity decision
+    whose ``added`` names the unit, at its ``wall_time``; else the unit's first
+    appearance in supervisor.json), when it was next routable, and the time between.
+    A spare can be promoted, held back into the pool and promoted again: each
+    promotion is a row, timed to the first ``routable_at`` at or after it (the
+    supervisor clears ``routable_at`` on a hold and sets it again on a promotion)."""
     if not polls:
         return []
-    decided: dict[str, float] = {}  # unit id -> wall time of its decision
+    decided: dict[str, list[float]] = {}  # unit id -> wall times of its decisions
     promoted: set[str] = set()  # added from the warm pool (the rest started cold)
     for d in decisions:
         promoted |= {str(u) for u in (d.get("pool") or {}).get("promoted") or []}
         for uid in d.get("added") or []:
             if isinstance(d.get("wall_time"), (int, float)):
-                decided[str(uid)] = float(d["wall_time"])
+                decided.setdefault(str(uid), []).append(float(d["wall_time"]))
     initial = {u["unit_id"] for u in polls[0][2]}
     first: dict[str, float] = {}  # wall
-    routable: dict[str, float] = {}  # wall
+    routable: dict[str, set[float]] = {}  # wall: every routable_at seen
     warm_at: dict[str, float] = {}  # wall: first poll showing the unit a warm spare
     for _, wall, units in polls:
         for u in units:
@@ -331,18 +334,19 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
             if uid in initial and not u.get("added"):
                 continue
             first.setdefault(uid, wall)
-            if uid not in routable and u.get("routable_at"):
-                routable[uid] = float(u["routable_at"])
+            if u.get("routable_at"):
+                routable.setdefault(uid, set()).add(float(u["routable_at"]))
     out = []
     for uid, seen in sorted(first.items(), key=lambda kv: kv[1]):
-        at = decided.get(uid, seen)
-        r = routable.get(uid)
-        out.append({"unit_id": uid,
-                    "decision": "capacity decision" if uid in decided else "first seen",
-                    "promoted": uid in promoted,
-                    # promoted warm (else still starting: its start went on)
-                    "was_warm": uid in promoted and warm_at.get(uid, math.inf) <= at,
-                    "decision_to_routable_s": None if r is None else round(r - at, 2)})  # fmt: skip
+        for at in sorted(decided.get(uid) or [seen]):
+            # The wall clocks of the controller and the supervisor are one host's.
+            r = min((x for x in routable.get(uid, ()) if x >= at - 0.5), default=None)
+            out.append({"unit_id": uid,
+                        "decision": "capacity decision" if uid in decided else "first seen",
+                        "promoted": uid in promoted,
+                        # promoted warm (else still starting: its start went on)
+                        "was_warm": uid in promoted and warm_at.get(uid, math.inf) <= at,
+                        "decision_to_routable_s": None if r is None else round(r - at, 2)})  # fmt: skip
     return out
 
 

@@ -155,6 +155,20 @@ def test_scale_ups_from_the_decision_that_named_the_unit():
         "decision_to_routable_s": 34.0}  # fmt: skip
     assert cap.scale_actions(decisions) == {"decisions_acting": 2, "scale_ups": 2,
                                             "scale_downs": 0}  # fmt: skip
+    # A spare promoted, held back into the pool, promoted again: one row per promotion,
+    # each timed to the routable_at that followed it (bench capacity --trace diurnal
+    # reported -225 s when the second promotion was timed to the first's routable_at).
+    cycle = [
+        (100.0, 1000.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True, warm=True)]),
+        (110.0, 1010.0, [_unit("unit-0"), _unit("unit-1", added=True, routable_at=1008.02)]),
+        (200.0, 1100.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True, warm=True)]),
+        (300.0, 1200.0, [_unit("unit-0"), _unit("unit-1", added=True, routable_at=1233.03)]),
+    ]  # fmt: skip
+    twice = [{"wall_time": 1008.0, "added": ["unit-1"], "pool": {"promoted": ["unit-1"]}},
+             {"wall_time": 1233.0, "added": ["unit-1"], "pool": {"promoted": ["unit-1"]}}]  # fmt: skip
+    rows = cap.scale_ups(cycle, twice)
+    assert [(r["unit_id"], r["was_warm"], r["decision_to_routable_s"]) for r in rows] == [
+        ("unit-1", True, 0.02), ("unit-1", True, 0.03)]  # fmt: skip
 
 
 def test_compare_sim_and_verdicts():

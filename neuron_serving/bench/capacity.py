@@ -238,7 +238,8 @@ class Poller(threading.Thread):
                   "routable": u.get("routable"), "removing": u.get("removing"),
                   "added": u.get("added"), "launched_at": u.get("launched_at"),
                   "routable_at": u.get("routable_at"),
-                  "removing_since": u.get("removing_since")}
+                  "removing_since": u.get("removing_since"),
+                  "standby": u.get("standby"), "warm": u.get("warm")}
                  for u in state.get("units", [])]  # fmt: skip
         self.polls.append((mono, wall, units))
         cap = state.get("capacity")
@@ -282,27 +283,35 @@ def unit_timeline(polls: list[tuple[float, float, list[dict[str, Any]]]]
 
 def scale_in_windows(polls: list[tuple[float, float, list[dict[str, Any]]]],
                      grace_s: float = 1.0) -> list[tuple[float, float]]:  # fmt: skip
-    """Per unit drained or removed: from its removal's start (removing_since, else the
-    first poll showing it draining) to the first poll without its processes (+grace);
-    a unit drained into the warm pool: to the first poll showing it a spare again."""
-    start: dict[str, float] = {}
-    end: dict[str, float] = {}
+    """Per drain (a unit removed, or held into the warm pool; a spare held twice is
+    two): from its start (removing_since, else the first poll showing the unit
+    draining) to the first poll without its processes (+grace), or, held into the
+    pool, to the first poll showing it no longer draining. Sorted by start."""
+    open_: dict[str, float] = {}
+    out: list[tuple[float, float]] = []
+    # Closed, and not yet seen out of draining since: a unit whose processes are gone
+    # can stay listed as removing for a poll or two; that is the same drain.
+    closed: set[str] = set()
     for mono, wall, units in polls:
         seen = set()
         for u in units:
             uid = u["unit_id"]
             seen.add(uid)
             draining = u.get("removing") or u.get("phase") == "draining"
-            if draining and uid not in start:
+            if not draining:
+                closed.discard(uid)
+            if draining and uid not in open_ and uid not in closed:
                 since = u.get("removing_since")
-                start[uid] = _to_mono(since, mono, wall) if since else mono
-            if uid in start and uid not in end and (not u["running"] or not draining):
-                end[uid] = mono + grace_s
-        for uid in start:
-            if uid not in seen and uid not in end:
-                end[uid] = mono + grace_s
+                open_[uid] = _to_mono(since, mono, wall) if since else mono
+            if uid in open_ and (not u["running"] or not draining):
+                out.append((open_.pop(uid), mono + grace_s))
+                closed.add(uid)
+        for uid in [x for x in open_ if x not in seen]:
+            out.append((open_.pop(uid), mono + grace_s))
+            closed.add(uid)
     last = polls[-1][0] + grace_s if polls else 0.0
-    return [(start[u], end.get(u, last)) for u in start]
+    out += [(start, last) for start in open_.values()]
+    return sorted(out)
 
 
 def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
@@ -316,12 +325,16 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
     if not polls:
         return []
     decided: dict[str, list[float]] = {}  # unit id -> wall times of its decisions
-    promoted: set[str] = set()  # added from the warm pool (the rest started cold)
+    # (unit id, decision wall time): added from the warm pool by that decision (the
+    # rest started cold; one unit can be both, started cold and later re-promoted)
+    promoted: set[tuple[str, float]] = set()
     for d in decisions:
-        promoted |= {str(u) for u in (d.get("pool") or {}).get("promoted") or []}
+        if not isinstance(d.get("wall_time"), (int, float)):
+            continue
+        at = float(d["wall_time"])
+        promoted |= {(str(u), at) for u in (d.get("pool") or {}).get("promoted") or []}
         for uid in d.get("added") or []:
-            if isinstance(d.get("wall_time"), (int, float)):
-                decided.setdefault(str(uid), []).append(float(d["wall_time"]))
+            decided.setdefault(str(uid), []).append(at)
     initial = {u["unit_id"] for u in polls[0][2]}
     first: dict[str, float] = {}  # wall
     routable: dict[str, set[float]] = {}  # wall: every routable_at seen
@@ -341,11 +354,12 @@ def scale_ups(polls: list[tuple[float, float, list[dict[str, Any]]]],
         for at in sorted(decided.get(uid) or [seen]):
             # The wall clocks of the controller and the supervisor are one host's.
             r = min((x for x in routable.get(uid, ()) if x >= at - 0.5), default=None)
+            was_promoted = (uid, at) in promoted
             out.append({"unit_id": uid,
                         "decision": "capacity decision" if uid in decided else "first seen",
-                        "promoted": uid in promoted,
+                        "promoted": was_promoted,
                         # promoted warm (else still starting: its start went on)
-                        "was_warm": uid in promoted and warm_at.get(uid, math.inf) <= at,
+                        "was_warm": was_promoted and warm_at.get(uid, math.inf) <= at,
                         "decision_to_routable_s": None if r is None else round(r - at, 2)})  # fmt: skip
     return out
 
@@ -514,10 +528,12 @@ def policy_for(capacity: dict[str, Any] | None) -> tuple[Any, str]:
 
     cap = capacity or {}
     curve = cap.get("unit_curve", () if cap else UP_UNIT_CURVE)
+    target = {"target_utilization": float(cap["target_utilization"])
+              } if cap.get("target_utilization") is not None else {}  # fmt: skip
     try:
         return PolicyConfig(min_units=int(cap["min_units"]), max_units=int(cap["max_units"]),
                             tick_s=float(cap["tick_s"]), max_num_seqs=MAX_NUM_SEQS,
-                            unit_curve=curve,
+                            unit_curve=curve, **target,
                             ), "supervisor.json capacity section + PolicyConfig defaults"  # fmt: skip
     except (KeyError, TypeError, ValueError):
         return PolicyConfig(min_units=UNITS_MIN, max_units=UNITS_MAX, max_num_seqs=MAX_NUM_SEQS,
@@ -773,6 +789,10 @@ async def _run_arms(quick: bool, model: str | None, result: dict[str, Any],
             arm.update(figures)
             if name.startswith("autoscaled") and extra_out and capacity_section is None:
                 capacity_section = extra_out.get("capacity")
+                if isinstance(capacity_section, dict):
+                    # What the controller ran, for --resimulate (the section is not kept).
+                    result["controller_policy"] = {k: capacity_section.get(k) for k in (
+                        "min_units", "max_units", "tick_s", "unit_curve", "target_utilization")}  # fmt: skip
             arm["unit_restarts"] = {u["unit_id"]: u.get("restarts") for u in run.state()["units"]}
         except Exception as e:  # noqa: BLE001 (reported in the result; the next arm runs)
             arm["error"] = f"{type(e).__name__}: {e}"
@@ -830,18 +850,22 @@ def resimulate(path: str) -> int:
     if "probe" not in result or "per_unit_rps_at_target" not in t:
         print(f"bench capacity: {path} has no probe or trace to simulate", file=sys.stderr)
         return 1
-    # The policy the run's controller had (a result from before the capacity section
-    # stated a unit curve ran without one).
-    saved = (result.get("simulator") or {}).get("policy")
-    if saved:
-        result["_capacity_section"] = {"unit_curve": [], "tick_s": 2.0, **saved}  # 2.0: the default
+    # The policy the run's controller had: saved as such since c65dd5c; before, the
+    # simulator's copy of it, or nothing, and the controller ran without a unit curve.
+    saved = result.get("controller_policy") or (result.get("simulator") or {}).get("policy") or {}
+    result["_capacity_section"] = {"unit_curve": [], "tick_s": 2.0,  # 2.0: the default
+                                   "min_units": UNITS_MIN, "max_units": UNITS_MAX,
+                                   **{k: v for k, v in saved.items() if v is not None}}  # fmt: skip
     name = t.get("name", TRACE)
     cut = tuple(t.get("window_s") or WINDOWS[name])
     result["_trace"] = scaled_trace(float(t["per_unit_rps_at_target"]), float(t["duration_s"]),
                                     name=name, cut=(float(cut[0]), float(cut[1])))  # fmt: skip
     _simulate(result)
-    if saved and "simulator" in result:
-        result["simulator"]["policy_from"] = "the saved result's simulator.policy"
+    if "simulator" in result:
+        result["simulator"]["policy_from"] = (
+            "the saved result's controller_policy" if result.get("controller_policy")
+            else "the saved result's simulator.policy" if saved
+            else "none saved: the bounds of the benchmark, linear (before c65dd5c)")  # fmt: skip
     Path(path).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     for arm, row in result["simulator"]["vs_measured"].items():
         print(f"{arm}: within tolerance {row['within_tolerance']}; " + ", ".join(

@@ -127,6 +127,15 @@ def test_scale_in_windows_and_failures_inside_them():
     ]  # fmt: skip
     assert cap.scale_in_windows(held, grace_s=1.0) == [(pytest.approx(100.5), 103.0)]
     assert [n for _, n, _ in cap.unit_timeline(held)] == [2, 2, 2, 2]  # a spare is paid for
+    # Promoted, then held again: a second drain, a second window.
+    again = held + [
+        (120.0, 1020.0, [_unit("unit-0"), _unit("unit-1", added=True)]),
+        (130.0, 1030.0, [_unit("unit-0"), _unit("unit-1", added=True, phase="draining")]),
+        (131.0, 1031.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True,
+                                                 warm=True, routable=False)]),
+    ]  # fmt: skip
+    assert cap.scale_in_windows(again, grace_s=1.0) == [(pytest.approx(100.5), 103.0),
+                                                        (130.0, 132.0)]  # fmt: skip
 
 
 def test_scale_ups_from_the_decision_that_named_the_unit():
@@ -155,20 +164,37 @@ def test_scale_ups_from_the_decision_that_named_the_unit():
         "decision_to_routable_s": 34.0}  # fmt: skip
     assert cap.scale_actions(decisions) == {"decisions_acting": 2, "scale_ups": 2,
                                             "scale_downs": 0}  # fmt: skip
-    # A spare promoted, held back into the pool, promoted again: one row per promotion,
-    # each timed to the routable_at that followed it (bench capacity --trace diurnal
-    # reported -225 s when the second promotion was timed to the first's routable_at).
-    cycle = [
-        (100.0, 1000.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True, warm=True)]),
-        (110.0, 1010.0, [_unit("unit-0"), _unit("unit-1", added=True, routable_at=1008.02)]),
-        (200.0, 1100.0, [_unit("unit-0"), _unit("unit-1", added=True, standby=True, warm=True)]),
-        (300.0, 1200.0, [_unit("unit-0"), _unit("unit-1", added=True, routable_at=1233.03)]),
+
+    # A unit started cold, held into the pool, promoted: one row per addition, each
+    # timed to the routable_at that followed it (bench capacity --trace diurnal reported
+    # -225 s when a second promotion was timed to the first's routable_at), each
+    # promoted or not by its own decision. The polls go through the real Poller, from
+    # supervisor.json-shaped units (it once dropped standby and warm).
+    def sup(uid, **kw):
+        return {"unit_id": uid, "phase": "ready", "routable": True, "added": True,
+                "processes": [{"running": True}], **kw}  # fmt: skip
+
+    states = [
+        {"units": [sup("unit-0", added=False), sup("unit-1", phase="starting", routable=False)]},
+        {"units": [sup("unit-0", added=False), sup("unit-1", routable_at=1030.0)]},
+        {"units": [sup("unit-0", added=False), sup("unit-1", standby=True, warm=True,
+                                                    routable=False)]},
+        {"units": [sup("unit-0", added=False), sup("unit-1", routable_at=1200.03)]},
     ]  # fmt: skip
-    twice = [{"wall_time": 1008.0, "added": ["unit-1"], "pool": {"promoted": ["unit-1"]}},
-             {"wall_time": 1233.0, "added": ["unit-1"], "pool": {"promoted": ["unit-1"]}}]  # fmt: skip
+
+    class FakeRun:
+        def state(self):
+            return states.pop(0)
+
+    poller = cap.Poller(FakeRun())
+    for _ in range(4):
+        poller.poll()
+    cycle = [(float(i), 1000.0 + 100 * i, units) for i, (_, _, units) in enumerate(poller.polls)]
+    twice = [{"wall_time": 1001.0, "added": ["unit-1"]},
+             {"wall_time": 1200.0, "added": ["unit-1"], "pool": {"promoted": ["unit-1"]}}]  # fmt: skip
     rows = cap.scale_ups(cycle, twice)
-    assert [(r["unit_id"], r["was_warm"], r["decision_to_routable_s"]) for r in rows] == [
-        ("unit-1", True, 0.02), ("unit-1", True, 0.03)]  # fmt: skip
+    assert [(r["promoted"], r["was_warm"], r["decision_to_routable_s"]) for r in rows] == [
+        (False, False, 29.0), (True, True, 0.03)]  # fmt: skip
 
 
 def test_compare_sim_and_verdicts():

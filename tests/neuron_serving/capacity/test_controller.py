@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -142,7 +143,8 @@ def test_survives_actuator_and_reader_errors_and_counts_them() -> None:
 
 def test_keeps_the_last_n_decisions_and_reports_status() -> None:
     script = [signals(t, fleet(1), rt=3) for t in range(8)]
-    c, _ = controller(script, FakeActuator(), ControllerConfig(policy=FAST, decisions_kept=5))
+    policy = dataclasses.replace(FAST, unit_curve=((0.25, 0.6), (1.0, 1.0)))
+    c, _ = controller(script, FakeActuator(), ControllerConfig(policy=policy, decisions_kept=5))
     assert c.status()["desired"] is None and c.status()["decisions"] == []
     for _ in range(8):
         c.tick()
@@ -151,7 +153,7 @@ def test_keeps_the_last_n_decisions_and_reports_status() -> None:
     assert st["desired"] == 1 and st["current"] == 1 and st["reason"] == "hold"
     assert st["last_action"] is None and (st["min_units"], st["max_units"]) == (1, 3)
     # The policy's shape as bench capacity's simulator reads it back.
-    assert st["unit_curve"] == [list(p) for p in FAST.unit_curve]
+    assert st["unit_curve"] == [[0.25, 0.6], [1.0, 1.0]]
     assert st["target_utilization"] == FAST.target_utilization
     json.dumps(st)  # supervisor.json
 

@@ -7,6 +7,7 @@ import importlib
 import sys
 import time
 
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.models.resolve import model_arg
 
 BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load")
@@ -84,6 +85,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
 
 
 def run(args: argparse.Namespace) -> int:
+    # Flags of one benchmark are refused elsewhere rather than silently ignored.
+    if args.name != "capacity" and (args.trace or args.resimulate):
+        print("bench: --trace and --resimulate are bench capacity's", file=sys.stderr)
+        return ExitCode.USAGE
     if args.name != "all":
         return _call(args.name, args.quick, args)
     return run_all(args)

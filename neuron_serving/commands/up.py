@@ -147,7 +147,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="YAML/JSON mapping of the policy's knobs (capacity/config.py: tick_s, "
         "stable_window_s, scale_down_cooldown_s, ...) and the loop's (latency_window_s, "
-        "decisions_kept, max_adds_per_tick, max_removes_per_tick); the flags win",
+        "decisions_kept, max_adds_per_tick, max_removes_per_tick); the flags win. "
+        "unit_curve defaults to up's measured engine curve; [] makes it linear",
     )
     p.set_defaults(func=run)
 

@@ -18,7 +18,11 @@ def test_all_runs_each_benchmark_then_report_and_records_wall_times(tmp_path, mo
 
     monkeypatch.setattr(bench, "_call", fake)
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
-    args = argparse.Namespace(name="all", full=False, model="/m", json=False, repeats=None)
+    # The real parser, so the Namespace has every attribute `bench.run` reads.
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["bench", "all"])
+    args.model = "/m"  # model_arg would resolve a real path
     assert bench.run(args) == 1  # a failing benchmark does not stop the others
     names = [c[0] for c in calls]
     assert names[-1] == "report" and names[1] == "serving+scaling"

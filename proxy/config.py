@@ -298,9 +298,16 @@ class RoutingConfig:
     # kv_aware: a unit's KV usage weighs nothing up to this fraction, then rises to a
     # whole running batch at a full cache (proxy/routing/kv_aware.py).
     kv_usage_high: float = 0.8
+    # kv_aware: a prompt's first home_prefix_tokens tokens pick its home unit
+    # (rendezvous hashing); another unit that does not hold them yet pays home_weight
+    # times their prefill again (proxy/routing/kv_aware.py, "Home units"). 0: off.
+    home_prefix_tokens: int = 512
+    home_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
+        _check(self.home_prefix_tokens >= 0, "routing.home_prefix_tokens must be >= 0")
+        _check(self.home_weight >= 0, "routing.home_weight must be >= 0")
         _check(self.prefill_tokens_per_seq > 0, "routing.prefill_tokens_per_seq must be > 0")
         _check(0 <= self.kv_usage_high < 1, "routing.kv_usage_high must be in [0, 1)")
         _check(self.block_chars >= 1, "routing.block_chars must be >= 1")

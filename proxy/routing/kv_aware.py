@@ -22,8 +22,12 @@ For each candidate unit u, with the prompt's token ids (``proxy/prompt_tokens.py
                  from its report), else the shortfall over the blocks a running
                  sequence holds there on average, at most the running batch
                  (``kv_wait``)
+    home_u     = 0 on the prompt's home unit (below); elsewhere home_weight x
+                 max(0, min(prompt tokens, home_prefix_tokens) - cached_u)
+                 / prefill_tokens_per_seq: the home prefix's prefill again, for the
+                 copy of it u would add
     cost_u     = ((prompt tokens - cached_u) / prefill_tokens_per_seq + seqs_u
-                     + wait_u) / max_num_seqs_u
+                     + wait_u + home_u) / max_num_seqs_u
 
 A leader that reports no cache size (``num_blocks`` 0: a leader of an earlier
 version) gets the earlier KV term instead of ``wait_u``: ``+ kv_u`` outside the
@@ -73,6 +77,29 @@ cannot be reproduced), is routed by ``prefix_cache_aware`` (``cache_aware.py``):
 without KV events this policy is that one. Either way the chosen unit's prompt goes
 into the approximate index, so it is warm whenever a unit falls back to it.
 
+Home units (``routing.home_prefix_tokens``, 512; ``routing.home_weight``, 1). Under
+cache pressure the exact index forgets a prefix once vLLM evicts it, and a prefix
+no unit holds went by load alone, to either unit at random: every tenant's system
+prompt then came and went in every unit's cache, and the fleet cached no more than
+one unit could. ``bench routing`` measured exactly that: the exact index's hit rate
+was no better than the approximate index's (0.57-0.61 against 0.52-0.65), whose
+stale memory of where it sent a prefix kept each tenant on one unit by accident.
+So each prompt has a home, picked by rendezvous hashing (highest random weight,
+Thaler and Ravishankar 1996) of its first ``home_prefix_tokens`` token ids (and its
+cache salt) over the candidates' unit ids, and another unit pays for the copy of
+that prefix it would add: its prefill again, ``home_weight`` times, none of it when
+it already holds the prefix. Prefixes that no unit holds go home unless home is
+busier by more than that (a 512-token prefix: 2 sequences), so the units' caches
+divide the prefixes between them instead of each holding the hottest ones; a
+prefix cached away from home (load sent it there) is used where it is, and at
+``home_weight`` 1 a unit holding more than half of the home prefix beats an empty
+home. It is
+consistent hashing with bounded loads (Mirrokni et al. 2018, as KubeAI's
+``PrefixHash`` load balancing does it) written as a cost: every proxy replica
+computes the same home without talking to the others, and removing a unit moves only
+the prefixes it was home to. A prompt shorter than ``home_prefix_tokens`` is its own
+key (unique short prompts get uniformly random homes, and their ``home_u`` is small).
+
 The session header is not used: a conversation's own blocks lead its next turn to the
 unit that holds them (``session_affinity`` still pins sessions by the header).
 
@@ -87,8 +114,10 @@ its load outweighed it), ``no_overlap`` (no unit held any: load decided).
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
+from array import array
 from collections.abc import Sequence
 
 from proxy.config import RoutingConfig
@@ -123,6 +152,25 @@ def kv_wait(need_blocks: int, report: EngineLoad) -> float:
     running = max(report.running, 1)
     per_seq = report.kv_usage * report.num_blocks / running
     return min(float(running), short / per_seq) if per_seq > 0 else float(running)
+
+
+def home_unit(
+    token_ids: Sequence[int], cache_salt: str | None, prefix_tokens: int,
+    candidates: Sequence[UnitState],
+) -> str | None:  # fmt: skip
+    """The candidate whose id scores highest with the prompt's first ``prefix_tokens``
+    token ids (rendezvous hashing: the same on every proxy, and a unit's removal moves
+    only the prefixes whose home it was); None when off or for an empty prompt."""
+    if prefix_tokens <= 0 or not token_ids or not candidates:
+        return None
+    key = hashlib.blake2b(array("Q", token_ids[:prefix_tokens]).tobytes(), digest_size=16)
+    key.update((cache_salt or "").encode())
+    seed = key.digest()
+
+    def score(u: UnitState) -> bytes:
+        return hashlib.blake2b(u.unit_id.encode(), digest_size=8, key=seed).digest()
+
+    return max(candidates, key=score).unit_id
 
 
 def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, EngineLoad | None]:
@@ -168,6 +216,9 @@ class KvAwarePolicy:
         chain = block_hashes(req.prompt, self.cfg.block_chars)
         memo: dict[tuple[int, str, bytes], list[int]] = {}
         now = time.monotonic()
+        per_seq = self.cfg.prefill_tokens_per_seq
+        home = home_unit(ids, tokens.cache_salt, self.cfg.home_prefix_tokens, candidates)
+        home_tokens = min(n, self.cfg.home_prefix_tokens)
         scored = []  # (cost, cached tokens, exact prediction or None, from the exact index)
         for u in candidates:
             mode = fleet.mode(u.unit_id)
@@ -181,7 +232,9 @@ class KvAwarePolicy:
             cached = max(exact, approx)
             seqs, report = unit_load(u, now, self.load_max_age_s)
             uncached = n - cached
-            cost = uncached / self.cfg.prefill_tokens_per_seq + seqs
+            cost = uncached / per_seq + seqs
+            if home is not None and u.unit_id != home:
+                cost += self.cfg.home_weight * max(0.0, home_tokens - cached) / per_seq
             if report is None:
                 cost /= DEFAULT_MAX_NUM_SEQS
             elif report.num_blocks > 0 and mode is not KvMode.APPROXIMATE:

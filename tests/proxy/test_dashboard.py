@@ -217,7 +217,8 @@ async def test_dashboard_shows_kv_modes_and_prefix_cache_hits(fleet, demo_model)
     a, b = await fleet.unit("u0"), await fleet.unit("u1")
     model = {"name": "llm", "model_dir": str(demo_model), "max_model_len": 2048}
     proxy = await fleet.proxy(
-        [a, b], models=[model], routing={"policy": "kv_aware"},
+        # No home units: u1's 4 cached blocks decide, wherever the prompt's home is.
+        [a, b], models=[model], routing={"policy": "kv_aware", "home_prefix_tokens": 0},
         health={"interval_s": 0.2, "timeout_s": 0.2},
     )  # fmt: skip
     assert proxy.kv_index is not None

@@ -32,7 +32,10 @@ async def test_kv_aware_routes_to_the_unit_holding_the_prompt(fleet, demo_model)
 
     a, b = await fleet.unit("u0"), await fleet.unit("u1")
     model = {"name": "llm", "model_dir": str(demo_model), "max_model_len": 2048}
-    proxy = await fleet.proxy([a, b], models=[model], routing={"policy": "kv_aware"})
+    # No home units: u1 holds 64 of the prompt's ~130 tokens, not more than half of its
+    # home prefix, so an empty home would win (kv_aware.py, "Home units").
+    routing = {"policy": "kv_aware", "home_prefix_tokens": 0}
+    proxy = await fleet.proxy([a, b], models=[model], routing=routing)
     assert proxy.kv_index is not None and proxy.kv_fleet is not None
     ids = ModelPrompts(demo_model, 2048).for_openai("chat/completions", CHAT)
     assert ids is not None and len(ids.token_ids) > 4 * BS

@@ -9,7 +9,7 @@ import time
 from proxy.config import RoutingConfig, UnitSpec
 from proxy.registry import EngineLoad, UnitState, make_unit_state
 from proxy.routing import PromptTokens, RouteRequest, make_policy
-from proxy.routing.kv_aware import KvAwarePolicy
+from proxy.routing.kv_aware import KvAwarePolicy, home_unit
 from proxy.routing.kv_blocks import DEFAULT_NONE_HASH_SEED, BlockHasher
 from proxy.routing.kv_events import BlockStored, EventBatch
 from proxy.routing.kv_fleet import KvFleet, KvMode
@@ -40,8 +40,10 @@ def fleet_with(**held: int) -> KvFleet:
     return fleet
 
 
-def policy(fleet: KvFleet | None, seed: int = 0) -> KvAwarePolicy:
-    p = make_policy(RoutingConfig("kv_aware", block_chars=16), seed=seed, kv=fleet)
+def policy(fleet: KvFleet | None, seed: int = 0, home_prefix_tokens: int = 0) -> KvAwarePolicy:
+    """Home units off unless asked (``test_home_*`` below)."""
+    cfg = RoutingConfig("kv_aware", block_chars=16, home_prefix_tokens=home_prefix_tokens)
+    p = make_policy(cfg, seed=seed, kv=fleet)
     assert isinstance(p, KvAwarePolicy)
     return p
 
@@ -227,3 +229,64 @@ def test_kv_wait() -> None:
     assert kv_wait(20, load) == 0.0
     assert abs(kv_wait(30, load) - 0.5) < 1e-9
     assert kv_wait(500, load) == 4.0  # never more than the running batch
+
+
+HOME = 512  # RoutingConfig's default home_prefix_tokens (32 blocks of BS here)
+
+
+def prompt(i: int) -> list[int]:
+    """A prompt whose first HOME tokens are its own (``i``), the rest PROMPT's tail."""
+    return [50_000 + i] * 8 + PROMPT[8:]
+
+
+def test_home_is_one_unit_per_prefix_on_every_proxy_and_spreads_prefixes() -> None:
+    homes = []
+    for i in range(60):
+        seen = set()
+        for seed in range(4):  # four proxies (replicas), each its own random tie-break
+            a, b, c = units("a", "b", "c")
+            d = policy(fleet_with(a=0, b=0, c=0), seed, HOME).choose(req(prompt(i)), [a, b, c])
+            assert d.reason == "no_overlap"
+            seen.add(d.unit.unit_id)
+        assert len(seen) == 1
+        homes.append(seen.pop())
+    assert all(homes.count(u) >= 10 for u in "abc")  # 60 prefixes over 3 units: ~20 each
+    # Only the prefix's first HOME tokens count: another tail, the same home.
+    a, b, c = units("a", "b", "c")
+    tail = prompt(0)[:HOME] + [9] * 300
+    assert home_unit(tail, None, HOME, [a, b, c]) == homes[0]
+    # A cache salt is part of the key (salted prompts share no blocks with others).
+    salted = {home_unit(prompt(0), f"s{i}", HOME, [a, b, c]) for i in range(30)}
+    assert salted == {"a", "b", "c"}
+
+
+def test_home_removing_a_unit_moves_only_the_prefixes_it_was_home_to() -> None:
+    a, b, c = units("a", "b", "c")
+    for i in range(60):
+        before = home_unit(prompt(i), None, HOME, [a, b, c])
+        after = home_unit(prompt(i), None, HOME, [a, c])
+        assert after == before or before == "b"
+
+
+def test_home_gives_way_to_load_beyond_the_home_prefixs_prefill() -> None:
+    # 512 home tokens at 256 per sequence: a non-home unit pays 2 sequences more.
+    a, b = units("a", "b")
+    home = home_unit(PROMPT, None, HOME, [a, b])
+    other = "b" if home == "a" else "a"
+    for busier, expect in ((1, home), (3, other)):
+        (h,) = units(home, running=busier)
+        (o,) = units(other)
+        d = policy(fleet_with(a=0, b=0), 0, HOME).choose(req(), [h, o])
+        assert d.unit.unit_id == expect
+
+
+def test_home_a_prefix_cached_away_from_home_is_used_there() -> None:
+    a, b = units("a", "b")
+    home = home_unit(PROMPT, None, HOME, [a, b])
+    other = "b" if home == "a" else "a"
+    d = policy(fleet_with(**{home: 0, other: 32}), 0, HOME).choose(req(), [a, b])
+    assert d.unit.unit_id == other and d.reason == "kv_overlap"
+    # Holding less than the home prefix, it pays for the rest of it: 8 of 32 blocks
+    # (24 x 16 = 384 tokens, 1.5 sequences) cost more than the home's prefill of them.
+    d = policy(fleet_with(**{home: 0, other: 8}), 0, HOME).choose(req(), [a, b])
+    assert d.unit.unit_id == home and d.reason == "load_over_overlap"

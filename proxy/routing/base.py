@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,3 +60,15 @@ def least_loaded(candidates: Sequence[UnitState], rng: random.Random) -> UnitSta
     do not all herd onto the first unit in a list."""
     low = min(u.in_flight for u in candidates)
     return rng.choice([u for u in candidates if u.in_flight == low])
+
+
+def rendezvous(key: bytes, candidates: Sequence[UnitState]) -> UnitState:
+    """The candidate whose id scores highest with ``key`` (rendezvous, or highest
+    random weight, hashing): every proxy picks the same unit without a table or a word
+    to the others, and when a unit leaves only the keys it held move (each to its
+    second-best unit). ``session_affinity``'s sessions, ``kv_aware``'s home units."""
+
+    def score(u: UnitState) -> bytes:
+        return hashlib.blake2b(key + b"\0" + u.unit_id.encode(), digest_size=8).digest()
+
+    return max(candidates, key=score)

@@ -122,7 +122,7 @@ from collections.abc import Sequence
 
 from proxy.config import RoutingConfig
 from proxy.registry import EngineLoad, UnitState
-from proxy.routing.base import RouteRequest, RoutingDecision
+from proxy.routing.base import RouteRequest, RoutingDecision, rendezvous
 from proxy.routing.cache_aware import PrefixCacheAwarePolicy
 from proxy.routing.kv_fleet import KvFleet, KvMode
 from proxy.routing.prefix_index import block_hashes
@@ -158,19 +158,14 @@ def home_unit(
     token_ids: Sequence[int], cache_salt: str | None, prefix_tokens: int,
     candidates: Sequence[UnitState],
 ) -> str | None:  # fmt: skip
-    """The candidate whose id scores highest with the prompt's first ``prefix_tokens``
-    token ids (rendezvous hashing: the same on every proxy, and a unit's removal moves
-    only the prefixes whose home it was); None when off or for an empty prompt."""
+    """The prompt's home among ``candidates``: rendezvous hashing of its first
+    ``prefix_tokens`` token ids and its cache salt (``base.rendezvous``); None when off
+    or for an empty prompt."""
     if prefix_tokens <= 0 or not token_ids or not candidates:
         return None
     key = hashlib.blake2b(array("Q", token_ids[:prefix_tokens]).tobytes(), digest_size=16)
     key.update((cache_salt or "").encode())
-    seed = key.digest()
-
-    def score(u: UnitState) -> bytes:
-        return hashlib.blake2b(u.unit_id.encode(), digest_size=8, key=seed).digest()
-
-    return max(candidates, key=score).unit_id
+    return rendezvous(key.digest(), candidates).unit_id
 
 
 def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, EngineLoad | None]:

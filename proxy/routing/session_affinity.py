@@ -1,23 +1,17 @@
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 from proxy.registry import UnitState
-from proxy.routing.base import RouteRequest, RoutingDecision, RoutingPolicy
-
-
-def _score(session_id: str, unit_id: str) -> int:
-    digest = hashlib.blake2b(f"{session_id}\0{unit_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+from proxy.routing.base import RouteRequest, RoutingDecision, RoutingPolicy, rendezvous
 
 
 class SessionAffinityPolicy:
     """Same session header -> same unit, so multi-turn chat reuses that unit's KV cache.
 
-    Rendezvous (highest-random-weight) hashing over the current candidates: no table
-    to keep, and when a unit leaves or is unhealthy only its own sessions move
-    (each to its second-best unit), everyone else stays put. Requests without the
+    Rendezvous (highest-random-weight) hashing over the current candidates
+    (``base.rendezvous``): no table to keep, and when a unit leaves or is unhealthy
+    only its own sessions move (each to its second-best unit), everyone else stays put. Requests without the
     header go to the fallback policy.
     """
 
@@ -30,8 +24,7 @@ class SessionAffinityPolicy:
     def choose(self, req: RouteRequest, candidates: Sequence[UnitState]) -> RoutingDecision:
         if not req.session_id:
             return self._fallback.choose(req, candidates)
-        unit = max(candidates, key=lambda u: _score(req.session_id, u.unit_id))
-        return RoutingDecision(unit, "session")
+        return RoutingDecision(rendezvous(req.session_id.encode(), candidates), "session")
 
     def needs_prompt_tokens(self, units: Sequence[UnitState]) -> bool:
         return self._fallback.needs_prompt_tokens(units)

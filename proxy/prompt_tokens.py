@@ -58,10 +58,14 @@ TOKENIZER_JSON_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBacken
 _UNREPRODUCED = ("truncate_prompt_tokens", "prompt_embeds", "suffix")
 # Prompts of more characters than this are tokenized on a thread, not on the event
 # loop, which carries every stream (see ``_encode`` for the GIL). Measured (demo
-# model, 2 cores): rendering and tokenizing take ~0.27 us a character (a 4k-token chat:
-# 2.9 ms), a round trip through ``asyncio.to_thread`` ~100 us: up to 1024 characters
-# (~0.3 ms) stay on the loop.
-INLINE_CHARS = 1024
+# model, 2 cores): rendering and tokenizing take ~0.1-0.27 us a character (an
+# 800-token chat of ~4k characters: 0.4 ms), an ``asyncio.to_thread`` round trip
+# ~100 us on an idle machine but milliseconds while the engines keep both cores busy:
+# with 1024 here, ``bench routing``'s chats (3-5k characters) went to a thread and
+# ``proxy_added_time_to_first_token_seconds`` averaged 5.6 ms under kv_aware against
+# 0.5 ms under prefix_cache_aware (which tokenizes nothing); on the loop, 1.5 ms.
+# Up to 8192 characters (~1-2 ms of loop time at most) stay on the loop.
+INLINE_CHARS = 8192
 
 
 class TokenizerUnavailable(Exception):

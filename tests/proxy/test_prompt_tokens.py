@@ -250,13 +250,14 @@ async def test_each_models_prompts_load_once_and_long_prompts_go_to_a_thread(mod
     spec = ModelSpec("llm", str(models["demo"]), MAX_MODEL_LEN)
     prompts = ModelPrompts(models["demo"], MAX_MODEL_LEN)
     sizes = []
-    for body in CHATS:  # short ones on the event loop, the long one on a thread
+    longer = {"messages": [{"role": "user", "content": LONG + " " + LONG}]}
+    for body in [*CHATS, longer]:  # short ones on the event loop, the longer on a thread
         sizes.append(sum(len(str(m.get("content"))) for m in body["messages"]))
         got = await tokenizers.for_openai(spec, "chat/completions", body, sizes[-1])
         assert got == prompts.for_openai("chat/completions", body)
     assert min(sizes) <= INLINE_CHARS < max(sizes)
     assert len(tokenizers._models) == 1
-    assert await tokenizers.for_text(spec, LONG) == prompts.for_text(LONG)
+    assert await tokenizers.for_text(spec, LONG * 2) == prompts.for_text(LONG * 2)
     assert await tokenizers.for_openai(spec, "tokenize", {"prompt": "a"}, 1) is None
     assert (
         await tokenizers.for_openai(ModelSpec("other"), "completions", {"prompt": "a"}, 1) is None

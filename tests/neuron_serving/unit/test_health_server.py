@@ -139,7 +139,15 @@ def test_idle_connection_flood_keeps_threads_bounded_and_health_answers():
         assert http.open_connections() <= FAST.http_max_connections, http.open_connections()
         # Beyond the cap a connection is dropped; one held past the request timeout
         # (1 s here) is cut, freeing its place for a later one, so on a slow host
-        # where the flood takes over a second both count.
+        # where the flood takes over a second both count. On a loaded host the last
+        # few may still wait in the listen backlog half a second on (CI: 132 of 136
+        # counted): bounded wait for them, not a fixed sleep.
+        deadline = time.monotonic() + 10
+        while (
+            http.dropped + http.timed_out < 200 - FAST.http_max_connections
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
         assert http.dropped + http.timed_out >= 200 - FAST.http_max_connections, (
             f"{http.dropped} HTTP connections dropped and {http.timed_out} timed out at "
             f"the cap of {FAST.http_max_connections}"

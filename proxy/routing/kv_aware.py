@@ -117,7 +117,6 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from array import array
 from collections.abc import Sequence
 
 from proxy.config import RoutingConfig
@@ -163,7 +162,10 @@ def home_unit(
     or for an empty prompt."""
     if prefix_tokens <= 0 or not token_ids or not candidates:
         return None
-    key = hashlib.blake2b(array("Q", token_ids[:prefix_tokens]).tobytes(), digest_size=16)
+    # Decimal text, not array("Q"): a completions prompt's ids are the client's, and a
+    # negative or huge one must not raise here (vLLM answers it with a 400).
+    text = ",".join(map(str, token_ids[:prefix_tokens]))
+    key = hashlib.blake2b(text.encode(), digest_size=16)
     key.update((cache_salt or "").encode())
     return rendezvous(key.digest(), candidates).unit_id
 

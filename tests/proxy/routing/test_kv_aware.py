@@ -290,3 +290,12 @@ def test_home_a_prefix_cached_away_from_home_is_used_there() -> None:
     # (24 x 16 = 384 tokens, 1.5 sequences) cost more than the home's prefill of them.
     d = policy(fleet_with(**{home: 0, other: 8}), 0, HOME).choose(req(), [a, b])
     assert d.unit.unit_id == home and d.reason == "load_over_overlap"
+
+
+def test_home_takes_any_integer_a_client_sends_as_token_ids() -> None:
+    # A completions prompt's ids are the client's: out-of-range ones route (vLLM
+    # answers them with a 400), they do not raise in the proxy.
+    a, b = units("a", "b")
+    for ids in ([-1, 5], [2**70, 3]):
+        assert home_unit(ids, None, HOME, [a, b]) in {"a", "b"}
+        assert policy(fleet_with(a=0, b=0), 0, HOME).choose(req(ids), [a, b]).unit in (a, b)

@@ -213,6 +213,50 @@ def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
     }
 
 
+def _schedstat(pid: int) -> tuple[float, float]:
+    """CPU seconds and seconds spent runnable but waiting for a CPU, summed over the
+    process's live threads (Linux ``/proc/PID/task/*/schedstat``; zeros elsewhere).
+    The proxy's threads live as long as it does: its event loop's, its thread pool's."""
+    run = wait = 0
+    for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            fields = path.read_text().split()
+        except OSError:  # the thread ended
+            continue
+        run, wait = run + int(fields[0]), wait + int(fields[1])
+    return run / 1e9, wait / 1e9
+
+
+def _mean_ms(addrs: list[str], name: str) -> float | None:
+    """A histogram's mean over the endpoints, in ms."""
+    n = sum(metric(a, name + "_count") for a in addrs)
+    return sum(metric(a, name + "_sum") for a in addrs) / n * 1e3 if n else None
+
+
+def _ttft_split(proxies: list[Proxy], leaders: list[Leader]) -> dict[str, Any]:
+    """Where a request's time to first token goes, as means: the proxy's own hop
+    (``proxy_added_time_to_first_token_seconds``), its TTFT as a whole, and vLLM's
+    (``vllm:time_to_first_token_seconds``, from the engine's arrival); and the proxy
+    process's CPU and its wait for a CPU per request. On one 2-core machine the
+    proxy shares the cores with both engines: each millisecond of its CPU per request
+    costs more than that in waiting (read beside the policies' TTFT)."""
+    addrs = [p.base.removeprefix("http://") for p in proxies]
+    cpu = wait = 0.0
+    for p in proxies:
+        c, w = _schedstat(p.process.popen.pid)
+        cpu, wait = cpu + c, wait + w
+    requests = sum(metric(a, "proxy_time_to_first_token_seconds_count") for a in addrs)
+    return {
+        "proxy_ttft_mean_ms": _mean_ms(addrs, "proxy_time_to_first_token_seconds"),
+        "proxy_added_ttft_mean_ms": _mean_ms(addrs, "proxy_added_time_to_first_token_seconds"),
+        "engine_ttft_mean_ms": [
+            _mean_ms([ldr.metrics], "vllm:time_to_first_token_seconds") for ldr in leaders
+        ],
+        "proxy_cpu_ms_per_request": cpu / requests * 1e3 if requests else None,
+        "proxy_cpu_wait_ms_per_request": wait / requests * 1e3 if requests else None,
+    }
+
+
 def _engine(leaders: list[Leader], name: str) -> list[float]:
     return [metric(ldr.metrics, name) for ldr in leaders]
 
@@ -239,7 +283,7 @@ def _arm_run(
         queries = _engine(leaders, "vllm:prefix_cache_queries_total")
         preempted = _engine(leaders, "vllm:num_preemptions_total")
         blocks = [_kv_blocks(ldr) for ldr in leaders]
-        figures = _proxy_figures(proxies)
+        figures = _proxy_figures(proxies) | _ttft_split(proxies, leaders)
     finally:
         for p in proxies:
             p.process.stop()
@@ -337,7 +381,9 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             key: spread([rep[arm][key] for rep in per_repeat if rep[arm][key] is not None])
             for key in ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
                         "output_tokens_per_s", "load_spread", "prediction_accuracy",
-                        "predictions_exact_share")
+                        "predictions_exact_share", "proxy_ttft_mean_ms",
+                        "proxy_added_ttft_mean_ms", "proxy_cpu_ms_per_request",
+                        "proxy_cpu_wait_ms_per_request")
         } | {"errors": sum(rep[arm]["errors"] for rep in per_repeat)}
         for arm, _, _ in ARMS
     }  # fmt: skip

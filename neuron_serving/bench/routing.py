@@ -214,17 +214,21 @@ def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
 
 
 def _schedstat(pid: int) -> tuple[float, float]:
-    """CPU seconds and seconds spent runnable but waiting for a CPU, summed over the
-    process's live threads (Linux ``/proc/PID/task/*/schedstat``; zeros elsewhere).
-    The proxy's threads live as long as it does: its event loop's, its thread pool's."""
-    run = wait = 0
+    """(CPU seconds of the process's live threads, seconds its main thread spent
+    runnable but waiting for a CPU): Linux ``/proc/PID/task/*/schedstat``, zeros
+    elsewhere. The proxy's main thread runs its event loop, which carries every
+    request; its other threads (the thread pool, gRPC's pollers) wake often and
+    briefly, so their waits say little. Its threads live as long as it does."""
+    cpu = wait = 0
     for path in Path(f"/proc/{pid}/task").glob("*/schedstat"):
         try:
             fields = path.read_text().split()
         except OSError:  # the thread ended
             continue
-        run, wait = run + int(fields[0]), wait + int(fields[1])
-    return run / 1e9, wait / 1e9
+        cpu += int(fields[0])
+        if path.parent.name == str(pid):
+            wait = int(fields[1])
+    return cpu / 1e9, wait / 1e9
 
 
 def _mean_ms(addrs: list[str], name: str) -> float | None:
@@ -237,9 +241,9 @@ def _ttft_split(proxies: list[Proxy], leaders: list[Leader]) -> dict[str, Any]:
     """Where a request's time to first token goes, as means: the proxy's own hop
     (``proxy_added_time_to_first_token_seconds``), its TTFT as a whole, and vLLM's
     (``vllm:time_to_first_token_seconds``, from the engine's arrival); and the proxy
-    process's CPU and its wait for a CPU per request. On one 2-core machine the
-    proxy shares the cores with both engines: each millisecond of its CPU per request
-    costs more than that in waiting (read beside the policies' TTFT)."""
+    process's CPU and its event loop's wait for a CPU per request. On one 2-core
+    machine the proxy shares the cores with both engines: each millisecond of its CPU
+    per request costs more than that in waiting (read beside the policies' TTFT)."""
     addrs = [p.base.removeprefix("http://") for p in proxies]
     cpu = wait = 0.0
     for p in proxies:
@@ -253,7 +257,7 @@ def _ttft_split(proxies: list[Proxy], leaders: list[Leader]) -> dict[str, Any]:
             _mean_ms([ldr.metrics], "vllm:time_to_first_token_seconds") for ldr in leaders
         ],
         "proxy_cpu_ms_per_request": cpu / requests * 1e3 if requests else None,
-        "proxy_cpu_wait_ms_per_request": wait / requests * 1e3 if requests else None,
+        "proxy_loop_cpu_wait_ms_per_request": wait / requests * 1e3 if requests else None,
     }
 
 
@@ -383,7 +387,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                         "output_tokens_per_s", "load_spread", "prediction_accuracy",
                         "predictions_exact_share", "proxy_ttft_mean_ms",
                         "proxy_added_ttft_mean_ms", "proxy_cpu_ms_per_request",
-                        "proxy_cpu_wait_ms_per_request")
+                        "proxy_loop_cpu_wait_ms_per_request")
         } | {"errors": sum(rep[arm]["errors"] for rep in per_repeat)}
         for arm, _, _ in ARMS
     }  # fmt: skip

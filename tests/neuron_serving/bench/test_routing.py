@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +11,7 @@ from neuron_serving.bench.routing import _schedstat
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux /proc only")
-def test_schedstat_counts_every_thread_of_a_process() -> None:
+def test_schedstat_counts_every_threads_cpu_and_the_main_threads_wait() -> None:
     # A child that burns 0.2 s of CPU on each of two threads, both alive when read.
     code = (
         "import threading, time\n"
@@ -28,7 +29,8 @@ def test_schedstat_counts_every_thread_of_a_process() -> None:
         assert child.stdout is not None and child.stdout.readline().strip() == "done"
         cpu, wait = _schedstat(child.pid)
         assert cpu >= 0.35  # two threads' 0.2 s each, less clock granularity
-        assert wait >= 0.0
+        main = Path(f"/proc/{child.pid}/task/{child.pid}/schedstat").read_text().split()
+        assert wait == int(main[1]) / 1e9
     finally:
         child.kill()
         child.wait(timeout=10)

@@ -79,8 +79,12 @@ class UnitHealthMonitor:
         s = self._settings
         while self.healthy:
             await asyncio.sleep(s.health_interval_s)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for loses a cancel that
+            # lands as the awaited call finishes (gh-86296), and this loop then ran on
+            # after its task was cancelled, holding up the engine thread's stop.
             try:
-                await asyncio.wait_for(self._engine.check_health(), timeout=s.canary_timeout_s)
+                async with asyncio.timeout(s.canary_timeout_s):
+                    await self._engine.check_health()
             except Exception as e:  # noqa: BLE001 - any failure means the unit is broken
                 self._fail(f"vLLM engine is unhealthy: {e!r}")
                 return
@@ -89,7 +93,8 @@ class UnitHealthMonitor:
             if idle_since is None or now - max(idle_since, self._last_canary) < s.canary_interval_s:
                 continue
             try:
-                self.last_canary_s = await asyncio.wait_for(self.canary(), s.canary_timeout_s)
+                async with asyncio.timeout(s.canary_timeout_s):
+                    self.last_canary_s = await self.canary()
             except TimeoutError:
                 self._fail(f"canary generation did not finish within {s.canary_timeout_s} s")
                 return

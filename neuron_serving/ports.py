@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 
 _LOW = 10000
 
@@ -43,5 +44,12 @@ def free_port_block(n: int = 1, host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no block of {n} free ports in {_LOW}..{high + n} on {host}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_port_block(1, host)
+def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    """A free port, none of ``exclude``: ports already given to a service that has not
+    bound them yet look free too (a leader's Triton metrics port once drew the HTTP
+    port it was about to hand Triton, and Triton failed to start)."""
+    for _ in range(100):
+        port = free_port_block(1, host)
+        if port not in exclude:
+            return port
+    raise RuntimeError(f"no free port outside {sorted(exclude)[:10]} on {host}")

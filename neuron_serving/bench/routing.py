@@ -279,7 +279,8 @@ def _arm_run(
         for j in range(replicas):
             cfg = proxy_config(leaders, model_dir, MAX_MODEL_LEN, routing=routing,
                                openai_channel=True, upstream_protocol="grpc")  # fmt: skip
-            cfg["port"], cfg["admin_port"] = free_port(), free_port()
+            cfg["port"] = free_port()
+            cfg["admin_port"] = free_port(exclude={cfg["port"]})
             proxies.append(start_proxy(cfg, work, name=f"{arm}-proxy-{j}"))
         urls = [f"{p.base}/v1/chat/completions" for p in proxies]
         timings, wall = asyncio.run(_workload(urls, systems, plan, concurrency))

@@ -114,7 +114,9 @@ def start_leader(
 ) -> Leader:  # fmt: skip
     """A TP=1 unit. ``cpu_bind`` is vLLM's per-rank list; two leaders on one machine get
     different cores ("0" and "1") instead of both binding core 0."""
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http = free_port()
+    grpc = free_port(exclude={http})
+    metrics = free_port(exclude={http, grpc})
     args = ["leader", "--model", str(model), "--tp", "1", "--control-port", str(free_port_block()),
             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
             "--max-model-len", str(max_model_len), "--kv-cache-bytes", str(kv_cache_bytes),

@@ -179,8 +179,10 @@ class TritonLeader:
             self._tmp = tempfile.TemporaryDirectory(prefix="neuron-serving-leader-")
             run_dir = Path(self._tmp.name)
         install = TritonInstall.find()
-        triton_metrics_port = free_port()
-        vllm_metrics_port = free_port()
+        # Not the ports this leader hands out below, which nothing has bound yet.
+        taken = {s.http_port, s.grpc_port, s.metrics_port}
+        triton_metrics_port = free_port(exclude=taken)
+        vllm_metrics_port = free_port(exclude=taken | {triton_metrics_port})
         overrides = self.model_json(run_dir, vllm_metrics_port)
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)

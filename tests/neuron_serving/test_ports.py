@@ -1,0 +1,28 @@
+"""Free loopback ports (``neuron_serving/ports.py``)."""
+
+import socket
+
+import pytest
+
+from neuron_serving import ports
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
+    port = ports.free_port()
+    assert ports._LOW <= port < ports._ephemeral_start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_free_port_never_returns_an_excluded_port(monkeypatch) -> None:
+    # The draw keeps returning a port already handed to a service that has not bound
+    # it yet; the excluded one is skipped.
+    draws = iter([20520, 20520, 20521])
+    monkeypatch.setattr(ports, "free_port_block", lambda n, host: next(draws))
+    assert ports.free_port(exclude={20520}) == 20521
+
+
+def test_free_port_gives_up_when_every_draw_is_excluded(monkeypatch) -> None:
+    monkeypatch.setattr(ports, "free_port_block", lambda n, host: 20520)
+    with pytest.raises(RuntimeError, match="no free port outside"):
+        ports.free_port(exclude={20520})

@@ -28,8 +28,9 @@ post-processor works on the whole sequence. A piece whose ids do not start with 
 added token's id is a surprise: the whole text is encoded then.
 
 Memory: at most ``MAX_PIECES`` pieces and ``MAX_CHARS`` characters are remembered,
-the least recently used dropped first; a piece longer than ``MAX_PIECE_CHARS`` is
-encoded every time and never kept. A thread lock guards the table: long prompts are
+the least recently used dropped first, each piece's ids as 4-byte integers (the
+tokenizer's own ids, below 2**32): ~12 MB at most with a token every 2 characters;
+a piece longer than ``MAX_PIECE_CHARS`` is encoded every time and never kept. A thread lock guards the table: long prompts are
 tokenized on a thread beside the event loop's short ones.
 """
 
@@ -37,12 +38,14 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer
 
 MAX_PIECES = 8192
-MAX_CHARS = 8 << 20
+MAX_CHARS = 4 << 20
 MAX_PIECE_CHARS = 64 << 10
 
 
@@ -73,7 +76,7 @@ class PieceEncoder:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._split = splitter(tokenizer)
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0  # pieces, for tests and curiosity
@@ -91,7 +94,7 @@ class PieceEncoder:
             return self._whole(text)
         ids: list[int] = []
         if starts[0] > 0:
-            ids.extend(self._piece(text[: starts[0]], None))
+            ids.extend(self._piece(text[: starts[0]], None) or ())
         bounds = starts + [len(text)]
         for start, end in zip(bounds, bounds[1:], strict=False):
             piece = text[start:end]
@@ -108,7 +111,7 @@ class PieceEncoder:
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=False)
         return encoding.ids
 
-    def _piece(self, piece: str, opener_id: int | None) -> list[int] | None:
+    def _piece(self, piece: str, opener_id: int | None) -> Sequence[int] | None:
         with self._lock:
             cached = self._pieces.get(piece)
             if cached is not None:
@@ -122,7 +125,7 @@ class PieceEncoder:
         if len(piece) <= MAX_PIECE_CHARS:
             with self._lock:
                 if piece not in self._pieces:
-                    self._pieces[piece] = ids
+                    self._pieces[piece] = array("I", ids)
                     self._chars += len(piece)
                     while len(self._pieces) > MAX_PIECES or self._chars > MAX_CHARS:
                         old, _ = self._pieces.popitem(last=False)

@@ -30,8 +30,9 @@ added token's id is a surprise: the whole text is encoded then.
 Memory: at most ``MAX_PIECES`` pieces and ``MAX_CHARS`` characters are remembered,
 the least recently used dropped first, each piece's ids as 4-byte integers (the
 tokenizer's own ids, below 2**32): ~12 MB at most with a token every 2 characters;
-a piece longer than ``MAX_PIECE_CHARS`` is encoded every time and never kept. A thread lock guards the table: long prompts are
-tokenized on a thread beside the event loop's short ones.
+a piece longer than ``MAX_PIECE_CHARS`` is encoded every time and never kept. A
+thread lock guards the table: long prompts are tokenized on a thread beside the
+event loop's short ones.
 """
 
 from __future__ import annotations

@@ -30,7 +30,10 @@ added token's id is a surprise: the whole text is encoded then.
 Memory: at most ``MAX_PIECES`` pieces and ``MAX_CHARS`` characters are remembered,
 the least recently used dropped first, each piece's ids as 4-byte integers (the
 tokenizer's own ids, below 2**32): ~12 MB at most with a token every 2 characters;
-a piece longer than ``MAX_PIECE_CHARS`` is encoded every time and never kept. A
+a piece longer than ``MAX_PIECE_CHARS`` is encoded every time and never kept; a
+text of more than ``MAX_TEXT_PIECES`` pieces (a client's text full of added tokens,
+not a chat's few a turn) is encoded whole, in one call that releases the GIL, not
+piece by piece holding it. A
 thread lock guards the table: long prompts are tokenized on a thread beside the
 event loop's short ones.
 """
@@ -48,6 +51,7 @@ from tokenizers import Tokenizer
 MAX_PIECES = 8192
 MAX_CHARS = 4 << 20
 MAX_PIECE_CHARS = 64 << 10
+MAX_TEXT_PIECES = 512
 
 
 def splitter(tokenizer: Tokenizer) -> tuple[re.Pattern[str], dict[str, int]] | None:
@@ -91,7 +95,7 @@ class PieceEncoder:
             return self._whole(text)
         pattern, added_ids = self._split
         starts = [m.start() for m in pattern.finditer(text)]
-        if not starts:
+        if not starts or len(starts) > MAX_TEXT_PIECES:
             return self._whole(text)
         ids: list[int] = []
         if starts[0] > 0:

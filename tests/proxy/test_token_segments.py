@@ -125,3 +125,15 @@ def test_the_table_is_bounded(demo_tokenizer, monkeypatch) -> None:
     assert len(enc._pieces) <= 5
     assert all(len(p) <= 40 for p in enc._pieces)
     assert enc._chars == sum(map(len, enc._pieces))
+
+
+def test_a_text_of_too_many_pieces_is_encoded_whole(demo_tokenizer, monkeypatch) -> None:
+    monkeypatch.setattr(token_segments, "MAX_TEXT_PIECES", 8)
+    enc = PieceEncoder(demo_tokenizer)
+    special = _specials(demo_tokenizer)[-1]
+    many = "".join(f"{special}word {i} " for i in range(9))
+    assert enc.encode(many) == _whole(demo_tokenizer, many)
+    assert enc.misses == 0 and not enc._pieces  # nothing encoded piece by piece
+    few = "".join(f"{special}word {i} " for i in range(8))
+    assert enc.encode(few) == _whole(demo_tokenizer, few)
+    assert enc.misses == 8

@@ -9,6 +9,7 @@ hot path pays nothing beyond ``BroadcastStats.record``.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable
 
@@ -20,6 +21,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from neuron_serving.unit import gc_pauses
 from neuron_serving.unit.broadcast_stats import LATENCY_BUCKETS, BroadcastStats
 from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.node_status import NodeState, NodeStatus
@@ -52,6 +54,7 @@ class NodeCollector(Collector):
         self.stats = stats
         self.heartbeat_ages = heartbeat_ages
         self.load_stats = load_stats
+        self.gc_pauses = gc_pauses.install()
 
     def collect(self) -> Iterable:
         labels = ["unit_id", "rank"]
@@ -89,6 +92,32 @@ class NodeCollector(Collector):
             beats.add_metric([*lv, str(rank)], seconds)
         yield beats
         yield from _load(self.load_stats(), labels, lv)
+        yield from _gc(self.gc_pauses, labels, lv)
+
+
+def _gc(pauses: gc_pauses.GcPauses, labels: list[str], lv: list[str]) -> Iterable:
+    """This process's collector pauses (a rank's pause stalls its whole unit) and how
+    much of its heap is frozen (gc_pauses.py)."""
+    h = HistogramMetricFamily(
+        "neuron_serving_gc_pause_seconds",
+        "Python garbage-collector pauses of this node's process, by generation",
+        labels=[*labels, "generation"],
+    )
+    for generation in range(3):
+        cumulative, running = [], 0
+        for bound, count in zip(gc_pauses.BUCKETS, pauses.buckets[generation], strict=True):
+            running += count
+            cumulative.append((repr(bound), running))
+        cumulative.append(("+Inf", pauses.count[generation]))
+        h.add_metric([*lv, str(generation)], cumulative, sum_value=pauses.sum_s[generation])
+    yield h
+    frozen = GaugeMetricFamily(
+        "neuron_serving_gc_frozen_objects",
+        "Objects moved out of the collector's view once the node started (gc.freeze)",
+        labels=labels,
+    )
+    frozen.add_metric(lv, gc.get_freeze_count())
+    yield frozen
 
 
 def _load(stats: list[LoadStats], labels: list[str], lv: list[str]) -> Iterable:

@@ -11,7 +11,7 @@ import logging
 
 from neuron_serving.devices.base import DeviceBackend, RankPlacement
 from neuron_serving.exitcodes import ExitCode
-from neuron_serving.unit import auth
+from neuron_serving.unit import auth, gc_pauses
 from neuron_serving.unit.broadcast import (
     KIND_CALL,
     KIND_KEEPALIVE,
@@ -85,4 +85,10 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
         if name == "execute_model":
             status.step_done()
         elif name == "compile_or_warm_up_model":
+            # Started: what is alive now (the model, torch's and vLLM's objects) stays
+            # alive, so it leaves the collector's view, as EngineCore's heap does on
+            # rank 0; unfrozen, a full collection of it takes 250-640 ms here, in which
+            # every rank of the unit waits (gc_pauses.py).
+            frozen = gc_pauses.freeze_heap()
+            logger.info("rank %d started; %d objects frozen out of the collector", cfg.rank, frozen)
             status.set_state(NodeState.READY)

@@ -88,6 +88,14 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "'auto' binds a rank to every allowed CPU but the last (one rank per host); "
         "'nobind' or unset leaves OpenMP alone.",
     ),
+    "NEURON_SERVING_CPU_ALLREDUCE": (
+        _str("NEURON_SERVING_CPU_ALLREDUCE", "shm"),
+        "How the TP ranks of one unit on one host all-reduce on the cpu backend: 'shm' "
+        "(vLLM's shared-memory all-reduce, the default: the fastest, but it waits by "
+        "polling, so units whose ranks share cores stall each other) or 'gloo' "
+        "(torch.distributed Gloo over loopback TCP, as between hosts: waits by blocking). "
+        "Ranks on different hosts always use Gloo.",
+    ),
     "NEURON_SERVING_NEURON_CORES_PER_NODE": (
         _int("NEURON_SERVING_NEURON_CORES_PER_NODE", 32),
         "NeuronCores per node for the neuron backend (32 on trn1.32xlarge, 64 on trn2.48xlarge).",

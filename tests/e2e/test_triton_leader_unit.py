@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from neuron_serving.exitcodes import ExitCode
+from neuron_serving.ports import free_port_block
 from tests.e2e.triton_leader_helpers import get, start_leader, wait_ready
 from tests.procs import Proc, leftover, unit_env
 
@@ -32,10 +33,21 @@ def _generate(http: str, prompt: str, max_tokens: int) -> dict:
         return json.loads(r.read())
 
 
+def _gauge(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + "{")]  # fmt: skip
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
 def test_follower_death_turns_readiness_off_and_leader_exits(demo_model: Path, tmp_path) -> None:
+    # This unit all-reduces over Gloo (NEURON_SERVING_CPU_ALLREDUCE, devices/cpu.py), as
+    # ranks on two hosts do; every `up` cluster in the suite covers the shared-memory path.
+    gloo = {"NEURON_SERVING_CPU_ALLREDUCE": "gloo"}
     leader = start_leader(
-        demo_model, tmp_path, tp=2, extra=["--max-model-len", "512", "--drain", "1"]
+        demo_model, tmp_path, tp=2, extra=["--max-model-len", "512", "--drain", "1"], env=gloo
     )
+    health = free_port_block(2)  # gRPC health, then HTTP /healthz and /metrics
     follower = Proc(
         "follower",
         [
@@ -46,14 +58,18 @@ def test_follower_death_turns_readiness_off_and_leader_exits(demo_model: Path, t
             "1",
             "--world-size",
             "2",
+            "--health-port",
+            str(health),
         ],
         tmp_path,
-        unit_env(),
+        unit_env(**gloo),
     )
     try:
         wait_ready(leader, follower)
         out = _generate(leader.http, "Is this coffee maker in stock?", 8)
         assert out["completion_tokens"] == 8 and out["finish_reason"] == "length"
+        # vLLM's own fallback said so (vllm/distributed/device_communicators/cpu_communicator.py).
+        assert "CPU SHM communicator disabled for group tp" in follower.stderr() + follower.stdout()
         # The unit's control-plane metrics are merged into the leader's metrics port.
         metrics = get(f"http://{leader.metrics}/metrics")[1]
         for name in (
@@ -62,6 +78,13 @@ def test_follower_death_turns_readiness_off_and_leader_exits(demo_model: Path, t
             "neuron_serving_follower_heartbeat_age_seconds",
         ):
             assert name in metrics, name
+        # Both ranks' heaps left the collector's view once started: rank 0's by vLLM's
+        # EngineCore, the follower's by its step loop (unit/gc_pauses.py). Unfrozen, a
+        # full collection of a follower's heap takes 250-640 ms, and its unit waits.
+        follower_metrics = get(f"http://127.0.0.1:{health + 1}/metrics")[1]
+        for text in (metrics, follower_metrics):
+            assert _gauge(text, "neuron_serving_gc_frozen_objects") > 10_000
+            assert "neuron_serving_gc_pause_seconds_bucket" in text
 
         follower.signal(signal.SIGKILL)
         killed = time.monotonic()

@@ -54,6 +54,23 @@ def test_cpu_shm_patch_targets_exist():
     assert callable(cpu_communicator._CPUSHMDistributed.make_group_name)
 
 
+def test_cpu_allreduce_mode_decides_whether_ranks_share_a_group_name(monkeypatch):
+    from neuron_serving.devices.cpu import _group_suffix
+
+    ranks = [RankPlacement(r, 2, "h", 1, session="s1") for r in (0, 1)]
+    monkeypatch.delenv("NEURON_SERVING_CPU_ALLREDUCE", raising=False)
+    assert _group_suffix(ranks[0]) == _group_suffix(ranks[1])  # shm: one name, one segment set
+    monkeypatch.setenv("NEURON_SERVING_CPU_ALLREDUCE", "shm")
+    assert _group_suffix(ranks[0]) == _group_suffix(ranks[1])
+    # gloo: names differ, so vLLM's CpuCommunicator falls back to torch.distributed
+    monkeypatch.setenv("NEURON_SERVING_CPU_ALLREDUCE", "gloo")
+    assert _group_suffix(ranks[0]) != _group_suffix(ranks[1])
+    assert _group_suffix(ranks[0]).startswith(_group_suffix(ranks[1]).rsplit("-rank", 1)[0])
+    monkeypatch.setenv("NEURON_SERVING_CPU_ALLREDUCE", "nccl")
+    with pytest.raises(ValueError, match="must be one of shm, gloo"):
+        _group_suffix(ranks[0])
+
+
 def test_neuron_env_per_rank():
     b = NeuronBackend(cores_per_node=32)
     env = b.process_env(RankPlacement(2, 4, "10.0.0.5", 29500))

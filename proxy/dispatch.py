@@ -190,7 +190,7 @@ class Dispatcher:
         """A placed first attempt that never began (the client left): uncount it."""
         unit, job.first_unit = job.first_unit, None
         if unit is not None:
-            self._end_attempt(unit, False)
+            self._end_attempt(job, unit, False)
 
     def pick(
         self,
@@ -304,7 +304,7 @@ class Dispatcher:
                     tokens_done += max(seg_tokens, seg_reported)
                     failures, backoff = self._failed(job, unit, e, tried, bool(generated), failures)
                 finally:
-                    self._end_attempt(unit, is_retry)
+                    self._end_attempt(job, unit, is_retry)
         finally:
             self.active_jobs -= 1
 
@@ -387,7 +387,7 @@ class Dispatcher:
                         raise _not_resumable(e) from e
                     failures, backoff = self._failed(job, unit, e, tried, started, failures)
                 finally:
-                    self._end_attempt(unit, is_retry)
+                    self._end_attempt(job, unit, is_retry)
         finally:
             self.active_jobs -= 1
 
@@ -412,12 +412,14 @@ class Dispatcher:
         job.attempts += 1
         is_retry = job.attempts > 1
         unit.in_flight += 1
+        unit.class_in_flight[job.traffic_class] += 1
         unit.requests_total += 1
         self.retries_in_flight += is_retry
         return is_retry
 
-    def _end_attempt(self, unit: UnitState, is_retry: bool) -> None:
+    def _end_attempt(self, job: GenerationJob | OpenAIJob, unit: UnitState, is_retry: bool) -> None:
         unit.in_flight -= 1
+        unit.class_in_flight[job.traffic_class] -= 1
         self.retries_in_flight -= is_retry
 
     def _record_answer(self, unit: UnitState, status: int | None) -> None:

@@ -70,7 +70,7 @@ class Fleet:
             try:
                 await release.wait()
             finally:
-                unit.in_flight -= 1
+                self.dispatcher._end_attempt(job, unit, False)
 
     def in_flight(self) -> int:
         return sum(u.in_flight for u in self.registry.units.values())
@@ -289,6 +289,29 @@ async def test_batch_is_placed_only_where_it_fits_and_waits_otherwise():
     gate.set()
     await asyncio.gather(*tasks, r)
     assert len(fleet.started) == 9 and fleet.in_flight() == 0
+
+
+async def test_a_more_urgent_class_may_queue_in_the_engine_behind_less_urgent_slots():
+    # One unit of 4 slots, batch filling its share (3). Real-time may go past the
+    # unit's slots by what batch holds there: vLLM's priority scheduler gives it each
+    # slot that frees before any batch request, so it waits there, not here, and the
+    # proxy's lag in seeing a request end (the answer's relay) is not its wait.
+    fleet = Fleet(units=1, unit_max_in_flight=4)
+    gate = asyncio.Event()
+    held = [asyncio.create_task(fleet.hold(f"b{i}", fleet.job(BATCH), gate)) for i in range(3)]
+    await settle()
+    held += [asyncio.create_task(fleet.hold(f"r{i}", fleet.job(RT), gate)) for i in range(5)]
+    await settle()
+    u0 = fleet.registry.get("u0")
+    # Real-time's own count stays within its share: 4 started, the 5th waits here.
+    assert sorted(fleet.started) == ["b0", "b1", "b2", "r0", "r1", "r2", "r3"]
+    assert u0.class_in_flight == [4, 0, 3] and u0.in_flight == 7
+    assert fleet.flow.queued == 1
+    # Batch never passes its own share, whatever real-time holds.
+    assert not fleet.flow.has_room(u0, BATCH) and not fleet.flow.has_room(u0, NRT)
+    gate.set()
+    await asyncio.gather(*held)
+    assert u0.class_in_flight == [0, 0, 0] and fleet.in_flight() == 0
 
 
 async def test_a_client_that_leaves_while_waiting_or_after_placement_frees_everything():

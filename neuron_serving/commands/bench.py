@@ -45,6 +45,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "capacity-diurnal.json)",
     )  # fmt: skip
     p.add_argument(
+        "--tp", type=int, default=None, metavar="N",
+        help="classes: tensor-parallel ranks per unit (default 1: see bench/README.md)",
+    )  # fmt: skip
+    p.add_argument(
         "--py-spy", default=None, metavar="DIR",
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
     )  # fmt: skip
@@ -74,6 +78,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
         from neuron_serving.bench import cpu
 
         return cpu.main(quick, model, emit_json, repeats, profile_dir=args.py_spy)
+    if name == "classes":
+        from neuron_serving.bench import classes
+
+        return classes.main(quick, model, emit_json, repeats, tp=args.tp or classes.TP)
     if name == "capacity":
         from neuron_serving.bench import capacity
 
@@ -88,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     # Flags of one benchmark are refused elsewhere rather than silently ignored.
     if args.name != "capacity" and (args.trace or args.resimulate):
         print("bench: --trace and --resimulate are bench capacity's", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.name != "classes" and args.tp is not None:
+        print("bench: --tp is bench classes'", file=sys.stderr)
         return ExitCode.USAGE
     if args.name != "all":
         return _call(args.name, args.quick, args)

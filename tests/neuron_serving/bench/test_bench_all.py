@@ -32,3 +32,16 @@ def test_all_runs_each_benchmark_then_report_and_records_wall_times(tmp_path, mo
     assert all(m == "/m" for n, _, m in calls if n != "report")
     walls = json.loads((tmp_path / "all.json").read_text())
     assert walls["quick"] is True and walls["wall_s"]["routing"]["rc"] == 1
+
+
+def test_tp_reaches_bench_classes_and_is_refused_elsewhere(monkeypatch):
+    from neuron_serving.bench import classes
+
+    seen = []
+    monkeypatch.setattr(classes, "main", lambda *a, tp: seen.append(tp) or 0)
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers())
+    assert bench.run(parser.parse_args(["bench", "classes", "--quick"])) == 0
+    assert bench.run(parser.parse_args(["bench", "classes", "--tp", "2"])) == 0
+    assert seen == [classes.TP, 2] and classes.TP == 1
+    assert bench.run(parser.parse_args(["bench", "routing", "--tp", "2"])) == 2  # usage

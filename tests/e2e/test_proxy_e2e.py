@@ -218,12 +218,14 @@ def test_flow_control_orders_classes_and_tenants_on_a_real_leader(
     leader: LeaderEndpoints, demo_model: Path, tmp_path: Path
 ) -> None:
     """A proxy that lets one request run on the unit at a time (unit_max_in_flight 1),
-    in front of the real leader: while one long batch request holds the unit, a
-    queue of batch work from two tenants, near-real-time and real-time requests
-    builds up; they then start real-time first, near-real-time next, and the two
-    batch tenants alternate. A near-real-time request that cannot start within its
-    deadline gets 429 + Retry-After; with every queue full a real-time arrival sheds
-    the newest batch request (503, code shed)."""
+    in front of the real leader. A long batch request holding the unit does not hold
+    real-time back: the real-time request goes to the engine at once, whose priority
+    scheduler runs it beside the batch one, and finishes first. While a long
+    real-time request holds the unit, a queue of batch work from two tenants,
+    near-real-time and real-time requests builds up; they then start real-time first,
+    near-real-time next, and the two batch tenants alternate. A near-real-time request
+    that cannot start within its deadline gets 429 + Retry-After; with every queue
+    full a real-time arrival sheds the newest batch request (503, code shed)."""
     import threading
     import urllib.error
 
@@ -283,7 +285,13 @@ def test_flow_control_orders_classes_and_tenants_on_a_real_leader(
         return t
 
     with running_proxy(config, tmp_path, name="proxy-flow") as base:
-        threads = [start(base, "holder", a_key, HOLD_TOKENS)]
+        batch_holder = start(base, "batch-holder", a_key, HOLD_TOKENS)
+        holding(base)
+        send(base, "rt-beside-batch", rt_key, 4)
+        assert [n for _, n in done] == ["rt-beside-batch"], (errors, done)
+        batch_holder.join(300)
+        done.clear()
+        threads = [start(base, "holder", rt_key, HOLD_TOKENS)]
         holding(base)
         for i in range(6):  # a floods first, then b
             threads.append(start(base, f"a{i}", a_key, 4))
@@ -316,7 +324,7 @@ def test_flow_control_orders_classes_and_tenants_on_a_real_leader(
     )  # fmt: skip
     done.clear()
     with running_proxy(config, tmp_path, name="proxy-flow-2") as base:
-        threads = [start(base, "holder", a_key, HOLD_TOKENS)]
+        threads = [start(base, "holder", rt_key, HOLD_TOKENS)]
         holding(base)
         t0 = time.monotonic()
         send(base, "late", rt_key, 4, cls="near-real-time")
@@ -324,7 +332,7 @@ def test_flow_control_orders_classes_and_tenants_on_a_real_leader(
         assert code == 429 and retry_after == "3" and time.monotonic() - t0 >= 1.0
         assert "near-real-time" in error["message"]
         threads[0].join(300)  # a fresh holder for the shedding
-        threads = [start(base, "holder-2", a_key, HOLD_TOKENS)]
+        threads = [start(base, "holder-2", rt_key, HOLD_TOKENS)]
         holding(base)
         threads += [start(base, f"q{i}", a_key, 4) for i in range(2)]
         while queued(base) < 2:

@@ -46,7 +46,7 @@ unit whose slots batch work holds waits there for the next slot, ahead of any
 batch request, instead of here until the proxy sees a request end (later, by the
 answer's relay). Measured on `bench classes`' workload (2 TP=1 units, real-time at
 79 streams/s beside a Batch API batch): without it, real-time requests waited here
-up to 0.1 s at p99 (1 ms alone) while batch held the units' slots. A unit whose KV
+up to 0.1 s at p99 (5 ms alone) while batch held the units' slots. A unit whose KV
 cache is at least ``unit_max_kv_usage`` full takes only real-time requests: vLLM
 preempts lower-priority sequences for them.
 

@@ -27,13 +27,16 @@ def _ephemeral_start() -> int:
         return 32768
 
 
-def free_port_block(n: int = 1, host: str = "127.0.0.1") -> int:
-    """A base port such that ``base .. base + n - 1`` are all free on ``host``."""
+def free_port_block(n: int = 1, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    """A base port such that ``base .. base + n - 1`` are all free on ``host`` and none
+    of them is in ``exclude``."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     high = _ephemeral_start() - n
     for _ in range(500):
         base = random.randrange(_LOW, high)
+        if any(port in exclude for port in range(base, base + n)):
+            continue
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:
@@ -48,8 +51,4 @@ def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
     """A free port, none of ``exclude``: ports already given to a service that has not
     bound them yet look free too (a leader's Triton metrics port once drew the HTTP
     port it was about to hand Triton, and Triton failed to start)."""
-    for _ in range(100):
-        port = free_port_block(1, host)
-        if port not in exclude:
-            return port
-    raise RuntimeError(f"no free port outside {sorted(exclude)[:10]} on {host}")
+    return free_port_block(1, host, exclude)

@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,9 +89,14 @@ def served_version(model_dir: Path, requested: str) -> str:
     return version
 
 
-def free_port_pair(host: str = "127.0.0.1") -> int:
+def free_port_pair(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
     """A free port whose successor is free too (the unit health server takes both)."""
-    return free_port_block(2, host)
+    return free_port_block(2, host, exclude)
+
+
+# The unit's control block from its control port: control, store (+1) and vLLM's
+# world (+2) (unit/config.py), the Neuron runtime's bootstrap (+3, devices/neuron.py).
+UNIT_CONTROL_PORTS = 4
 
 
 @dataclass(slots=True)
@@ -179,11 +185,19 @@ class TritonLeader:
             self._tmp = tempfile.TemporaryDirectory(prefix="neuron-serving-leader-")
             run_dir = Path(self._tmp.name)
         install = TritonInstall.find()
-        # Not the ports this leader hands out below, which nothing has bound yet.
-        taken = {s.http_port, s.grpc_port, s.metrics_port}
+        # Every port drawn here stays clear of the ports this leader hands out and of
+        # those its unit binds later (nothing has bound them yet, so they look free):
+        # a draw that took the health port once failed a deploy's new leader.
+        from neuron_serving import envs
+
+        taken = self.reserved_ports()
+        health_port = envs.NEURON_SERVING_LEADER_HEALTH_PORT
         triton_metrics_port = free_port(exclude=taken)
-        vllm_metrics_port = free_port(exclude=taken | {triton_metrics_port})
-        overrides = self.model_json(run_dir, vllm_metrics_port)
+        taken.add(triton_metrics_port)
+        vllm_metrics_port = free_port(exclude=taken)
+        taken.add(vllm_metrics_port)
+        overrides = self.model_json(run_dir, vllm_metrics_port, taken)
+        taken.add(overrides["openai_channel_port"])
         self._init_marker(run_dir).unlink(missing_ok=True)
         self._marker = self._init_marker(run_dir)
         repo = render_model_repository(run_dir, overrides)
@@ -215,12 +229,9 @@ class TritonLeader:
         # The unit executor's control-plane metrics (broadcast cost, follower heartbeat
         # age, steps) are served by its node health server, in EngineCore, on
         # health_port + 1. Use the configured one, or give it a loopback port.
-        from neuron_serving import envs
-
-        health_port = envs.NEURON_SERVING_LEADER_HEALTH_PORT
         health_host = envs.NEURON_SERVING_HEALTH_HOST
         if not health_port:
-            health_port = free_port_pair()
+            health_port = free_port_pair(exclude=taken)
             health_host = "127.0.0.1"
             env["NEURON_SERVING_LEADER_HEALTH_PORT"] = str(health_port)
         if health_host in ("0.0.0.0", "::", ""):
@@ -249,7 +260,26 @@ class TritonLeader:
         )
         self.merger.start()
 
-    def model_json(self, run_dir: Path, vllm_metrics_port: int = 0) -> dict[str, Any]:
+    def reserved_ports(self) -> set[int]:
+        """The ports this leader hands out and those its unit binds later: the Triton
+        ports, the unit's control block, and the health pair and OpenAI channel port
+        when the environment fixes them."""
+        from neuron_serving import envs
+
+        s = self.s
+        taken = {s.http_port, s.grpc_port, s.metrics_port,
+                 *range(s.control_port, s.control_port + UNIT_CONTROL_PORTS)}  # fmt: skip
+        if envs.NEURON_SERVING_LEADER_HEALTH_PORT:
+            taken |= {envs.NEURON_SERVING_LEADER_HEALTH_PORT,
+                      envs.NEURON_SERVING_LEADER_HEALTH_PORT + 1}  # fmt: skip
+        if envs.NEURON_SERVING_LEADER_CHANNEL_PORT:
+            taken.add(envs.NEURON_SERVING_LEADER_CHANNEL_PORT)
+        return taken
+
+    def model_json(
+        self, run_dir: Path, vllm_metrics_port: int = 0, taken: set[int] | None = None
+    ) -> dict[str, Any]:
+        """``taken``: ports a port drawn here must avoid; what is drawn joins it."""
         """The model.json settings this leader renders (over the shipped defaults)."""
         from neuron_serving import envs
 
@@ -268,7 +298,7 @@ class TritonLeader:
             # announced in the model config (repository.py), so no flag is needed.
             "openai_channel_host": s.host,
             "openai_channel_port": envs.NEURON_SERVING_LEADER_CHANNEL_PORT
-            or free_port(s.host or "127.0.0.1"),
+            or free_port(s.host or "127.0.0.1", exclude=taken if taken is not None else ()),
             # vLLM's KV event sockets (kv_events.py): a directory of the run directory,
             # made private (0700) by the backend, which binds nothing else there.
             "kv_events_dir": str(run_dir / "kv-events"),

@@ -121,3 +121,19 @@ def test_served_model_name_defaults_like_the_local_cluster(tmp_path: Path) -> No
     model.mkdir()
     assert LeaderSettings(model=str(model)).served_model_name == default_served_name(model)
     assert LeaderSettings(model=str(model), served_model_name="x").served_model_name == "x"
+
+
+def test_port_draws_stay_clear_of_what_the_unit_binds_later(tmp_path: Path, monkeypatch) -> None:
+    # A deploy's new leader once drew vLLM's metrics port on its own health port
+    # (EngineCore binds that later) and failed to start.
+    monkeypatch.setenv("NEURON_SERVING_LEADER_HEALTH_PORT", "18230")
+    monkeypatch.setenv("NEURON_SERVING_LEADER_CHANNEL_PORT", "18240")
+    leader = TritonLeader(LeaderSettings(model=str(tmp_path), control_port=18223,
+                                         http_port=18227, grpc_port=18228, metrics_port=18229))  # fmt: skip
+    reserved = leader.reserved_ports()
+    assert reserved == {18223, 18224, 18225, 18226, 18227, 18228, 18229, 18230, 18231, 18240}
+    monkeypatch.delenv("NEURON_SERVING_LEADER_CHANNEL_PORT")
+    taken = set(reserved) - {18240}
+    overrides = leader.model_json(tmp_path, 0, taken)
+    assert overrides["openai_channel_port"] not in reserved - {18240}
+    assert launcher.free_port_pair(exclude=taken) not in {p - 1 for p in taken} | taken

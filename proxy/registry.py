@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.config import UnitSpec
+from proxy.traffic_class import TrafficClass
 
 NodeRole = Literal["leader", "follower"]
 RegistryEvent = Literal["added", "removed"]
@@ -69,7 +70,7 @@ class UnitState:
     in_flight: int = 0
     # in_flight by traffic class (proxy/traffic_class.py: index = the class's value):
     # flow control lets a class wait in the engine behind slots less urgent ones hold.
-    class_in_flight: list[int] = field(default_factory=lambda: [0, 0, 0])
+    class_in_flight: list[int] = field(default_factory=lambda: [0] * len(TrafficClass))
     # The leader's last load report; None while its channel is not connected (then
     # flow control has only the proxy's own in-flight count). Set it with
     # ``set_engine_load``, which also notes ``in_flight`` then (``load_now``).

@@ -33,9 +33,8 @@ tokenizer's own ids, below 2**32): ~12 MB at most with a token every 2 character
 a piece longer than ``MAX_PIECE_CHARS`` is encoded every time and never kept; a
 text of more than ``MAX_TEXT_PIECES`` pieces (a client's text full of added tokens,
 not a chat's few a turn) is encoded whole, in one call that releases the GIL, not
-piece by piece holding it. A
-thread lock guards the table: long prompts are tokenized on a thread beside the
-event loop's short ones.
+piece by piece holding it. A thread lock guards the table: long prompts are
+tokenized on a thread beside the event loop's short ones.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from collections.abc import Callable
 
 # Seconds; a gen-0 collection takes microseconds, a full one of an unfrozen rank
 # heap hundreds of milliseconds.
@@ -40,22 +41,21 @@ class GcPauses:
     total count and the summed seconds. Updated by the gc callback, which runs
     with the GIL held (so plain ints suffice); read at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.buckets = [[0] * len(BUCKETS) for _ in range(3)]
         self.count = [0, 0, 0]
         self.sum_s = [0.0, 0.0, 0.0]
-        self.max_s = [0.0, 0.0, 0.0]
+        self._clock = clock
         self._started = 0.0
 
     def callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._started = time.perf_counter()
+            self._started = self._clock()
             return
-        seconds = time.perf_counter() - self._started
+        seconds = self._clock() - self._started
         generation = min(max(info.get("generation", 2), 0), 2)
         self.count[generation] += 1
         self.sum_s[generation] += seconds
-        self.max_s[generation] = max(self.max_s[generation], seconds)
         for i, bound in enumerate(BUCKETS):
             if seconds <= bound:
                 self.buckets[generation][i] += 1

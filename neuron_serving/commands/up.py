@@ -67,6 +67,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "else prefix_cache_aware; proxy/README.md 'Routing policies')",
     )  # fmt: skip
     p.add_argument(
+        "--admission",
+        default=None,
+        metavar="JSON",
+        help="the proxy replicas' flow control, as the proxy config's admission section "
+        'merged over the defaults, e.g. \'{"unit_max_in_flight": 16, "classes": {"batch": '
+        '{"unit_share": 0.5}}}\' (proxy/README.md, "Traffic classes and flow control")',
+    )
+    p.add_argument(
         "--base-port", type=int, default=29600, help="first port of the units' port blocks"
     )
     p.add_argument(
@@ -293,6 +301,26 @@ print()
 PY"""
 
 
+def _admission(text: str | None) -> dict[str, Any]:
+    """--admission as the mapping every replica's config gets, checked here by the
+    proxy's own config class, before any process starts (ValueError)."""
+    if text is None:
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--admission is not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError("--admission must be a JSON object")
+    from proxy.config import AdmissionConfig  # the proxy's own checks (imported late: a CLI)
+
+    try:
+        AdmissionConfig(**raw)
+    except TypeError as e:  # an unknown key
+        raise ValueError(f"--admission: {e}") from None
+    return raw
+
+
 def _leader_args(args: argparse.Namespace) -> tuple[str, ...]:
     """Flags every unit's leader gets beyond the spec's; --engine-args checked here,
     before any process starts (ValueError)."""
@@ -328,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--routing must be one of {', '.join(POLICIES)}")
         capacity = _capacity_config(args)
         leader_args = _leader_args(args)
+        admission = _admission(args.admission)
         model = Path(args.model) if args.model else demo_model_dir(say)
         spec = ClusterSpec(
             model_dir=model,
@@ -338,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
             admin_port=args.admin_port,
             proxies=args.proxies,
             routing=args.routing,
+            admission=admission,
             base_port=args.base_port,
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from neuron_serving.checkpoint.served_name import default_served_name
 from neuron_serving.devices.cpu import default_cpu_bind
@@ -86,6 +87,8 @@ class ClusterSpec:
     proxies: int = 1  # proxy replicas, proxy-0 .. proxy-(K-1)
     # The replicas' routing policy; "" = routing_policy's choice (see there).
     routing: str = ""
+    # The replicas' admission section (proxy/config.py AdmissionConfig), over its defaults.
+    admission: dict[str, Any] = field(default_factory=dict)
     base_port: int = 29600
     # "" = the checkpoint manifest's model name (so a deploy to another version's
     # directory keeps the name clients use), else the model directory's name.

@@ -155,6 +155,33 @@ def test_routing_is_checked_and_reaches_the_spec(
     assert FakeCluster.made[-1].spec.routing_policy == "kv_aware"
 
 
+def test_admission_is_checked_by_the_proxy_and_reaches_every_replica(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:  # fmt: skip
+    from neuron_serving.local.proxy_config import write_proxy_config
+    from proxy.config import load_config
+
+    _fake_cluster(monkeypatch)
+    base = ["up", "--run-dir", str(tmp_path / "run"), "--model", str(_model(tmp_path))]
+    for bad, says in [
+        ("{", "--admission is not JSON"),
+        ("[1]", "must be a JSON object"),
+        ('{"unit_max_inflight": 4}', "unit_max_inflight"),
+        ('{"classes": {"batch": {"unit_share": 2}}}', "unit_share must be in (0, 1]"),
+        ('{"classes": {"bulk": {}}}', "unknown class 'bulk'"),
+    ]:
+        assert main([*base, "--admission", bad]) == ExitCode.USAGE, bad
+        assert FakeCluster.made == [] and says in capsys.readouterr().err, bad
+    admission = '{"unit_max_in_flight": 12, "classes": {"batch": {"unit_share": 0.5}}}'
+    assert main([*base, "--proxies", "2", "--admission", admission]) == ExitCode.OK
+    paths, _, _ = write_proxy_config(FakeCluster.made[-1].spec)
+    for path in paths:  # every replica gets it, as the proxy itself reads it
+        got = load_config(path).admission
+        assert got.unit_max_in_flight == 12 and got.class_config("batch").unit_share == 0.5
+        assert got.class_config("real-time").unit_share == 1.0  # the rest: defaults
+
+
 def _autoscale_args(**kw: object) -> argparse.Namespace:
     base = dict(autoscale=True, units=None, units_min=1, units_max=3, autoscale_config=None,
                 warm_units=None, autoscale_metrics_port=None)  # fmt: skip

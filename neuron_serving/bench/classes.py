@@ -14,7 +14,10 @@ arms alternating per repeat so drift hits every arm alike:
   batch output tokens/s in the window from its request_counts;
 - (c) naive: the same real-time arrivals while the same batch work is sent as
   ordinary requests (class real-time, so first come, first served in the proxy and in
-  the engine) by a closed loop as deep as the Batch API's lines in flight.
+  the engine) by a closed loop as deep as the Batch API's lines in flight;
+- (a2) real-time alone again, last: not a target's arm but the measurement's own
+  spread. A p99 is the slowest 1% of one window's requests, and the ratio of two
+  windows of the same arm (a2 over a) says how far a ratio moves with nothing changed.
 
 Targets (issue 19): real-time TTFT p99 in (b) within 1.1x of (a), (c) beside it;
 batch tokens/s in (b) at least 80% of the capacity real-time leaves idle, measured
@@ -232,7 +235,8 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
     state = run.state()
     model = state["served_model_name"]
     units = len(state["units"])
-    seqs = 16  # up's --max-num-seqs default (what the bench starts)
+    # The engines' running-batch bound as the leaders report it (up's --max-num-seqs).
+    seqs = max((u.get("max_num_seqs") or 0 for u in state["units"]), default=0) or 16
     window = 30.0 if quick else 90.0
     async with Load(run.url, run.api_key(), model) as load:
         # Warm-up: compile paths, caches.
@@ -265,7 +269,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         print(f"capacity {capacity:.0f} tok/s (batch-shaped), {rt_capacity:.1f} chat streams/s;"
               f" real-time at {rate:.2f} req/s", file=sys.stderr)  # fmt: skip
         before = await load.classes()
-        arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": []}
+        arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": [], "a2": []}
         for rep in range(repeats):
             await load.all_routable()
             # (a) real-time alone
@@ -301,12 +305,18 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             summary["batch_tokens_per_s"] = round(_tokens_in(done, t0, t1) / (t1 - t0), 1)
             arms["c"].append(summary)
             print(f"rep {rep} (c) {summary}", file=sys.stderr, flush=True)
+            await load.all_routable()
+            # (a2) real-time alone again: the spread of the p99 ratio itself
+            res = await load.poisson(rate, window, seed=100 + rep)
+            arms["a2"].append(_rt_summary(res, window))
+            print(f"rep {rep} (a2) {arms['a2'][-1]}", file=sys.stderr, flush=True)
         after = await load.classes()
     rt_rejected = {k: after["real-time"][k] - before["real-time"][k]
                    for k in ("shed", "refused", "deadline_misses")}  # fmt: skip
     p99 = {arm: [r["ttft_p99_s"] for r in rs] for arm, rs in arms.items()}
     ratio_b = [b / a for a, b in zip(p99["a"], p99["b"], strict=True)]
     ratio_c = [c / a for a, c in zip(p99["a"], p99["c"], strict=True)]
+    ratio_a2 = [a2 / a for a, a2 in zip(p99["a"], p99["a2"], strict=True)]
     # What real-time leaves idle, measured: the fleet saturated with batch work while
     # the same real-time load runs beside it and is served whole (arm (c): first come
     # first served, so nothing holds batch back) = the saturated throughput minus
@@ -331,6 +341,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         "arms": arms,
         "rt_ttft_p99_ratio_b_over_a": spread(ratio_b),
         "rt_ttft_p99_ratio_c_over_a": spread(ratio_c),
+        "rt_ttft_p99_ratio_a2_over_a": spread(ratio_a2),
         "batch_share_of_idle_capacity_b": spread(batch_share),
         "batch_share_of_estimated_idle_capacity_b": spread(share_est),
         "rt_rejected_by_flow_control": rt_rejected,
@@ -343,12 +354,21 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
     }
 
 
-def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None, tp: int = TP) -> int:
+def main(
+    quick: bool,
+    model: str | None,
+    emit_json: bool,
+    repeats: int | None,
+    tp: int = TP,
+    admission: str | None = None,
+) -> int:
     extra = ["--model", model] if model else []
+    if admission is not None:
+        extra += ["--admission", admission]
     run = UpRun("ns-bench-classes-", [*extra, "--tp", str(tp)])
     rc = 0
     result: dict[str, Any] = {"command": " ".join(run.args[2:]), "log": str(run.log_path),
-                              "tp": tp}  # fmt: skip
+                              "tp": tp, "admission": admission}  # fmt: skip
     try:
         result["ready_s"] = round(run.wait_ready(), 1)
         result.update(asyncio.run(_run(run, quick, repeats or 2)))
@@ -362,5 +382,5 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None, t
     result["quick"] = quick
     publish("classes-quick" if quick else "classes", result,
             ("rt_ttft_p99_ratio_b_over_a", "rt_ttft_p99_ratio_c_over_a",
-             "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"), emit_json)  # fmt: skip
+             "rt_ttft_p99_ratio_a2_over_a", "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"), emit_json)  # fmt: skip
     return rc

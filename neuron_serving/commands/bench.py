@@ -49,6 +49,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="classes: tensor-parallel ranks per unit (default 1: see bench/README.md)",
     )  # fmt: skip
     p.add_argument(
+        "--admission", default=None, metavar="JSON",
+        help="classes: the proxy's flow control, as `up --admission` (recorded in the result)",
+    )  # fmt: skip
+    p.add_argument(
         "--py-spy", default=None, metavar="DIR",
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
     )  # fmt: skip
@@ -81,7 +85,9 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
     if name == "classes":
         from neuron_serving.bench import classes
 
-        return classes.main(quick, model, emit_json, repeats, tp=args.tp or classes.TP)
+        return classes.main(
+            quick, model, emit_json, repeats, tp=args.tp or classes.TP, admission=args.admission
+        )
     if name == "capacity":
         from neuron_serving.bench import capacity
 
@@ -97,9 +103,17 @@ def run(args: argparse.Namespace) -> int:
     if args.name != "capacity" and (args.trace or args.resimulate):
         print("bench: --trace and --resimulate are bench capacity's", file=sys.stderr)
         return ExitCode.USAGE
-    if args.name != "classes" and args.tp is not None:
-        print("bench: --tp is bench classes'", file=sys.stderr)
+    if args.name != "classes" and (args.tp is not None or args.admission is not None):
+        print("bench: --tp and --admission are bench classes'", file=sys.stderr)
         return ExitCode.USAGE
+    if args.admission is not None:
+        from neuron_serving.commands.up import parse_admission
+
+        try:
+            parse_admission(args.admission)
+        except ValueError as e:
+            print(f"bench: {e}", file=sys.stderr)
+            return ExitCode.USAGE
     if args.name != "all":
         return _call(args.name, args.quick, args)
     return run_all(args)

@@ -301,7 +301,7 @@ print()
 PY"""
 
 
-def _admission(text: str | None) -> dict[str, Any]:
+def parse_admission(text: str | None) -> dict[str, Any]:
     """--admission as the mapping every replica's config gets, checked here by the
     proxy's own config class, before any process starts (ValueError)."""
     if text is None:
@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--routing must be one of {', '.join(POLICIES)}")
         capacity = _capacity_config(args)
         leader_args = _leader_args(args)
-        admission = _admission(args.admission)
+        admission = parse_admission(args.admission)
         model = Path(args.model) if args.model else demo_model_dir(say)
         spec = ClusterSpec(
             model_dir=model,

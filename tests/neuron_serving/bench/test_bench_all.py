@@ -38,10 +38,17 @@ def test_tp_reaches_bench_classes_and_is_refused_elsewhere(monkeypatch):
     from neuron_serving.bench import classes
 
     seen = []
-    monkeypatch.setattr(classes, "main", lambda *a, tp: seen.append(tp) or 0)
+    monkeypatch.setattr(classes, "main", lambda *a, tp, admission: seen.append((tp, admission)))
     parser = argparse.ArgumentParser()
     bench.add_parser(parser.add_subparsers())
-    assert bench.run(parser.parse_args(["bench", "classes", "--quick"])) == 0
-    assert bench.run(parser.parse_args(["bench", "classes", "--tp", "2"])) == 0
-    assert seen == [classes.TP, 2] and classes.TP == 1
+    share = '{"classes": {"batch": {"unit_share": 0.5}}}'
+    assert bench.run(parser.parse_args(["bench", "classes", "--quick"])) is None
+    assert bench.run(parser.parse_args(["bench", "classes", "--tp", "2"])) is None
+    assert bench.run(parser.parse_args(["bench", "classes", "--admission", share])) is None
+    assert seen == [(classes.TP, None), (2, None), (1, share)] and classes.TP == 1
+    # Refused: another benchmark's, or flow control the proxy would refuse (before a start).
     assert bench.run(parser.parse_args(["bench", "routing", "--tp", "2"])) == 2  # usage
+    assert bench.run(parser.parse_args(["bench", "routing", "--admission", share])) == 2
+    bad = '{"classes": {"batch": {"unit_share": 0}}}'
+    assert bench.run(parser.parse_args(["bench", "classes", "--admission", bad])) == 2
+    assert len(seen) == 3

@@ -15,6 +15,10 @@ arms alternating per repeat so drift hits every arm alike:
 - (c) naive: the same real-time arrivals while the same batch work is sent as
   ordinary requests (class real-time, so first come, first served in the proxy and in
   the engine) by a closed loop as deep as the Batch API's lines in flight;
+- (f) the host's floor: the same real-time arrivals beside one process per CPU that
+  spins a Python loop at SCHED_IDLE, the lowest CPU priority Linux has, and does no
+  serving work. Not a target's arm: no batch implementation on this host can use
+  the idle CPU more gently, so (f)/(a) is the least that using it costs real-time;
 - (a2) real-time alone again, last: not a target's arm but the measurement's own
   spread. A p99 is the slowest 1% of one window's requests, and the ratio of two
   windows of the same arm (a2 over a) says how far a ratio moves with nothing changed.
@@ -31,10 +35,14 @@ reported beside it); no real-time request shed or refused while batch work waits
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import random
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -214,6 +222,25 @@ class Load:
             return (await r.json())["admission"]["classes"]
 
 
+# Spins at SCHED_IDLE, set by the process itself (no privilege needed to lower it).
+_IDLE_SPIN = (
+    "import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True: pass"
+)
+
+
+@contextlib.contextmanager
+def idle_spinners(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` processes spinning at SCHED_IDLE while the block runs; killed after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", _IDLE_SPIN]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait(timeout=10)
+
+
 def _rt_summary(results: list[tuple[float | None, str | None]], window_s: float) -> dict[str, Any]:
     ttfts = [t for t, e in results if e is None and t is not None]
     errors = [e for _, e in results if e is not None]
@@ -269,7 +296,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         print(f"capacity {capacity:.0f} tok/s (batch-shaped), {rt_capacity:.1f} chat streams/s;"
               f" real-time at {rate:.2f} req/s", file=sys.stderr)  # fmt: skip
         before = await load.classes()
-        arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": [], "a2": []}
+        arms: dict[str, list[dict[str, Any]]] = {"a": [], "b": [], "c": [], "f": [], "a2": []}
         for rep in range(repeats):
             await load.all_routable()
             # (a) real-time alone
@@ -306,6 +333,13 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             arms["c"].append(summary)
             print(f"rep {rep} (c) {summary}", file=sys.stderr, flush=True)
             await load.all_routable()
+            # (f) the host's floor: the idle CPU used at the lowest priority, by no server
+            with idle_spinners(os.cpu_count() or 1):
+                await asyncio.sleep(1.0)
+                res = await load.poisson(rate, window, seed=100 + rep)
+            arms["f"].append(_rt_summary(res, window))
+            print(f"rep {rep} (f) {arms['f'][-1]}", file=sys.stderr, flush=True)
+            await load.all_routable()
             # (a2) real-time alone again: the spread of the p99 ratio itself
             res = await load.poisson(rate, window, seed=100 + rep)
             arms["a2"].append(_rt_summary(res, window))
@@ -316,6 +350,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
     p99 = {arm: [r["ttft_p99_s"] for r in rs] for arm, rs in arms.items()}
     ratio_b = [b / a for a, b in zip(p99["a"], p99["b"], strict=True)]
     ratio_c = [c / a for a, c in zip(p99["a"], p99["c"], strict=True)]
+    ratio_f = [f / a for a, f in zip(p99["a"], p99["f"], strict=True)]
     ratio_a2 = [a2 / a for a, a2 in zip(p99["a"], p99["a2"], strict=True)]
     # What real-time leaves idle, measured: the fleet saturated with batch work while
     # the same real-time load runs beside it and is served whole (arm (c): first come
@@ -341,6 +376,7 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         "arms": arms,
         "rt_ttft_p99_ratio_b_over_a": spread(ratio_b),
         "rt_ttft_p99_ratio_c_over_a": spread(ratio_c),
+        "rt_ttft_p99_ratio_f_over_a": spread(ratio_f),
         "rt_ttft_p99_ratio_a2_over_a": spread(ratio_a2),
         "batch_share_of_idle_capacity_b": spread(batch_share),
         "batch_share_of_estimated_idle_capacity_b": spread(share_est),
@@ -382,5 +418,6 @@ def main(
     result["quick"] = quick
     publish("classes-quick" if quick else "classes", result,
             ("rt_ttft_p99_ratio_b_over_a", "rt_ttft_p99_ratio_c_over_a",
-             "rt_ttft_p99_ratio_a2_over_a", "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"), emit_json)  # fmt: skip
+             "rt_ttft_p99_ratio_f_over_a", "rt_ttft_p99_ratio_a2_over_a",
+             "batch_share_of_idle_capacity_b", "rt_rejected_by_flow_control"), emit_json)  # fmt: skip
     return rc

@@ -241,6 +241,26 @@ def idle_spinners(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait(timeout=10)
 
 
+def host_cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+class HostCpu:
+    """The host's CPU busy fraction over a span (every process: the servers', the
+    client's, a spinner's), to say how much of the box an arm used."""
+
+    def __init__(self) -> None:
+        self.start = host_cpu_jiffies()
+
+    def busy(self) -> float:
+        busy, total = host_cpu_jiffies()
+        return round((busy - self.start[0]) / max(1, total - self.start[1]), 3)
+
+
 def _rt_summary(results: list[tuple[float | None, str | None]], window_s: float) -> dict[str, Any]:
     ttfts = [t for t, e in results if e is None and t is not None]
     errors = [e for _, e in results if e is not None]
@@ -300,8 +320,9 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         for rep in range(repeats):
             await load.all_routable()
             # (a) real-time alone
+            cpu = HostCpu()
             res = await load.poisson(rate, window, seed=100 + rep)
-            arms["a"].append(_rt_summary(res, window))
+            arms["a"].append({**_rt_summary(res, window), "host_cpu_busy": cpu.busy()})
             print(f"rep {rep} (a) {arms['a'][-1]}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (b) real-time + a Batch API batch
@@ -310,10 +331,12 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             while (await load.batch(bid))["request_counts"]["completed"] < 10:
                 await asyncio.sleep(0.5)
             c0, t0 = (await load.batch(bid))["request_counts"]["completed"], time.monotonic()
+            cpu = HostCpu()
             res = await load.poisson(rate, window, seed=100 + rep)
             c1, t1 = (await load.batch(bid))["request_counts"]["completed"], time.monotonic()
+            busy = cpu.busy()
             await load.cancel(bid)
-            summary = _rt_summary(res, window)
+            summary = {**_rt_summary(res, window), "host_cpu_busy": busy}
             summary["batch_tokens_per_s"] = round((c1 - c0) * BATCH_MAX_TOKENS / (t1 - t0), 1)
             summary["batch_lines"] = lines
             arms["b"].append(summary)
@@ -323,12 +346,12 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             stop, done = asyncio.Event(), []
             loop_task = asyncio.create_task(load.closed_loop(64, stop, done))
             await asyncio.sleep(5.0)
-            t0 = time.monotonic()
+            t0, cpu = time.monotonic(), HostCpu()
             res = await load.poisson(rate, window, seed=100 + rep)
-            t1 = time.monotonic()
+            t1, busy = time.monotonic(), cpu.busy()
             stop.set()
             await loop_task
-            summary = _rt_summary(res, window)
+            summary = {**_rt_summary(res, window), "host_cpu_busy": busy}
             summary["batch_tokens_per_s"] = round(_tokens_in(done, t0, t1) / (t1 - t0), 1)
             arms["c"].append(summary)
             print(f"rep {rep} (c) {summary}", file=sys.stderr, flush=True)
@@ -336,13 +359,16 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             # (f) the host's floor: the idle CPU used at the lowest priority, by no server
             with idle_spinners(os.cpu_count() or 1):
                 await asyncio.sleep(1.0)
+                cpu = HostCpu()
                 res = await load.poisson(rate, window, seed=100 + rep)
-            arms["f"].append(_rt_summary(res, window))
+                busy = cpu.busy()
+            arms["f"].append({**_rt_summary(res, window), "host_cpu_busy": busy})
             print(f"rep {rep} (f) {arms['f'][-1]}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (a2) real-time alone again: the spread of the p99 ratio itself
+            cpu = HostCpu()
             res = await load.poisson(rate, window, seed=100 + rep)
-            arms["a2"].append(_rt_summary(res, window))
+            arms["a2"].append({**_rt_summary(res, window), "host_cpu_busy": cpu.busy()})
             print(f"rep {rep} (a2) {arms['a2'][-1]}", file=sys.stderr, flush=True)
         after = await load.classes()
     rt_rejected = {k: after["real-time"][k] - before["real-time"][k]

@@ -19,3 +19,16 @@ def test_idle_spinners_run_at_sched_idle_and_are_gone_after_the_block() -> None:
         assert [os.sched_getscheduler(p.pid) for p in procs] == [os.SCHED_IDLE] * 2
         assert all(p.poll() is None for p in procs)  # spinning, not exited
     assert all(p.returncode is not None for p in procs)  # killed and reaped
+
+
+def test_host_cpu_counts_a_spinner_as_busy() -> None:
+    from neuron_serving.bench.classes import HostCpu, host_cpu_jiffies
+
+    busy, total = host_cpu_jiffies()
+    assert 0 < busy < total
+    cpu = HostCpu()
+    with idle_spinners(1):
+        time.sleep(1.0)
+        fraction = cpu.busy()
+    # One spinner keeps one of the box's CPUs busy: at least 1/cpus of it, less its start.
+    assert 0.5 / (os.cpu_count() or 1) < fraction <= 1.0

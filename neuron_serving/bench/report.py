@@ -379,12 +379,20 @@ def _startup_targets(r: dict[str, Any]) -> list[Target]:
 def _classes_targets(r: dict[str, Any]) -> list[Target]:
     """bench classes: real-time beside a batch backlog through the traffic classes."""
     b, c = r.get("rt_ttft_p99_ratio_b_over_a"), r.get("rt_ttft_p99_ratio_c_over_a")
+    # Beside the verdict, not in it: the host's floor (idle-priority spinners that do no
+    # serving work) and the same arm measured twice (the ratio's own spread).
+    floor, again = r.get("rt_ttft_p99_ratio_f_over_a"), r.get("rt_ttft_p99_ratio_a2_over_a")
+    context = "".join(
+        f"; {name}: {spread_text(x)}"
+        for name, x in (("host floor, SCHED_IDLE spinners", floor), ("alone again", again))
+        if x
+    )
     share = r.get("batch_share_of_idle_capacity_b")
     rejected = r.get("rt_rejected_by_flow_control")
     errors = r.get("rt_client_errors_b")
     return [
         Target("classes", "real-time TTFT p99 with batch (classes) / alone <= 1.1",
-               f"{spread_text(b)} (first come first served: {spread_text(c)})",
+               f"{spread_text(b)} (first come first served: {spread_text(c)}{context})",
                None if not b else b["median"] <= 1.1, straddles=straddles(b, 1.1)),
         Target("classes", "batch tokens/s >= 0.8 of the capacity real-time leaves",
                spread_text(share), None if not share else share["median"] >= 0.8,

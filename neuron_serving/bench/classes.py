@@ -17,8 +17,11 @@ arms alternating per repeat so drift hits every arm alike:
   the engine) by a closed loop as deep as the Batch API's lines in flight;
 - (f) the host's floor: the same real-time arrivals beside one process per CPU that
   spins a Python loop at SCHED_IDLE, the lowest CPU priority Linux has, and does no
-  serving work. Not a target's arm: no batch implementation on this host can use
-  the idle CPU more gently, so (f)/(a) is the least that using it costs real-time;
+  serving work, each held to 0.8 of its CPU's idle share in this repeat's (a) (the
+  host's busy fraction), so that together they use the 80% of the idle CPU the batch
+  target asks batch work to use. Not a target's arm: no batch implementation on this
+  host can use that CPU more gently, so (f)/(a) is the least that using it costs
+  real-time;
 - (a2) real-time alone again, last: not a target's arm but the measurement's own
   spread. A p99 is the slowest 1% of one window's requests, and the ratio of two
   windows of the same arm (a2 over a) says how far a ratio moves with nothing changed.
@@ -58,6 +61,9 @@ from neuron_serving.bench.common import percentile, publish, spread
 # benchmark exists to measure; --tp 2 still runs the multi-rank shape.
 TP = 1
 RT_MAX_TOKENS = 24
+# The floor arm's spinners use this share of the CPU real-time leaves idle: the batch
+# target's 0.8 of the idle capacity, in CPU.
+FLOOR_SHARE = 0.8
 BATCH_MAX_TOKENS = 32
 WORDS = "red green blue shoe cart price size brand sale ship coffee maker stock".split()
 
@@ -222,16 +228,31 @@ class Load:
             return (await r.json())["admission"]["classes"]
 
 
-# Spins at SCHED_IDLE, set by the process itself (no privilege needed to lower it).
-_IDLE_SPIN = (
-    "import os\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True: pass"
-)
+# Spins at SCHED_IDLE (set by the process itself: lowering needs no privilege), using
+# at most RATE CPU-seconds per second: a token bucket of CPU time, topped up by wall
+# time and capped at 50 ms so a spinner held off the CPU does not burst after.
+_IDLE_SPIN = """
+import os, sys, time
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+rate, budget, last = float(sys.argv[1]), 0.0, time.monotonic()
+while True:
+    now = time.monotonic()
+    budget, last = min(0.05, budget + rate * (now - last)), now
+    if budget <= 0:
+        time.sleep(0.001)
+        continue
+    c = time.process_time()
+    while time.process_time() - c < 0.001:
+        pass
+    budget -= time.process_time() - c
+"""
 
 
 @contextlib.contextmanager
-def idle_spinners(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``n`` processes spinning at SCHED_IDLE while the block runs; killed after it."""
-    procs = [subprocess.Popen([sys.executable, "-c", _IDLE_SPIN]) for _ in range(n)]
+def idle_spinners(n: int, rate: float = 1.0) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` processes spinning at SCHED_IDLE, each using at most ``rate`` of a CPU,
+    while the block runs; killed after it."""
+    procs = [subprocess.Popen([sys.executable, "-c", _IDLE_SPIN, str(rate)]) for _ in range(n)]
     try:
         yield procs
     finally:
@@ -357,12 +378,14 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             print(f"rep {rep} (c) {summary}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (f) the host's floor: the idle CPU used at the lowest priority, by no server
-            with idle_spinners(os.cpu_count() or 1):
+            spin = round(FLOOR_SHARE * (1 - arms["a"][-1]["host_cpu_busy"]), 3)
+            with idle_spinners(os.cpu_count() or 1, rate=spin):
                 await asyncio.sleep(1.0)
                 cpu = HostCpu()
                 res = await load.poisson(rate, window, seed=100 + rep)
                 busy = cpu.busy()
-            arms["f"].append({**_rt_summary(res, window), "host_cpu_busy": busy})
+            arms["f"].append({**_rt_summary(res, window), "host_cpu_busy": busy,
+                              "spinner_cpu_each": spin})  # fmt: skip
             print(f"rep {rep} (f) {arms['f'][-1]}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (a2) real-time alone again: the spread of the p99 ratio itself

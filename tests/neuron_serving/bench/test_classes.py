@@ -32,3 +32,19 @@ def test_host_cpu_counts_a_spinner_as_busy() -> None:
         fraction = cpu.busy()
     # One spinner keeps one of the box's CPUs busy: at least 1/cpus of it, less its start.
     assert 0.5 / (os.cpu_count() or 1) < fraction <= 1.0
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_a_rate_limited_spinner_uses_no_more_than_its_rate() -> None:
+    with idle_spinners(1, rate=0.25) as (proc,):
+        time.sleep(0.5)  # its interpreter started
+        c0, t0 = _cpu_s(proc.pid), time.monotonic()
+        time.sleep(2.0)
+        used = (_cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
+    # At most its rate (plus the 50 ms bucket and tick rounding); more than nothing.
+    assert 0 < used <= 0.25 + 0.1

@@ -15,13 +15,10 @@ arms alternating per repeat so drift hits every arm alike:
 - (c) naive: the same real-time arrivals while the same batch work is sent as
   ordinary requests (class real-time, so first come, first served in the proxy and in
   the engine) by a closed loop as deep as the Batch API's lines in flight;
-- (f) the host's floor: the same real-time arrivals beside one process per CPU that
-  spins a Python loop at SCHED_IDLE, the lowest CPU priority Linux has, and does no
-  serving work, each held to 0.8 of its CPU's idle share in this repeat's (a) (the
-  host's busy fraction), so that together they use the 80% of the idle CPU the batch
-  target asks batch work to use. Not a target's arm: no batch implementation on this
-  host can use that CPU more gently, so (f)/(a) is the least that using it costs
-  real-time;
+- (f) the host's sensitivity: the same real-time arrivals beside one process per CPU
+  that spins a Python loop at SCHED_IDLE, the lowest CPU priority Linux has, and does
+  no serving work; with the CPU the spinners got. Not a target's arm: what any other
+  runnable work costs real-time on this host, at the lowest priority there is;
 - (a2) real-time alone again, last: not a target's arm but the measurement's own
   spread. A p99 is the slowest 1% of one window's requests, and the ratio of two
   windows of the same arm (a2 over a) says how far a ratio moves with nothing changed.
@@ -61,9 +58,6 @@ from neuron_serving.bench.common import percentile, publish, spread
 # benchmark exists to measure; --tp 2 still runs the multi-rank shape.
 TP = 1
 RT_MAX_TOKENS = 24
-# The floor arm's spinners use this share of the CPU real-time leaves idle: the batch
-# target's 0.8 of the idle capacity, in CPU.
-FLOOR_SHARE = 0.8
 BATCH_MAX_TOKENS = 32
 WORDS = "red green blue shoe cart price size brand sale ship coffee maker stock".split()
 
@@ -270,6 +264,13 @@ def host_cpu_jiffies() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class HostCpu:
     """The host's CPU busy fraction over a span (every process: the servers', the
     client's, a spinner's), to say how much of the box an arm used."""
@@ -377,15 +378,15 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             arms["c"].append(summary)
             print(f"rep {rep} (c) {summary}", file=sys.stderr, flush=True)
             await load.all_routable()
-            # (f) the host's floor: the idle CPU used at the lowest priority, by no server
-            spin = round(FLOOR_SHARE * (1 - arms["a"][-1]["host_cpu_busy"]), 3)
-            with idle_spinners(os.cpu_count() or 1, rate=spin):
+            # (f) what other runnable work costs real-time here, at the lowest priority
+            with idle_spinners(os.cpu_count() or 1) as spinners:
                 await asyncio.sleep(1.0)
-                cpu = HostCpu()
+                cpu, spun = HostCpu(), sum(process_cpu_s(p.pid) for p in spinners)
                 res = await load.poisson(rate, window, seed=100 + rep)
                 busy = cpu.busy()
+                spun = sum(process_cpu_s(p.pid) for p in spinners) - spun
             arms["f"].append({**_rt_summary(res, window), "host_cpu_busy": busy,
-                              "spinner_cpu_each": spin})  # fmt: skip
+                              "spinners_cpus_used": round(spun / window, 3)})  # fmt: skip
             print(f"rep {rep} (f) {arms['f'][-1]}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (a2) real-time alone again: the spread of the p99 ratio itself

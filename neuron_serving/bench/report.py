@@ -379,12 +379,12 @@ def _startup_targets(r: dict[str, Any]) -> list[Target]:
 def _classes_targets(r: dict[str, Any]) -> list[Target]:
     """bench classes: real-time beside a batch backlog through the traffic classes."""
     b, c = r.get("rt_ttft_p99_ratio_b_over_a"), r.get("rt_ttft_p99_ratio_c_over_a")
-    # Beside the verdict, not in it: the host's floor (idle-priority spinners that do no
-    # serving work) and the same arm measured twice (the ratio's own spread).
+    # Beside the verdict, not in it: the host's sensitivity (idle-priority spinners that
+    # do no serving work) and the same arm measured twice (the ratio's own spread).
     floor, again = r.get("rt_ttft_p99_ratio_f_over_a"), r.get("rt_ttft_p99_ratio_a2_over_a")
     context = "".join(
         f"; {name}: {spread_text(x)}"
-        for name, x in (("host floor, SCHED_IDLE spinners", floor), ("alone again", again))
+        for name, x in (("SCHED_IDLE spinners", floor), ("alone again", again))
         if x
     )
     share = r.get("batch_share_of_idle_capacity_b")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from neuron_serving.bench.classes import idle_spinners
+from neuron_serving.bench.classes import idle_spinners, process_cpu_s
 
 
 def test_idle_spinners_run_at_sched_idle_and_are_gone_after_the_block() -> None:
@@ -34,17 +34,11 @@ def test_host_cpu_counts_a_spinner_as_busy() -> None:
     assert 0.5 / (os.cpu_count() or 1) < fraction <= 1.0
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def test_a_rate_limited_spinner_uses_no_more_than_its_rate() -> None:
     with idle_spinners(1, rate=0.25) as (proc,):
         time.sleep(0.5)  # its interpreter started
-        c0, t0 = _cpu_s(proc.pid), time.monotonic()
+        c0, t0 = process_cpu_s(proc.pid), time.monotonic()
         time.sleep(2.0)
-        used = (_cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
+        used = (process_cpu_s(proc.pid) - c0) / (time.monotonic() - t0)
     # At most its rate (plus the 50 ms bucket and tick rounding); more than nothing.
     assert 0 < used <= 0.25 + 0.1

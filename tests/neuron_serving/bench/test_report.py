@@ -268,8 +268,8 @@ def test_capacity_targets_and_section(tmp_path):
     assert cap[2].mark() == "not measured (no scale-in)"
 
 
-def test_classes_targets_show_the_host_floor_beside_the_verdict(tmp_path):
-    """The floor and the repeat of the alone arm are context: the verdict is (b)/(a)'s."""
+def test_classes_targets_show_the_hosts_sensitivity_beside_the_verdict(tmp_path):
+    """The spinners' arm and the repeat of the alone arm are context: the verdict is (b)/(a)'s."""
     _write(tmp_path, "classes-quick", {
         "rt_ttft_p99_ratio_b_over_a": spread([1.6, 1.8]),
         "rt_ttft_p99_ratio_c_over_a": spread([9.0, 10.0]),
@@ -282,10 +282,10 @@ def test_classes_targets_show_the_host_floor_beside_the_verdict(tmp_path):
     _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     p99 = next(t for t in ts if t.target.startswith("real-time TTFT p99"))
     assert p99.met is False
-    assert "host floor, SCHED_IDLE spinners: 1.8" in p99.measured
+    assert "SCHED_IDLE spinners: 1.8" in p99.measured
     assert "alone again: 0.95" in p99.measured
     # An older result without those arms still renders, without them.
     _write(tmp_path, "classes-quick", {"rt_ttft_p99_ratio_b_over_a": spread([1.0])})
     _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     p99 = next(t for t in ts if t.target.startswith("real-time TTFT p99"))
-    assert p99.met is True and "floor" not in p99.measured
+    assert p99.met is True and "spinners" not in p99.measured

@@ -1,7 +1,8 @@
-"""`neuron-serving bench classes`: real-time chat beside a batch backlog, three ways.
+"""`neuron-serving bench classes`: real-time chat beside a batch backlog, three ways,
+with two reference arms.
 
 One `neuron-serving up` cluster (2 units of --tp ranks, default 1; see TP), one run,
-arms alternating per repeat so drift hits every arm alike:
+arms in this order in every repeat, so drift hits every arm alike across repeats:
 
 - capacities (once, first): a closed loop twice as deep as the fleet's running batch
   (units x max_num_seqs) for WINDOW seconds, of batch-shaped requests (the fleet's
@@ -39,6 +40,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -216,38 +218,41 @@ class Load:
             await asyncio.sleep(1.0)
         raise TimeoutError("units not all routable")
 
+    async def max_num_seqs(self) -> int | None:
+        """The largest max_num_seqs the units' engines have reported to the proxy."""
+        assert self.session is not None
+        async with self.session.get(f"{self.url}/status", headers=self.headers) as r:
+            units = (await r.json())["units"]
+        seqs = [(u["engine_load"] or {}).get("max_num_seqs") or 0 for u in units]
+        return max(seqs, default=0) or None
+
     async def classes(self) -> dict[str, Any]:
         assert self.session is not None
         async with self.session.get(f"{self.url}/status", headers=self.headers) as r:
             return (await r.json())["admission"]["classes"]
 
 
-# Spins at SCHED_IDLE (set by the process itself: lowering needs no privilege), using
-# at most RATE CPU-seconds per second: a token bucket of CPU time, topped up by wall
-# time and capped at 50 ms so a spinner held off the CPU does not burst after.
+# Spins until its parent (the bench) is gone, so a bench killed by a signal leaves no
+# spinner behind; the bench lowers it to SCHED_IDLE right after it starts.
 _IDLE_SPIN = """
-import os, sys, time
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-rate, budget, last = float(sys.argv[1]), 0.0, time.monotonic()
-while True:
-    now = time.monotonic()
-    budget, last = min(0.05, budget + rate * (now - last)), now
-    if budget <= 0:
-        time.sleep(0.001)
-        continue
-    c = time.process_time()
-    while time.process_time() - c < 0.001:
+import os, sys
+parent = int(sys.argv[1])
+while os.getppid() == parent:
+    for _ in range(100_000):
         pass
-    budget -= time.process_time() - c
 """
 
 
 @contextlib.contextmanager
-def idle_spinners(n: int, rate: float = 1.0) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``n`` processes spinning at SCHED_IDLE, each using at most ``rate`` of a CPU,
-    while the block runs; killed after it."""
-    procs = [subprocess.Popen([sys.executable, "-c", _IDLE_SPIN, str(rate)]) for _ in range(n)]
+def idle_spinners(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``n`` processes spinning at SCHED_IDLE while the block runs; killed after it.
+    Setting the policy from here raises if the host refuses it, rather than leaving
+    the arm to measure real-time alone under another name."""
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for _ in range(n):
+            procs.append(subprocess.Popen([sys.executable, "-c", _IDLE_SPIN, str(os.getpid())]))
+            os.sched_setscheduler(procs[-1].pid, os.SCHED_IDLE, os.sched_param(0))
         yield procs
     finally:
         for p in procs:
@@ -256,12 +261,15 @@ def idle_spinners(n: int, rate: float = 1.0) -> Iterator[list[subprocess.Popen[b
             p.wait(timeout=10)
 
 
-def host_cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of every CPU since boot, from /proc/stat's first line."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
+def host_cpu_jiffies(path: str = "/proc/stat") -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat's first line:
+    user nice system idle iowait irq softirq steal (guest and guest_nice are already
+    in user and nice). Busy is user + nice + system + irq + softirq; steal (the
+    hypervisor running something else) is in the total only."""
+    with open(path) as f:
+        fields = ([int(x) for x in f.readline().split()[1:9]] + [0] * 8)[:8]
+    user, nice, system, _idle, _iowait, irq, softirq, _steal = fields
+    return user + nice + system + irq + softirq, sum(fields)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -304,12 +312,13 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
     state = run.state()
     model = state["served_model_name"]
     units = len(state["units"])
-    # The engines' running-batch bound as the leaders report it (up's --max-num-seqs).
-    seqs = max((u.get("max_num_seqs") or 0 for u in state["units"]), default=0) or 16
+    seqs = 16  # fallback until the leaders have reported their max_num_seqs (below)
     window = 30.0 if quick else 90.0
     async with Load(run.url, run.api_key(), model) as load:
         # Warm-up: compile paths, caches.
         await asyncio.gather(*(load.chat(random.Random(i)) for i in range(8)))
+        # The engines' running-batch bound as the leaders report it (up's --max-num-seqs).
+        seqs = await load.max_num_seqs() or seqs
 
         # Capacities: the fleet saturated with batch-shaped work (C, tokens/s), and
         # with real-time chat streams (requests/s): real-time then arrives at half the
@@ -382,11 +391,14 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             with idle_spinners(os.cpu_count() or 1) as spinners:
                 await asyncio.sleep(1.0)
                 cpu, spun = HostCpu(), sum(process_cpu_s(p.pid) for p in spinners)
+                t0 = time.monotonic()
                 res = await load.poisson(rate, window, seed=100 + rep)
                 busy = cpu.busy()
-                spun = sum(process_cpu_s(p.pid) for p in spinners) - spun
+                spun = (sum(process_cpu_s(p.pid) for p in spinners) - spun) / (
+                    time.monotonic() - t0
+                )
             arms["f"].append({**_rt_summary(res, window), "host_cpu_busy": busy,
-                              "spinners_cpus_used": round(spun / window, 3)})  # fmt: skip
+                              "spinners_cpus_used": round(spun, 3)})  # fmt: skip
             print(f"rep {rep} (f) {arms['f'][-1]}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (a2) real-time alone again: the spread of the p99 ratio itself
@@ -453,7 +465,7 @@ def main(
         extra += ["--admission", admission]
     run = UpRun("ns-bench-classes-", [*extra, "--tp", str(tp)])
     rc = 0
-    result: dict[str, Any] = {"command": " ".join(run.args[2:]), "log": str(run.log_path),
+    result: dict[str, Any] = {"command": shlex.join(run.args[2:]), "log": str(run.log_path),
                               "tp": tp, "admission": admission}  # fmt: skip
     try:
         result["ready_s"] = round(run.wait_ready(), 1)

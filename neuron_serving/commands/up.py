@@ -316,7 +316,7 @@ def parse_admission(text: str | None) -> dict[str, Any]:
 
     try:
         AdmissionConfig(**raw)
-    except TypeError as e:  # an unknown key
+    except TypeError as e:  # an unknown key, or a value of a type it cannot compare
         raise ValueError(f"--admission: {e}") from None
     return raw
 

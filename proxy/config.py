@@ -470,13 +470,20 @@ _SECTIONS = {
 }
 
 
+def section_from_dict(name: str, raw: Any) -> Any:
+    """One section of the config (``admission``, ``routing``...) from its mapping, with
+    the checks ``config_from_dict`` applies to it: for a tool that writes a section
+    into a proxy's config and wants it refused before any proxy starts."""
+    return _build(_SECTIONS[name], raw or {}, name)
+
+
 def config_from_dict(raw: dict[str, Any]) -> ProxyConfig:
     if not isinstance(raw, dict):
         raise ValueError("proxy config: expected a mapping at the top level")
     raw = dict(raw)
-    for key, cls in _SECTIONS.items():
+    for key in _SECTIONS:
         if key in raw:
-            raw[key] = _build(cls, raw[key] or {}, key)
+            raw[key] = section_from_dict(key, raw[key])
     raw["models"] = tuple(_build(ModelSpec, m, "models[]") for m in raw.get("models") or ())
     raw["units"] = tuple(UnitSpec.from_dict(u) for u in raw.get("units") or ())
     return _build(ProxyConfig, raw, "proxy config")

@@ -48,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import psutil
 
 from neuron_serving.bench.cluster import UpRun
 from neuron_serving.bench.common import percentile, publish, spread
@@ -261,22 +262,12 @@ def idle_spinners(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             p.wait(timeout=10)
 
 
-def host_cpu_jiffies(path: str = "/proc/stat") -> tuple[int, int]:
-    """(busy, total) jiffies of every CPU since boot, from /proc/stat's first line:
-    user nice system idle iowait irq softirq steal (guest and guest_nice are already
-    in user and nice). Busy is user + nice + system + irq + softirq; steal (the
-    hypervisor running something else) is in the total only."""
-    with open(path) as f:
-        fields = ([int(x) for x in f.readline().split()[1:9]] + [0] * 8)[:8]
-    user, nice, system, _idle, _iowait, irq, softirq, _steal = fields
-    return user + nice + system + irq + softirq, sum(fields)
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def busy_and_total(times: Any) -> tuple[float, float]:
+    """(busy, total) CPU seconds of ``psutil.cpu_times()``: busy is user + nice + system
+    + irq + softirq; idle, iowait and steal (the hypervisor running something else)
+    count in the total only; guest time is already inside user and nice."""
+    busy = times.user + times.nice + times.system + times.irq + times.softirq
+    return busy, busy + times.idle + times.iowait + times.steal
 
 
 class HostCpu:
@@ -284,11 +275,16 @@ class HostCpu:
     client's, a spinner's), to say how much of the box an arm used."""
 
     def __init__(self) -> None:
-        self.start = host_cpu_jiffies()
+        self.start = busy_and_total(psutil.cpu_times())
 
     def busy(self) -> float:
-        busy, total = host_cpu_jiffies()
-        return round((busy - self.start[0]) / max(1, total - self.start[1]), 3)
+        busy, total = busy_and_total(psutil.cpu_times())
+        return round((busy - self.start[0]) / max(1e-9, total - self.start[1]), 3)
+
+
+def process_cpu_s(procs: list[subprocess.Popen[bytes]]) -> float:
+    """CPU seconds (user + system) these processes have used."""
+    return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in procs)
 
 
 def _rt_summary(results: list[tuple[float | None, str | None]], window_s: float) -> dict[str, Any]:
@@ -390,13 +386,11 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             # (f) what other runnable work costs real-time here, at the lowest priority
             with idle_spinners(os.cpu_count() or 1) as spinners:
                 await asyncio.sleep(1.0)
-                cpu, spun = HostCpu(), sum(process_cpu_s(p.pid) for p in spinners)
+                cpu, spun = HostCpu(), process_cpu_s(spinners)
                 t0 = time.monotonic()
                 res = await load.poisson(rate, window, seed=100 + rep)
                 busy = cpu.busy()
-                spun = (sum(process_cpu_s(p.pid) for p in spinners) - spun) / (
-                    time.monotonic() - t0
-                )
+                spun = (process_cpu_s(spinners) - spun) / (time.monotonic() - t0)
             arms["f"].append({**_rt_summary(res, window), "host_cpu_busy": busy,
                               "spinners_cpus_used": round(spun, 3)})  # fmt: skip
             print(f"rep {rep} (f) {arms['f'][-1]}", file=sys.stderr, flush=True)

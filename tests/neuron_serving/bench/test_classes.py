@@ -1,5 +1,5 @@
 """`bench classes`' reference arms: the spinners run at SCHED_IDLE, end with the arm or
-with the bench, and the host's CPU is read from /proc/stat's fields as they are."""
+with the bench, and the host's CPU is counted from the fields psutil names."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from neuron_serving.bench.classes import _IDLE_SPIN, host_cpu_jiffies, idle_spinners
+import psutil
+
+from neuron_serving.bench.classes import (
+    _IDLE_SPIN,
+    busy_and_total,
+    idle_spinners,
+    process_cpu_s,
+)
 
 
 def test_idle_spinners_run_at_sched_idle_and_are_gone_after_the_block() -> None:
@@ -43,13 +50,20 @@ def test_a_spinner_ends_when_the_bench_that_started_it_is_gone() -> None:
     assert _gone(pid)
 
 
-def test_host_cpu_reads_the_fields_it_names(tmp_path: Path) -> None:
-    # user nice system idle iowait irq softirq steal guest guest_nice
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  100 20 30 400 50 6 7 80 90 9\ncpu0 1 2 3 4 5 6 7 8 9 10\n")
-    busy, total = host_cpu_jiffies(str(stat))
+def test_host_cpu_counts_the_fields_it_names() -> None:
+    t = type(psutil.cpu_times())(user=100, nice=20, system=30, idle=400, iowait=50, irq=6,
+                                 softirq=7, steal=80, guest=90, guest_nice=9)  # fmt: skip
     # Busy: user + nice + system + irq + softirq. Guest time is inside user and nice,
     # so it is not added again; idle, iowait and steal count in the total only.
-    assert (busy, total) == (100 + 20 + 30 + 6 + 7, 100 + 20 + 30 + 400 + 50 + 6 + 7 + 80)
-    busy, total = host_cpu_jiffies()  # this host's own
+    assert busy_and_total(t) == (100 + 20 + 30 + 6 + 7, 100 + 20 + 30 + 400 + 50 + 6 + 7 + 80)
+    busy, total = busy_and_total(psutil.cpu_times())  # this host's own
     assert 0 < busy < total
+
+
+def test_spinners_cpu_is_counted() -> None:
+    with idle_spinners(1) as procs:
+        before = process_cpu_s(procs)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and process_cpu_s(procs) <= before:
+            time.sleep(0.05)
+        assert process_cpu_s(procs) > before

@@ -192,6 +192,10 @@ def _inputs(req: service_pb2.ModelInferRequest) -> dict:
     return values
 
 
+# The fake engine's context: larger than any test asks for, as max_model_len is.
+FAKE_MAX_MODEL_LEN = 1 << 20
+
+
 class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, owner: FakeTriton) -> None:
         self.owner = owner
@@ -422,6 +426,15 @@ class FakeTriton:
             req = parse_request(envelope)
             if req.max_tokens < 1:
                 raise BadRequest("max_tokens must be at least 1", "max_tokens")
+            # As vLLM refuses a request past its context (a 400): the proxy relays
+            # max_tokens as sent, and a fuzzed 10**100 with ignore_eos would otherwise
+            # keep this fake generating without end, holding the test's event loop.
+            if req.max_tokens + len(req.engine_ids) > FAKE_MAX_MODEL_LEN:
+                raise BadRequest(
+                    f"max_tokens is too large: this model's maximum context length is "
+                    f"{FAKE_MAX_MODEL_LEN} tokens",
+                    "max_tokens",
+                )
         except BadRequest as e:
             yield FakeOpenAIResponse(e.body(), e.status, "done")
             return

@@ -65,6 +65,7 @@ from neuron_serving.bench.stack import (
     Leader,
     Proxy,
     http_get,
+    http_post,
     metric,
     proxy_config,
     start_leader,
@@ -82,6 +83,10 @@ ARMS: list[tuple[str, dict[str, Any], int]] = [
     # For information: what separate approximate indexes lose (each replica sees half
     # of every session's turns), the case exact routing's shared view is for.
     ("approximate_2_replicas", {"policy": "prefix_cache_aware"}, 2),
+    # For information, a reference no policy is given: every tenant's sessions pinned
+    # to one unit (``session_affinity`` by a per-tenant key), the tenants split between
+    # the units by their session counts, known in advance (``tenant_partition``).
+    ("tenant_partition", {"policy": "session_affinity"}, 1),
 ]
 TARGET_HIT_RATIO = 1.2  # exact / approximate hit rate
 TARGET_P90_RATIO = 0.7  # exact / approximate TTFT p90 (30% lower)
@@ -158,8 +163,49 @@ def kv_cache_bytes(model_dir: Path, blocks: int) -> int:
     return blocks * BLOCK_SIZE * per_token
 
 
+def tenant_partition(plan: list[tuple[int, list[str]]], units: int) -> list[int]:
+    """Each tenant's unit: the tenants by session count, largest first, each to the
+    unit with the fewest sessions so far (longest processing time first). The
+    reference arm's placement: it knows the whole plan, which no router does."""
+    sessions: dict[int, int] = {}
+    for tenant, _ in plan:
+        sessions[tenant] = sessions.get(tenant, 0) + 1
+    load = [0] * units
+    placed = [0] * (max(sessions) + 1)
+    for tenant in sorted(sessions, key=lambda t: (-sessions[t], t)):
+        unit = load.index(min(load))
+        placed[tenant] = unit
+        load[unit] += sessions[tenant]
+    return placed
+
+
+def _pin_keys(proxy: Proxy, url: str, units: list[int], header: str) -> list[str]:
+    """A ``header`` value per tenant that the proxy's ``session_affinity`` sends to the
+    tenant's unit in ``units``. Found by asking the proxy: a one-token probe per
+    candidate key, and which unit's request count it moved (``/status``); the bench
+    does not reproduce the proxy's hashing."""
+    keys = []
+    for tenant, want in enumerate(units):
+        for k in range(64):
+            key = f"tenant-{tenant}-{k}"
+            before = {u["unit_id"]: u["requests_total"] for u in proxy.status()["units"]}
+            body = {"model": "llm", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 1}  # fmt: skip
+            code, text = http_post(url, body, {header: key})
+            if code != 200:
+                raise RuntimeError(f"partition probe answered {code}: {text[:200]}")
+            after = {u["unit_id"]: u["requests_total"] for u in proxy.status()["units"]}
+            if after.get(f"unit-{want}", 0) > before.get(f"unit-{want}", 0):
+                keys.append(key)
+                break
+        else:
+            raise RuntimeError(f"no session key of 64 reached unit-{want}")
+    return keys
+
+
 async def _session(
     s: aiohttp.ClientSession, urls: list[str], sid: int, system: str, questions: list[str],
+    headers: dict[str, str] | None = None,
 ) -> list[StreamTiming]:  # fmt: skip
     messages = [{"role": "system", "content": system}]
     out = []
@@ -167,7 +213,7 @@ async def _session(
         messages.append({"role": "user", "content": q})
         body = {"model": "llm", "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
-        t = await timed_stream(s, urls[(sid + turn) % len(urls)], body)
+        t = await timed_stream(s, urls[(sid + turn) % len(urls)], body, headers)
         out.append(t)
         if t.error:
             break
@@ -177,12 +223,14 @@ async def _session(
 
 async def _workload(
     urls: list[str], systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
+    tenant_headers: list[dict[str, str]] | None = None,
 ) -> tuple[list[StreamTiming], float]:  # fmt: skip
     gate = asyncio.Semaphore(concurrency)
 
     async def one(sid: int, tenant: int, qs: list[str]) -> list[StreamTiming]:
+        headers = tenant_headers[tenant] if tenant_headers else None
         async with gate:
-            return await _session(s, urls, sid, systems[tenant], qs)
+            return await _session(s, urls, sid, systems[tenant], qs, headers)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
         start = time.perf_counter()
@@ -265,6 +313,10 @@ def _engine(leaders: list[Leader], name: str) -> list[float]:
     return [metric(ldr.metrics, name) for ldr in leaders]
 
 
+def _minus(after: list[float], before: list[float]) -> list[float]:
+    return [a - b for a, b in zip(after, before, strict=True)]
+
+
 def _arm_run(
     arm: str, routing: dict[str, Any], replicas: int, model_dir: Path, work: Path,
     kv_bytes: int, systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
@@ -283,12 +335,24 @@ def _arm_run(
             cfg["admin_port"] = free_port(exclude={cfg["port"]})
             proxies.append(start_proxy(cfg, work, name=f"{arm}-proxy-{j}"))
         urls = [f"{p.base}/v1/chat/completions" for p in proxies]
-        timings, wall = asyncio.run(_workload(urls, systems, plan, concurrency))
-        hits = _engine(leaders, "vllm:prefix_cache_hits_total")
-        queries = _engine(leaders, "vllm:prefix_cache_queries_total")
+        headers = None
+        if routing["policy"] == "session_affinity":
+            header = routing.get("session_header", "x-session-id")
+            keys = _pin_keys(proxies[0], urls[0], tenant_partition(plan, len(leaders)), header)
+            headers = [{header: key} for key in keys]
+        # The probes' counts (none but the partition's), taken off the arm's figures.
+        hits0 = _engine(leaders, "vllm:prefix_cache_hits_total")
+        queries0 = _engine(leaders, "vllm:prefix_cache_queries_total")
+        sent0 = _proxy_figures(proxies)["requests_per_unit"]
+        timings, wall = asyncio.run(_workload(urls, systems, plan, concurrency, headers))
+        hits = _minus(_engine(leaders, "vllm:prefix_cache_hits_total"), hits0)
+        queries = _minus(_engine(leaders, "vllm:prefix_cache_queries_total"), queries0)
         preempted = _engine(leaders, "vllm:num_preemptions_total")
         blocks = [_kv_blocks(ldr) for ldr in leaders]
         figures = _proxy_figures(proxies) | _ttft_split(proxies, leaders)
+        figures["requests_per_unit"] = {
+            u: n - sent0.get(u, 0) for u, n in figures["requests_per_unit"].items()
+        }
     finally:
         for p in proxies:
             p.process.stop()
@@ -328,9 +392,14 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The targets' ratios within each repeat (arms of one repeat ran back to back),
     then their spread over the repeats."""
     hit, p90, pp, pp_approx = [], [], [], []
+    ref: dict[str, list[float]] = {"hit": [], "exact_hit": [], "p90": []}
     for rep in per_repeat:
         ex, ap, r2 = rep["exact"], rep["approximate"], rep.get("exact_2_replicas")
-        a2 = rep.get("approximate_2_replicas")
+        a2, tp = rep.get("approximate_2_replicas"), rep.get("tenant_partition")
+        if tp is not None and tp["hit_rate"] and ap["hit_rate"] and ex["hit_rate"]:
+            ref["hit"].append(tp["hit_rate"] / ap["hit_rate"])
+            ref["exact_hit"].append(ex["hit_rate"] / tp["hit_rate"])
+            ref["p90"].append(tp["ttft_p90_ms"] / ap["ttft_p90_ms"])
         if a2 is not None and a2["hit_rate"] is not None and ap["hit_rate"] is not None:
             pp_approx.append((ap["hit_rate"] - a2["hit_rate"]) * 100)
         if ex["hit_rate"] is not None and ap["hit_rate"]:
@@ -345,6 +414,11 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         "hit_rate_pp_2_replicas_vs_1": spread(pp),
         # Information: the approximate index's loss with 2 replicas (points, 1 - 2).
         "hit_rate_pp_approximate_1_minus_2_replicas": spread(pp_approx),
+        # Information: the tenant partition (a placement that knows the plan) against
+        # the approximate index, and the exact index against it.
+        "hit_rate_partition_over_approximate": spread(ref["hit"]),
+        "hit_rate_exact_over_partition": spread(ref["exact_hit"]),
+        "ttft_p90_partition_over_approximate": spread(ref["p90"]),
     }
 
 

@@ -33,8 +33,21 @@ _BENCH_TOKEN = "bench-token-0123456789abcdef"
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    return _http(urllib.request.Request(url), timeout)
+
+
+def http_post(
+    url: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 30.0
+) -> tuple[int, str]:
+    """POST ``body`` as JSON: (status, text), status 0 when nothing answered."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json", **(headers or {})})  # fmt: skip
+    return _http(req, timeout)
+
+
+def _http(req: urllib.request.Request, timeout: float) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from neuron_serving.bench.routing import _schedstat
+from neuron_serving.bench.routing import (
+    TENANTS,
+    _ratios,
+    _schedstat,
+    sessions_plan,
+    tenant_partition,
+)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux /proc only")
@@ -40,3 +46,35 @@ def test_schedstat_of_a_process_that_is_gone_is_zero() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=30)
     assert _schedstat(child.pid) == (0.0, 0.0)
+
+
+def test_tenant_partition_puts_each_tenant_on_one_unit_balancing_sessions() -> None:
+    # Sessions per tenant 5, 4, 3, 3, 1: largest first, each to the emptier unit.
+    plan = [(t, ["q"]) for t, n in enumerate([5, 4, 3, 3, 1]) for _ in range(n)]
+    assert tenant_partition(plan, 2) == [0, 1, 1, 0, 1]  # 5+3 against 4+3+1
+    assert tenant_partition(plan, 3) == [0, 1, 2, 2, 1]
+
+
+def test_tenant_partition_of_the_benchmark_plan_is_within_one_tenant_of_even() -> None:
+    plan = sessions_plan(128, 5, TENANTS, seed=0)
+    units = tenant_partition(plan, 2)
+    per_unit = [sum(1 for t, _ in plan if units[t] == u) for u in (0, 1)]
+    counts = [sum(1 for t, _ in plan if t == k) for k in range(TENANTS)]
+    assert sum(per_unit) == 128 and abs(per_unit[0] - per_unit[1]) <= max(counts)
+
+
+def _arm(hit: float, p90: float) -> dict[str, float]:
+    return {"hit_rate": hit, "ttft_p90_ms": p90}
+
+
+def test_ratios_report_the_partition_against_both_indexes() -> None:
+    rep = {"exact": _arm(0.6, 90.0), "approximate": _arm(0.5, 100.0),
+           "tenant_partition": _arm(0.75, 80.0)}  # fmt: skip
+    r = _ratios([rep])
+    assert r["hit_rate_exact_over_approximate"]["median"] == pytest.approx(1.2)
+    assert r["hit_rate_partition_over_approximate"]["median"] == pytest.approx(1.5)
+    assert r["hit_rate_exact_over_partition"]["median"] == pytest.approx(0.8)
+    assert r["ttft_p90_partition_over_approximate"]["median"] == pytest.approx(0.8)
+    # A result without the reference arm (an earlier run) has no such figures.
+    del rep["tenant_partition"]
+    assert _ratios([rep])["hit_rate_partition_over_approximate"].get("median") is None

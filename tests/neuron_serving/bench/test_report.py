@@ -289,3 +289,33 @@ def test_classes_targets_show_the_hosts_sensitivity_beside_the_verdict(tmp_path)
     _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     p99 = next(t for t in ts if t.target.startswith("real-time TTFT p99"))
     assert p99.met is True and "spinners" not in p99.measured
+
+
+def test_routing_targets_show_the_tenant_partition_beside_the_verdicts(tmp_path):
+    """The reference placement is context: the verdicts are exact / approximate."""
+    _write(tmp_path, "routing-quick", {"ratios": {
+        "hit_rate_exact_over_approximate": spread([1.1, 1.15]),
+        "ttft_p90_exact_over_approximate": spread([0.9]),
+        "hit_rate_pp_2_replicas_vs_1": spread([1.0]),
+        "hit_rate_partition_over_approximate": spread([1.12, 1.18]),
+        "hit_rate_exact_over_partition": spread([0.98]),
+        "ttft_p90_partition_over_approximate": spread([1.05]),
+        "hit_rate_pp_exact_again_vs_exact": spread([3.0]),
+        "ttft_p90_exact_again_over_exact": spread([0.95]),
+    }})  # fmt: skip
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    hit, p90 = (next(t for t in ts if t.target.startswith(k)) for k in
+                ("exact KV index hit rate", "exact KV index TTFT p90"))  # fmt: skip
+    assert hit.met is False and p90.met is False
+    assert "tenant partition / approximate: 1.15" in hit.measured
+    assert "exact / tenant partition: 0.98" in hit.measured
+    assert "tenant partition / approximate: 1.05" in p90.measured
+    assert "exact again / exact: 0.95" in p90.measured
+    pp = next(t for t in ts if t.target.startswith("2 proxy replicas"))
+    assert "exact run twice: 3.0 points" in pp.measured
+    # A result from before the reference arm renders without it.
+    _write(tmp_path, "routing-quick", {"ratios": {
+        "hit_rate_exact_over_approximate": spread([1.3])}})  # fmt: skip
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    hit = next(t for t in ts if t.target.startswith("exact KV index hit rate"))
+    assert hit.met is True and "partition" not in hit.measured

@@ -69,12 +69,16 @@ def _arm(hit: float, p90: float) -> dict[str, float]:
 
 def test_ratios_report_the_partition_against_both_indexes() -> None:
     rep = {"exact": _arm(0.6, 90.0), "approximate": _arm(0.5, 100.0),
-           "tenant_partition": _arm(0.75, 80.0)}  # fmt: skip
+           "tenant_partition": _arm(0.75, 80.0), "exact_again": _arm(0.63, 99.0)}  # fmt: skip
     r = _ratios([rep])
+    assert r["hit_rate_pp_exact_again_vs_exact"]["median"] == pytest.approx(3.0)
+    assert r["ttft_p90_exact_again_over_exact"]["median"] == pytest.approx(1.1)
     assert r["hit_rate_exact_over_approximate"]["median"] == pytest.approx(1.2)
     assert r["hit_rate_partition_over_approximate"]["median"] == pytest.approx(1.5)
     assert r["hit_rate_exact_over_partition"]["median"] == pytest.approx(0.8)
     assert r["ttft_p90_partition_over_approximate"]["median"] == pytest.approx(0.8)
     # A result without the reference arm (an earlier run) has no such figures.
-    del rep["tenant_partition"]
-    assert _ratios([rep])["hit_rate_partition_over_approximate"].get("median") is None
+    del rep["tenant_partition"], rep["exact_again"]
+    r = _ratios([rep])
+    assert r["hit_rate_partition_over_approximate"].get("median") is None
+    assert r["hit_rate_pp_exact_again_vs_exact"].get("median") is None

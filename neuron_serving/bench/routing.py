@@ -2,7 +2,7 @@
 (KV-event-fed) index, and the exact index behind 2 proxy replicas, on 2 real units.
 
 Fleet: two TP=1 leaders (tritonserver + vLLM 0.32 with prefix caching and its KV
-event publisher, demo model, one core each), behind `neuron-serving proxy`
+event publisher, SmolLM2-135M-Instruct by default, one core each), behind `neuron-serving proxy`
 processes. Every arm starts from fresh leaders and proxies: the units' prefix
 caches are empty and each proxy's KV index follows its units' event streams from
 their first batch, so no arm inherits a cache or an index from another.
@@ -301,7 +301,8 @@ def _ttft_split(proxies: list[Proxy], leaders: list[Leader]) -> dict[str, Any]:
     """Where a request's time to first token goes, as means: the proxy's own hop
     (``proxy_added_time_to_first_token_seconds``), its TTFT as a whole, and vLLM's
     (``vllm:time_to_first_token_seconds``, from the engine's arrival); and the proxy
-    process's CPU and its event loop's wait for a CPU per request. On one 2-core
+    process's CPU and its event loop's wait for a CPU per request; vLLM's queue and
+    prefill times per unit. On one 2-core
     machine the proxy shares the cores with both engines: each millisecond of its CPU
     per request costs more than that in waiting (read beside the policies' TTFT)."""
     addrs = [p.base.removeprefix("http://") for p in proxies]
@@ -315,6 +316,14 @@ def _ttft_split(proxies: list[Proxy], leaders: list[Leader]) -> dict[str, Any]:
         "proxy_added_ttft_mean_ms": _mean_ms(addrs, "proxy_added_time_to_first_token_seconds"),
         "engine_ttft_mean_ms": [
             _mean_ms([ldr.metrics], "vllm:time_to_first_token_seconds") for ldr in leaders
+        ],
+        # Of vLLM's TTFT: waiting in its queue (for KV blocks or a batch slot), and its
+        # prefill once scheduled (the step that runs it, beside the others' decodes).
+        "engine_queue_mean_ms": [
+            _mean_ms([ldr.metrics], "vllm:request_queue_time_seconds") for ldr in leaders
+        ],
+        "engine_prefill_mean_ms": [
+            _mean_ms([ldr.metrics], "vllm:request_prefill_time_seconds") for ldr in leaders
         ],
         "proxy_cpu_ms_per_request": cpu / requests * 1e3 if requests else None,
         "proxy_loop_cpu_wait_ms_per_request": wait / requests * 1e3 if requests else None,
@@ -442,7 +451,14 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
-    from neuron_serving.models.demo import build_demo_model
+    """``model``: a directory; by default ``make serve``'s model, SmolLM2-135M-Instruct
+    (``neuron-serving models pull smollm2-135m-instruct`` first). Not the random-weight
+    demo model (``bench all`` passes it): its prefill is almost free (a 900-token
+    prompt's TTFT is ~10 ms on an idle unit here), so a cache hit saves next to nothing
+    of a request's TTFT, and what routing gains in hits cannot show in TTFT. A real
+    model's prefill is what KV-aware routing saves."""
+    from neuron_serving.bench.startup import SERVE_MODEL
+    from neuron_serving.models.resolve import resolve_model
 
     n_sessions, turns, concurrency = (48, 4, 6) if quick else (128, 5, 8)
     repeats = repeats or (1 if quick else 2)
@@ -451,7 +467,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ns-bench-routing-") as tmp:
         work = Path(tmp)
-        model_dir = Path(model) if model else build_demo_model(work / "demo", seed=0)
+        # Not pulled yet: ModelNotPulled names `models pull`.
+        model_dir = Path(resolve_model(model or SERVE_MODEL))
         systems = system_prompts(model_dir, TENANTS, SYSTEM_BLOCKS, seed=0)
         # The prefix working set, in whole blocks: every tenant's system prompt, and the
         # full blocks of each in-flight session's own history at its last turn (its
@@ -508,7 +525,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "kv_cache_blocks_per_unit": unit_blocks,
             "pressure": working_set / (2 * unit_blocks),
             "kv_cache_bytes_per_unit": kv_bytes,
-            "model": "demo" if model is None else model,
+            "model": model or SERVE_MODEL,
             "seed": 0,
             "cpu_bind": ["0", "1"],
             "api": "OpenAI chat completions, streamed",

@@ -100,6 +100,14 @@ ARMS: list[tuple[str, dict[str, Any], int]] = [
     # a unit's cache at a time follows timing): the noise the targets sit in.
     ("exact_again", {"policy": "kv_aware"}, 1),
 ]
+# The policies' decision reasons (``proxy_routing_decisions_total``), counted per arm.
+ROUTING_REASONS = ("kv_overlap", "approx_overlap", "load_over_overlap", "no_overlap",
+                   "prefix_hit", "prefix_miss", "imbalance", "session")  # fmt: skip
+# The proxies' KV event stream counters (``proxy/kv_metrics.py``), summed per arm: an
+# index that lost events (gaps, replays, resets) predicts and routes worse.
+KV_EVENT_COUNTERS = ("proxy_kv_event_batches", "proxy_kv_index_gaps", "proxy_kv_index_resets",
+                     "proxy_kv_event_replays_requested", "proxy_kv_event_duplicates",
+                     "proxy_kv_index_skipped", "proxy_kv_event_decode_errors")  # fmt: skip
 TARGET_HIT_RATIO = 1.2  # exact / approximate hit rate
 TARGET_P90_RATIO = 0.7  # exact / approximate TTFT p90 (30% lower)
 TARGET_REPLICA_PP = 2.0  # |2 replicas - 1 replica| hit rate, percentage points
@@ -252,10 +260,13 @@ async def _workload(
 
 
 def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
-    """Requests per unit, prediction accuracy and KV modes, summed over the replicas."""
+    """Requests per unit, prediction accuracy, KV modes and the routing decisions'
+    reasons, summed over the replicas."""
     per_unit: dict[str, int] = {}
     modes: dict[str, list[str]] = {}
     acc_sum = acc_n = exact = 0.0
+    reasons: dict[str, float] = {}
+    kv_events: dict[str, int] = {}
     for p in proxies:
         for u in p.status()["units"]:
             per_unit[u["unit_id"]] = per_unit.get(u["unit_id"], 0) + u["requests_total"]
@@ -264,12 +275,20 @@ def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
         acc_sum += metric(addr, "proxy_prefix_cache_prediction_accuracy_sum")
         acc_n += metric(addr, "proxy_prefix_cache_prediction_accuracy_count")
         exact += metric(addr, "proxy_prefix_cache_predictions_total", 'result="exact"')
+        for name in KV_EVENT_COUNTERS:
+            kv_events[name] = kv_events.get(name, 0) + int(metric(addr, name + "_total"))
+        for why in ROUTING_REASONS:
+            n = metric(addr, "proxy_routing_decisions_total", f'reason="{why}"')
+            if n:
+                reasons[why] = reasons.get(why, 0) + int(n)
     return {
         "requests_per_unit": per_unit,
         "kv_modes": modes,
         "predictions": int(acc_n),
         "prediction_accuracy": acc_sum / acc_n if acc_n else None,
         "predictions_exact_share": exact / acc_n if acc_n else None,
+        "routing_reasons": reasons,
+        "kv_event_counters": kv_events,
     }
 
 
@@ -343,12 +362,9 @@ def _arm_run(
     kv_bytes: int, systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
 ) -> dict[str, Any]:  # fmt: skip
     """Fresh leaders and ``replicas`` fresh proxies, the workload, the figures."""
-    leaders = [start_leader(model_dir, work, f"{arm}-leader-{i}", cpu_bind=str(i),
-                            max_model_len=MAX_MODEL_LEN, kv_cache_bytes=kv_bytes)
-               for i in range(2)]  # fmt: skip
+    leaders, start_errors = _start_leaders(arm, model_dir, work, kv_bytes)
     proxies: list[Proxy] = []
     try:
-        wait_leaders(leaders)
         for j in range(replicas):
             cfg = proxy_config(leaders, model_dir, MAX_MODEL_LEN, routing=routing,
                                openai_channel=True, upstream_protocol="grpc")  # fmt: skip
@@ -395,7 +411,34 @@ def _arm_run(
         "output_tokens_per_s": sum(t.chunks for t in ok) / wall,
         "load_spread": max(counts) / min(counts) if counts and min(counts) > 0 else None,
         "preemptions": preempted, "kv_cache_blocks_per_unit": blocks, **figures,
+        "leader_start_failures": start_errors,
     }  # fmt: skip
+
+
+def _start_leaders(
+    arm: str, model_dir: Path, work: Path, kv_bytes: int, attempts: int = 2,
+) -> tuple[list[Leader], list[str]]:  # fmt: skip
+    """Two ready leaders, and what made earlier attempts fail. A leader that exits
+    before it is ready (a run of 2026-12-05 lost one to "Engine core initialization
+    failed" in the 19th of 21 arms) is started again once, with its partner, before
+    any request: a failed start is not what the arm measures, and the result lists
+    it. Failing twice ends the benchmark."""
+    failures: list[str] = []
+    for attempt in range(attempts):
+        leaders = [start_leader(model_dir, work, f"{arm}-leader-{i}-{attempt}", cpu_bind=str(i),
+                                max_model_len=MAX_MODEL_LEN, kv_cache_bytes=kv_bytes)
+                   for i in range(2)]  # fmt: skip
+        try:
+            wait_leaders(leaders)
+            return leaders, failures
+        except BaseException as e:
+            for ldr in leaders:
+                ldr.process.stop()
+            if not isinstance(e, RuntimeError) or attempt == attempts - 1:
+                raise  # not ready in time, or interrupted: not a failed start
+            failures.append(str(e)[:4000])
+            print(f"{arm}: a leader failed to start, again: {e}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
 
 
 def _kv_blocks(leader: Leader) -> int | None:

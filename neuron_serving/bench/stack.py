@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +31,8 @@ READY_TIMEOUT_S = 600.0
 _KILL_WAIT_S = 10.0
 # A TP=1 leader needs no follower, but the unit still authenticates its control port.
 _BENCH_TOKEN = "bench-token-0123456789abcdef"
+# A log line that names a failure (Process.failure).
+_CAUSE = re.compile(r"Error|Exception|Traceback|error:|failed", re.IGNORECASE)
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -94,6 +97,14 @@ class Process:
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
+    def failure(self, n: int = 40) -> str:
+        """What a process that exited said about it: the first lines of its log that
+        name an error (a root cause is printed before the tail a server's shutdown
+        fills), then its tail."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        cause = [ln for ln in lines if _CAUSE.search(ln)][:12]
+        return "\n".join([*cause, "...", *lines[-n:]] if cause else lines[-n:])
+
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM, a bounded wait for an orderly exit, then the leftovers of the tree."""
         self.tree.terminate(grace_s, kill_timeout_s=_KILL_WAIT_S)
@@ -147,7 +158,7 @@ def wait_leaders(leaders: list[Leader], timeout_s: float = READY_TIMEOUT_S) -> N
     while not all(ldr.ready() for ldr in leaders):
         for ldr in leaders:
             if ldr.process.popen.poll() is not None:
-                raise RuntimeError(f"{ldr.process.name} exited:\n{ldr.process.tail()}")
+                raise RuntimeError(f"{ldr.process.name} exited:\n{ldr.process.failure()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"leaders not ready in {timeout_s:g} s")
         time.sleep(0.5)
@@ -209,7 +220,7 @@ def wait_ready(servers: list[Any], timeout_s: float = READY_TIMEOUT_S) -> None:
     while not all(s.ready() for s in servers):
         for s in servers:
             if s.process.popen.poll() is not None:
-                raise RuntimeError(f"{s.process.name} exited:\n{s.process.tail()}")
+                raise RuntimeError(f"{s.process.name} exited:\n{s.process.failure()}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"servers not ready in {timeout_s:g} s")
         time.sleep(0.5)

@@ -82,3 +82,44 @@ def test_ratios_report_the_partition_against_both_indexes() -> None:
     r = _ratios([rep])
     assert r["hit_rate_partition_over_approximate"].get("median") is None
     assert r["hit_rate_pp_exact_again_vs_exact"].get("median") is None
+
+
+def test_a_leader_that_fails_to_start_is_started_again_once(monkeypatch, tmp_path) -> None:
+    """The first pair's leader exits before ready: both are stopped and a second pair
+    starts; the failure is returned for the result. Twice: the error goes up."""
+    from neuron_serving.bench import routing
+
+    started, stopped = [], []
+
+    class Proc:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    class Ldr:
+        def __init__(self, name: str) -> None:
+            self.process = Proc(name)
+
+    def start(model, work, name, **kw):
+        started.append(name)
+        return Ldr(name)
+
+    fails = iter([True, False, True, True])
+
+    def wait(leaders):
+        if next(fails):
+            raise RuntimeError(
+                f"{leaders[1].process.name} exited:\nEngine core initialization failed"
+            )
+
+    monkeypatch.setattr(routing, "start_leader", start)
+    monkeypatch.setattr(routing, "wait_leaders", wait)
+    leaders, failures = routing._start_leaders("exact", tmp_path, tmp_path, 1)
+    assert [ldr.process.name for ldr in leaders] == ["exact-leader-0-1", "exact-leader-1-1"]
+    assert stopped == ["exact-leader-0-0", "exact-leader-1-0"]
+    assert len(failures) == 1 and "Engine core initialization failed" in failures[0]
+    with pytest.raises(RuntimeError, match="initialization failed"):
+        routing._start_leaders("exact", tmp_path, tmp_path, 1)
+    assert len(stopped) == 6  # every pair that failed was stopped

@@ -770,7 +770,8 @@ def _routing_section(r: dict[str, Any]) -> list[str]:
             for name, a in r.get("arms", {}).items()]  # fmt: skip
     w = r.get("workload", {})
     return [f"- {w.get('tenants')} tenants, {w.get('sessions')} sessions x {w.get('turns')} "
-            f"turns, prefix working set {num(w.get('pressure'))}x the fleet's KV cache", "",
+            f"turns, prefix working set {num(w.get('pressure'))}x the fleet's KV cache, "
+            f"model {Path(str(w.get('model'))).name}", "",
             *_table(["arm", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "output tok/s",
                      "load spread", "prediction accuracy", "errors"], rows)]  # fmt: skip
 

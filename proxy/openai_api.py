@@ -147,7 +147,6 @@ class OpenAIFrontEnd:
     ) -> web.StreamResponse:
         start = asyncio.get_running_loop().time()
         req = parse_openai(body, endpoint, self.deps.model_names())
-        self.pipeline.check_max_tokens(req.model, req.max_tokens)
         if endpoint == "version":
             body = {}  # the model was only for routing
         fields = self.pipeline.job_fields(request, req.model, start)

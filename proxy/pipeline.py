@@ -5,8 +5,7 @@ responses (a ``Render``); everything between is here, the same for both:
 
     Pipeline.job_fields    deadline, session header, pinned version
     Pipeline.check_length  the prompt's tokens + max_tokens within max_model_len
-                           (Triton's route; vLLM checks the OpenAI API on the leader,
-                           after check_max_tokens here: max_tokens alone below it)
+                           (Triton's route; vLLM checks the OpenAI API on the leader)
     Pipeline.prompt_tokens the prompt's token ids as the leader computes them, when
                            the routing policy uses them (prompt_tokens.py)
     Pipeline.serve         flow control's slot (flow_control.py: the request's turn
@@ -156,22 +155,6 @@ class Pipeline:
             spec = self.deps.config.model_spec(model)
             tok = self._tokenizers[model] = ModelTokenizer(spec.model_dir if spec else None)
         return tok
-
-    def check_max_tokens(self, model: str, max_tokens: int | None) -> None:
-        """400 for an OpenAI body's ``max_tokens`` (or ``max_completion_tokens``) that
-        leaves no room for any prompt: at least the model's ``max_model_len``, since a
-        prompt has a token at least. Checked before the request takes a slot or a
-        tokenizer's time; the leader's vLLM checks it against the prompt's length too.
-        A fuzzed 10**100 thus never reaches a unit."""
-        spec = self.deps.config.model_spec(model)
-        limit = spec.max_model_len if spec else None
-        if limit is not None and max_tokens is not None and max_tokens >= limit:
-            raise invalid(
-                f"max_tokens is too large: {max_tokens}. This model's maximum context "
-                f"length is {limit} tokens, prompt included",
-                "max_tokens",
-                "context_length_exceeded",
-            )
 
     async def check_length(self, model: str, prompt: str, max_tokens: int) -> None:
         """400 unless the prompt's tokens (as the leader encodes them) plus

@@ -181,31 +181,3 @@ async def test_tokenize_detokenize_version_and_models(fleet):
     assert (
         isinstance(card["created"], int) and card["permission"][0]["object"] == "model_permission"
     )
-
-
-async def test_max_tokens_no_prompt_fits_is_a_400_before_any_unit(fleet):
-    """max_tokens (or max_completion_tokens) at the model's max_model_len leaves no room
-    for a prompt: the proxy answers it in OpenAI's error format without a unit's time
-    or a slot, and goes on serving. Below it, the leader's vLLM decides."""
-    u = await fleet.unit("u0")
-    proxy = await fleet.proxy([u], models=[{"name": "llm", "max_model_len": 2048}])
-    s = fleet.session()
-    refused = [
-        ("/v1/completions", {"model": "llm", "prompt": "boots", "max_tokens": 2048}),
-        ("/v1/completions", {"model": "llm", "prompt": "boots", "max_tokens": 10**100}),
-        ("/v1/chat/completions", {"model": "llm", "messages": [{"role": "user", "content": "hi"}],
-                                  "max_completion_tokens": 4096, "stream": True}),
-    ]  # fmt: skip
-    for path, body in refused:
-        async with s.post(url(proxy, path), json=body) as r:
-            assert r.status == 400
-            err = (await r.json())["error"]
-        assert err["type"] == "invalid_request_error" and err["param"] == "max_tokens"
-        assert err["code"] == "context_length_exceeded"
-        assert "maximum context length is 2048 tokens" in err["message"]
-        assert "Traceback" not in err["message"]
-    assert u.behavior.envelopes == []
-    body = {"model": "llm", "prompt": "boots", "max_tokens": 8}
-    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
-        assert r.status == 200
-    assert len(u.behavior.envelopes) == 1

@@ -2,8 +2,8 @@
 (KV-event-fed) index, and the exact index behind 2 proxy replicas, on 2 real units.
 
 Fleet: two TP=1 leaders (tritonserver + vLLM 0.32 with prefix caching and its KV
-event publisher, SmolLM2-135M-Instruct by default, one core each), behind `neuron-serving proxy`
-processes. Every arm starts from fresh leaders and proxies: the units' prefix
+event publisher, SmolLM2-135M-Instruct by default, one core each), behind
+`neuron-serving proxy` processes. Every arm starts from fresh leaders and proxies: the units' prefix
 caches are empty and each proxy's KV index follows its units' event streams from
 their first batch, so no arm inherits a cache or an index from another.
 
@@ -94,7 +94,7 @@ ARMS: list[tuple[str, dict[str, Any], int]] = [
     # For information, a reference no policy is given: every tenant's sessions pinned
     # to one unit (``session_affinity`` by a per-tenant key), the tenants split between
     # the units by their session counts, known in advance (``tenant_partition``).
-    ("tenant_partition", {"policy": "session_affinity"}, 1),
+    ("tenant_partition", {"policy": "session_affinity", "session_header": "x-tenant-key"}, 1),
     # For information: the exact arm again, in the same repeat. How far one arm's hit
     # rate and TTFT move between two runs of the same sessions (which sequences share
     # a unit's cache at a time follows timing): the noise the targets sit in.
@@ -265,7 +265,7 @@ def _proxy_figures(proxies: list[Proxy]) -> dict[str, Any]:
     per_unit: dict[str, int] = {}
     modes: dict[str, list[str]] = {}
     acc_sum = acc_n = exact = 0.0
-    reasons: dict[str, float] = {}
+    reasons: dict[str, int] = {}
     kv_events: dict[str, int] = {}
     for p in proxies:
         for u in p.status()["units"]:
@@ -374,7 +374,7 @@ def _arm_run(
         urls = [f"{p.base}/v1/chat/completions" for p in proxies]
         headers = None
         if routing["policy"] == "session_affinity":
-            header = routing.get("session_header", "x-session-id")
+            header = routing["session_header"]  # set here: the proxy's default is its own
             keys = _pin_keys(proxies[0], urls[0], tenant_partition(plan, len(leaders)), header)
             headers = [{header: key} for key in keys]
         # The probes' counts (none but the partition's), taken off the arm's figures.

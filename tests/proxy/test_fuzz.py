@@ -101,7 +101,8 @@ def live_proxy(tmp_path_factory):
 
     async def setup():
         unit = await fleet.unit("u0")
-        # max_model_len bounds max_tokens, so no fuzzed body can ask the fake for 2**60 tokens.
+        # The proxy relays an OpenAI max_tokens as sent (vLLM checks it); the fake leader
+        # refuses one past its context with a 400, as vLLM does (fakes.FAKE_MAX_MODEL_LEN).
         proxy = await fleet.proxy(
             [unit],
             models=[{"name": "llm", "model_dir": fleet.model_dir(), "max_model_len": 4096}],

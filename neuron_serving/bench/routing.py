@@ -241,14 +241,30 @@ async def _session(
     return out
 
 
+def session_starts(n: int, rate: float, seed: int) -> list[float]:
+    """Start times (s from the workload's start) of ``n`` sessions arriving as a
+    Poisson process of ``rate`` sessions a second, seeded: the same for every arm."""
+    rng = random.Random(seed)
+    starts, at = [], 0.0
+    for _ in range(n):
+        starts.append(at)
+        at += rng.expovariate(rate)
+    return starts
+
+
 async def _workload(
     urls: list[str], systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
-    tenant_headers: list[dict[str, str]] | None = None,
+    tenant_headers: list[dict[str, str]] | None = None, starts: list[float] | None = None,
 ) -> tuple[list[StreamTiming], float]:  # fmt: skip
-    gate = asyncio.Semaphore(concurrency)
+    """Closed loop (``concurrency`` sessions at a time, the next one starting when one
+    ends) or, with ``starts``, open loop: each session starts at its time, however
+    many are running then."""
+    gate = asyncio.Semaphore(concurrency if starts is None else len(plan))
 
     async def one(sid: int, tenant: int, qs: list[str]) -> list[StreamTiming]:
         headers = tenant_headers[tenant] if tenant_headers else None
+        if starts is not None:
+            await asyncio.sleep(max(0.0, starts[sid] - (time.perf_counter() - start)))
         async with gate:
             return await _session(s, urls, sid, systems[tenant], qs, headers)
 
@@ -360,8 +376,10 @@ def _minus(after: list[float], before: list[float]) -> list[float]:
 def _arm_run(
     arm: str, routing: dict[str, Any], replicas: int, model_dir: Path, work: Path,
     kv_bytes: int, systems: list[str], plan: list[tuple[int, list[str]]], concurrency: int,
+    starts: list[float] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Fresh leaders and ``replicas`` fresh proxies, the workload, the figures."""
+    """Fresh leaders and ``replicas`` fresh proxies, the workload (``_workload``), the
+    figures."""
     leaders, start_errors = _start_leaders(arm, model_dir, work, kv_bytes)
     proxies: list[Proxy] = []
     try:
@@ -381,7 +399,7 @@ def _arm_run(
         hits0 = _engine(leaders, "vllm:prefix_cache_hits_total")
         queries0 = _engine(leaders, "vllm:prefix_cache_queries_total")
         sent0 = _proxy_figures(proxies)["requests_per_unit"]
-        timings, wall = asyncio.run(_workload(urls, systems, plan, concurrency, headers))
+        timings, wall = asyncio.run(_workload(urls, systems, plan, concurrency, headers, starts))
         hits = _minus(_engine(leaders, "vllm:prefix_cache_hits_total"), hits0)
         queries = _minus(_engine(leaders, "vllm:prefix_cache_queries_total"), queries0)
         preempted = _engine(leaders, "vllm:num_preemptions_total")
@@ -493,19 +511,29 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
+def main(
+    quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
+    session_rate: float | None = None,
+) -> int:  # fmt: skip
     """``model``: a directory; by default ``make serve``'s model, SmolLM2-135M-Instruct
     (``neuron-serving models pull smollm2-135m-instruct`` first). Not the random-weight
     demo model (``bench all`` passes it): its prefill is almost free (a 900-token
     prompt's TTFT is ~10 ms on an idle unit here), so a cache hit saves next to nothing
     of a request's TTFT, and what routing gains in hits cannot show in TTFT. A real
-    model's prefill is what KV-aware routing saves."""
+    model's prefill is what KV-aware routing saves.
+
+    ``session_rate``: open loop, sessions arriving as a Poisson process of that many a
+    second (seed 0, the same for every arm; ``session_starts``) instead of
+    ``concurrency`` at a time; written to ``routing-open.json``. A closed loop keeps
+    the units saturated, so its TTFT is queueing set by the client count (Little's
+    law); an open loop shows how a policy's queues answer a fixed offered load."""
     from neuron_serving.bench.startup import SERVE_MODEL
     from neuron_serving.models.resolve import resolve_model
 
     n_sessions, turns, concurrency = (48, 4, 6) if quick else (128, 5, 8)
     repeats = repeats or (1 if quick else 2)
     plan = sessions_plan(n_sessions, turns, TENANTS, seed=0)
+    starts = None if session_rate is None else session_starts(n_sessions, session_rate, seed=0)
     per_repeat: list[dict[str, dict[str, Any]]] = []
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="ns-bench-routing-") as tmp:
@@ -525,7 +553,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
             for arm, routing, replicas in order:
                 rep[arm] = res = _arm_run(arm, routing, replicas, model_dir, work, kv_bytes,
-                                          systems, plan, concurrency)  # fmt: skip
+                                          systems, plan, concurrency, starts)  # fmt: skip
                 print(f"[{r}] {arm}: hit rate {res['hit_rate']:.3f}, TTFT p50 "
                       f"{res['ttft_p50_ms']:.0f} p90 {res['ttft_p90_ms']:.0f} ms, "
                       f"{res['output_tokens_per_s']:.0f} tok/s, per unit "
@@ -561,7 +589,9 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "block_size": BLOCK_SIZE,
             "sessions": n_sessions,
             "turns": turns,
-            "concurrent_sessions": concurrency,
+            "concurrent_sessions": concurrency if starts is None else None,
+            "arrivals": "closed loop" if starts is None else "poisson",
+            "sessions_per_s": session_rate,
             "max_tokens": MAX_TOKENS,
             "ignore_eos": True,
             "prefix_working_set_blocks": working_set,
@@ -593,7 +623,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
             "replicas": met("hit_rate_pp_2_replicas_vs_1", lambda v: v <= TARGET_REPLICA_PP),
         },
     }
-    path = write_result("routing" + ("-quick" if quick else ""), result)
+    name = "routing" + ("-open" if starts is not None else "") + ("-quick" if quick else "")
+    path = write_result(name, result)
     print(f"routing -> {path}", file=sys.stderr)
     if emit_json:
         print(json.dumps({"ratios": {k: v.get("median") for k, v in ratios.items()},

@@ -53,6 +53,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="classes: the proxy's flow control, as `up --admission` (recorded in the result)",
     )  # fmt: skip
     p.add_argument(
+        "--session-rate", type=float, default=None, metavar="PER_S",
+        help="routing: open loop, sessions arriving as a Poisson process at this rate "
+        "(writes routing-open.json) instead of a fixed number at a time",
+    )  # fmt: skip
+    p.add_argument(
         "--py-spy", default=None, metavar="DIR",
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
     )  # fmt: skip
@@ -94,6 +99,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
         if args.resimulate:
             return capacity.resimulate(args.resimulate)
         return capacity.main(quick, model, emit_json, repeats, trace=args.trace or capacity.TRACE)
+    if name == "routing":
+        from neuron_serving.bench import routing
+
+        return routing.main(quick, model, emit_json, repeats, session_rate=args.session_rate)
     module = importlib.import_module(f"neuron_serving.bench.{name}")
     return module.main(quick, model, emit_json, repeats)
 
@@ -102,6 +111,12 @@ def run(args: argparse.Namespace) -> int:
     # Flags of one benchmark are refused elsewhere rather than silently ignored.
     if args.name != "capacity" and (args.trace or args.resimulate):
         print("bench: --trace and --resimulate are bench capacity's", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.name != "routing" and args.session_rate is not None:
+        print("bench: --session-rate is bench routing's", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.session_rate is not None and not args.session_rate > 0:
+        print("bench: --session-rate must be > 0", file=sys.stderr)
         return ExitCode.USAGE
     if args.name != "classes" and (args.tp is not None or args.admission is not None):
         print("bench: --tp and --admission are bench classes'", file=sys.stderr)

@@ -123,3 +123,14 @@ def test_a_leader_that_fails_to_start_is_started_again_once(monkeypatch, tmp_pat
     with pytest.raises(RuntimeError, match="initialization failed"):
         routing._start_leaders("exact", tmp_path, tmp_path, 1)
     assert len(stopped) == 6  # every pair that failed was stopped
+
+
+def test_open_loop_sessions_start_as_a_seeded_poisson_process() -> None:
+    from neuron_serving.bench.routing import session_starts
+
+    starts = session_starts(2000, 4.0, seed=0)
+    assert starts == session_starts(2000, 4.0, seed=0)  # every arm gets the same
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert 0.2 < sum(gaps) / len(gaps) < 0.3  # mean 1/rate
+    assert session_starts(10, 4.0, seed=1) != starts[:10]

@@ -19,3 +19,17 @@ def test_an_unknown_trace_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["bench", "capacity", "--trace", "weekly"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["bench", "classes", "--session-rate", "1"], "bench routing's"),
+        (["bench", "all", "--session-rate", "1"], "bench routing's"),
+        (["bench", "routing", "--session-rate", "0"], "must be > 0"),
+        (["bench", "routing", "--session-rate", "nan"], "must be > 0"),
+    ],
+)
+def test_session_rate_is_routings_and_positive(argv, said, capsys) -> None:
+    assert main(argv) == ExitCode.USAGE
+    assert said in capsys.readouterr().err

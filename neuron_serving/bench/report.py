@@ -27,19 +27,24 @@ from neuron_serving.bench.readme_table import MeasuredRow, rewrite_readme
 
 REPORT = RESULTS_DIR.parent / "REPORT.md"
 README = RESULTS_DIR.parent.parent / "README.md"
-FAMILIES = ("executor", "serving", "proxy", "routing", "failover", "scaling", "load",
+FAMILIES = ("executor", "serving", "proxy", "routing", "routing_open", "failover", "scaling",
+            "load",
             "serving_mn", "failures", "cpu", "startup", "classes", "capacity",
             "capacity_diurnal")  # fmt: skip
 # A family run by a command other than `bench <family>`.
-COMMANDS = {"capacity_diurnal": "capacity --trace diurnal"}
+COMMANDS = {"capacity_diurnal": "capacity --trace diurnal",
+            "routing_open": "routing --session-rate 0.9"}  # fmt: skip
 
 
 def family(name: str) -> str:
     """``serving-quick`` -> ``serving``; ``load-sharded`` -> ``load``;
     ``capacity-diurnal[-quick]`` -> ``capacity_diurnal`` (a trace of its own, reported
-    beside the spike's ``capacity``)."""
+    beside the spike's ``capacity``); ``routing-open[-quick]`` -> ``routing_open`` (bench
+    routing's open loop, beside its closed loop)."""
     if name.startswith("capacity-diurnal"):
         return "capacity_diurnal"
+    if name.startswith("routing-open"):
+        return "routing_open"
     base = name.split("-", 1)[0]
     return base
 
@@ -288,6 +293,22 @@ def _routing_targets(r: dict[str, Any]) -> list[Target]:
     ]  # fmt: skip
 
 
+def _routing_open_targets(r: dict[str, Any]) -> list[Target]:
+    """bench routing --session-rate: the same ratios under an open loop, information
+    beside the closed loop's verdicts (the issue's workload is the closed loop's)."""
+    ra = r.get("ratios", {})
+    rate = (r.get("workload") or {}).get("sessions_per_s")
+    return [
+        Target("routing_open", f"information: exact / approximate index, open loop at "
+               f"{num(rate)} sessions/s",
+               f"hit rate {spread_text(ra.get('hit_rate_exact_over_approximate'))}; TTFT p90 "
+               f"{spread_text(ra.get('ttft_p90_exact_over_approximate'))}; tenant partition "
+               f"/ approximate TTFT p90 "
+               f"{spread_text(ra.get('ttft_p90_partition_over_approximate'))}", None,
+               status="information, no target"),
+    ]  # fmt: skip
+
+
 def _failover_targets(r: dict[str, Any]) -> list[Target]:
     out = []
     for f in r.get("failover", []):
@@ -467,6 +488,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "serving": _serving_targets,
     "proxy": _proxy_targets,
     "routing": _routing_targets,
+    "routing_open": _routing_open_targets,
     "failover": _failover_targets,
     "load": _load_targets,
     "serving_mn": _serving_mn_targets,
@@ -490,6 +512,7 @@ NOT_MEASURED = {
     "serving": ["Triton leader / vllm serve output tok/s >= 0.9", "TTFT p50 within 1.2x"],
     "proxy": ["added TTFT p50 <= 1 ms, p99 <= 5 ms at 64 streams"],
     "routing": ["exact KV index: hit rate >= 1.2x, TTFT p90 <= 0.7x the approximate index"],
+    "routing_open": ["information: bench routing's ratios under an open loop"],
     "failover": ["follower kill -> unhealthy < 3 s, 0 client errors, peak RSS < 12 GB"],
     "load": ["sharded vs full checkpoint load (bench load)"],
     "serving_mn": ["information: TP=2 unit behind Triton / vllm serve --nnodes 2"],
@@ -769,9 +792,14 @@ def _routing_section(r: dict[str, Any]) -> list[str]:
                      for k in keys), num(a.get("errors"))]
             for name, a in r.get("arms", {}).items()]  # fmt: skip
     w = r.get("workload", {})
+    arrivals = (
+        f"{num(w['sessions_per_s'])} sessions/s arriving as a Poisson process"
+        if w.get("sessions_per_s")
+        else f"{w.get('concurrent_sessions')} at a time"
+    )
     return [f"- {w.get('tenants')} tenants, {w.get('sessions')} sessions x {w.get('turns')} "
-            f"turns, prefix working set {num(w.get('pressure'))}x the fleet's KV cache, "
-            f"model {Path(str(w.get('model'))).name}", "",
+            f"turns ({arrivals}), prefix working set {num(w.get('pressure'))}x the fleet's KV "
+            f"cache, model {Path(str(w.get('model'))).name}", "",
             *_table(["arm", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "output tok/s",
                      "load spread", "prediction accuracy", "errors"], rows)]  # fmt: skip
 
@@ -904,6 +932,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "serving": _serving_section,
     "proxy": _proxy_section,
     "routing": _routing_section,
+    "routing_open": _routing_section,
     "failover": _failover_section,
     "scaling": _scaling_section,
     "load": _generic_section,
@@ -920,6 +949,7 @@ TITLES = {
     "serving": "Serving: Triton leader vs vllm serve (TP=1, 16 streams)",
     "proxy": "Proxy overhead (64 streams)",
     "routing": "Routing policies (2 units)",
+    "routing_open": "Routing policies (2 units), open loop",
     "failover": "Failover and memory of the default local cluster",
     "scaling": "Scaling with concurrency (Triton leader, TP=1)",
     "load": "Checkpoint load: sharded vs full",

@@ -319,3 +319,27 @@ def test_routing_targets_show_the_tenant_partition_beside_the_verdicts(tmp_path)
     _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     hit = next(t for t in ts if t.target.startswith("exact KV index hit rate"))
     assert hit.met is True and "partition" not in hit.measured
+
+
+def test_the_open_loop_is_reported_beside_the_closed_loop_for_information(tmp_path):
+    """bench routing --session-rate writes routing-open.json: a family of its own, so
+    the closed loop's verdicts stay the routing family's."""
+    assert report.family("routing-open-quick") == "routing_open"
+    _write(tmp_path, "routing", {"ratios": {
+        "hit_rate_exact_over_approximate": spread([1.25])}})  # fmt: skip
+    _write(tmp_path, "routing-open", {
+        "workload": {"sessions_per_s": 0.9, "sessions": 128, "turns": 5},
+        "arms": {"exact": {"hit_rate": spread([0.6])}},
+        "ratios": {"hit_rate_exact_over_approximate": spread([0.85]),
+                   "ttft_p90_exact_over_approximate": spread([1.9])},
+    }, time="2026-12-03T10:00:00Z")  # newer, and still not the routing family's  # fmt: skip
+    path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    md = path.read_text()
+    hit = next(t for t in ts if t.target.startswith("exact KV index hit rate"))
+    assert hit.met is True and hit.measured.startswith("1.25")
+    (info,) = [t for t in ts if t.benchmark == "routing_open"]
+    assert info.status == "information, no target" and "0.90 sessions/s" in info.target
+    assert "TTFT p90 1.90" in info.measured
+    assert "## Routing policies (2 units), open loop" in md
+    assert "0.90 sessions/s arriving as a Poisson process" in md
+    assert all(r.target != info.target for r in report.readme_rows(report.latest_results(tmp_path)))

@@ -131,6 +131,8 @@ def test_open_loop_sessions_start_as_a_seeded_poisson_process() -> None:
     starts = session_starts(2000, 4.0, seed=0)
     assert starts == session_starts(2000, 4.0, seed=0)  # every arm gets the same
     assert starts[0] == 0.0 and starts == sorted(starts)
+    assert abs(starts[-1] - 1999 / 4.0) < 1e-6  # the rate asked for is the rate run
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    assert 0.2 < sum(gaps) / len(gaps) < 0.3  # mean 1/rate
-    assert session_starts(10, 4.0, seed=1) != starts[:10]
+    assert max(gaps) > 5 * min(gaps)  # still Poisson's bursts and lulls
+    assert session_starts(10, 4.0, seed=1) != session_starts(10, 4.0, seed=0)
+    assert session_starts(1, 4.0, seed=0) == [0.0] and session_starts(0, 4.0, seed=0) == []

@@ -304,11 +304,19 @@ class RoutingConfig:
     # times their prefill again (proxy/routing/kv_aware.py, "Home units"). 0: off.
     home_prefix_tokens: int = 512
     home_weight: float = 1.0
+    # kv_aware: 0 (off) or >= 1: a home unit carrying more than this times the
+    # fleet's mean sequences passes its prompts' homes to the next unit in their
+    # rendezvous order (bounded loads; proxy/routing/kv_aware.py, "Home units").
+    home_load_factor: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
         _check(self.home_prefix_tokens >= 0, "routing.home_prefix_tokens must be >= 0")
         _check(self.home_weight >= 0, "routing.home_weight must be >= 0")
+        _check(
+            self.home_load_factor == 0 or self.home_load_factor >= 1,
+            "routing.home_load_factor must be 0 (off) or >= 1",
+        )
         _check(self.prefill_tokens_per_seq > 0, "routing.prefill_tokens_per_seq must be > 0")
         _check(0 <= self.kv_usage_high < 1, "routing.kv_usage_high must be in [0, 1)")
         _check(self.block_chars >= 1, "routing.block_chars must be >= 1")

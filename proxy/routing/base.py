@@ -62,13 +62,19 @@ def least_loaded(candidates: Sequence[UnitState], rng: random.Random) -> UnitSta
     return rng.choice([u for u in candidates if u.in_flight == low])
 
 
-def rendezvous(key: bytes, candidates: Sequence[UnitState]) -> UnitState:
-    """The candidate whose id scores highest with ``key`` (rendezvous, or highest
-    random weight, hashing): every proxy picks the same unit without a table or a word
-    to the others, and when a unit leaves only the keys it held move (each to its
-    second-best unit). ``session_affinity``'s sessions, ``kv_aware``'s home units."""
+def rendezvous_order(key: bytes, candidates: Sequence[UnitState]) -> list[UnitState]:
+    """The candidates by how high their ids score with ``key``, highest first
+    (rendezvous, or highest random weight, hashing): every proxy orders them alike
+    without a table or a word to the others, and when a unit leaves only the keys it
+    held move (each to its second). ``session_affinity``'s sessions, ``kv_aware``'s
+    home units."""
 
     def score(u: UnitState) -> bytes:
         return hashlib.blake2b(key + b"\0" + u.unit_id.encode(), digest_size=8).digest()
 
-    return max(candidates, key=score)
+    return sorted(candidates, key=score, reverse=True)
+
+
+def rendezvous(key: bytes, candidates: Sequence[UnitState]) -> UnitState:
+    """The first of ``rendezvous_order``."""
+    return rendezvous_order(key, candidates)[0]

@@ -281,9 +281,10 @@ class RoutingConfig:
     # kv_aware (exact where the leaders' KV events allow, else prefix_cache_aware) is
     # opt-in. As the default it sent every stream of the local cluster's failover test
     # to one unit (a stale load report; fixed by UnitState.load_now, checked with the
-    # real policy, not yet by that e2e test under kv_aware). `bench routing` measured
-    # 1.21x prefix_cache_aware's hit rate behind one proxy (home units; its TTFT p90
-    # 0.95x) and better behind 2 replicas.
+    # real policy, not yet by that e2e test under kv_aware). `bench routing` (SmolLM2,
+    # bench/README.md) measured 1.12-1.24x prefix_cache_aware's hit rate and 0.83-0.85x
+    # its TTFT p90 in a closed loop; in an open loop, p90 0.37-0.39x below saturation
+    # and 1.15x at it (bounded homes, home_load_factor below, for that).
     policy: str = "prefix_cache_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index

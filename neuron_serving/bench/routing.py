@@ -18,6 +18,13 @@ the sessions in flight, in whole blocks) is ``PRESSURE`` (1.5) times the fleet's
 cache: no routing can keep everything cached, so which unit holds which prefix,
 and knowing it after evictions, decides the hit rate.
 
+Arrivals: a closed loop by default, ``concurrency`` sessions at a time, the next one
+starting when one ends; it keeps both units saturated whatever the policy, so TTFT
+there is mostly queueing whose length the client count sets. ``--session-rate R``
+runs an open loop instead (``routing-open.json``): the sessions start as a seeded
+Poisson process of R a second, the same schedule for every arm (``session_starts``),
+so a policy that serves faster has shorter queues.
+
 With 2 replicas each request goes to one of them in turn (turn ``i`` of session
 ``s`` to replica ``(s + i) % 2``), as a load balancer spreading requests would do:
 a session's turns reach both, and only a shared view of the units' caches keeps

@@ -305,9 +305,10 @@ class RoutingConfig:
     # times their prefill again (proxy/routing/kv_aware.py, "Home units"). 0: off.
     home_prefix_tokens: int = 512
     home_weight: float = 1.0
-    # kv_aware: 0 (off) or >= 1: a home unit carrying more than this times the
-    # fleet's mean sequences passes its prompts' homes to the next unit in their
-    # rendezvous order (bounded loads; proxy/routing/kv_aware.py, "Home units").
+    # kv_aware: 0 (off) or >= 1 (c): a home unit whose sequences + 1 exceed
+    # ceil(c x (the candidates' sequences + 1) / units) passes the prompt to the next
+    # unit in its rendezvous order (bounded loads; proxy/routing/kv_aware.py, "Bounded
+    # homes").
     home_load_factor: float = 0.0
 
     def __post_init__(self) -> None:
@@ -315,7 +316,8 @@ class RoutingConfig:
         _check(self.home_prefix_tokens >= 0, "routing.home_prefix_tokens must be >= 0")
         _check(self.home_weight >= 0, "routing.home_weight must be >= 0")
         _check(
-            self.home_load_factor == 0 or self.home_load_factor >= 1,
+            self.home_load_factor == 0
+            or (math.isfinite(self.home_load_factor) and self.home_load_factor >= 1),
             "routing.home_load_factor must be 0 (off) or >= 1",
         )
         _check(self.prefill_tokens_per_seq > 0, "routing.prefill_tokens_per_seq must be > 0")

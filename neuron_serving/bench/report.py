@@ -33,7 +33,7 @@ FAMILIES = ("executor", "serving", "proxy", "routing", "routing_open", "failover
             "capacity_diurnal")  # fmt: skip
 # A family run by a command other than `bench <family>`.
 COMMANDS = {"capacity_diurnal": "capacity --trace diurnal",
-            "routing_open": "routing --session-rate 0.9"}  # fmt: skip
+            "routing_open": "routing --session-rate 0.8"}  # fmt: skip
 
 
 def family(name: str) -> str:

@@ -251,10 +251,10 @@ async def _session(
 def session_starts(n: int, rate: float, seed: int) -> list[float]:
     """Start times (s from the workload's start) of ``n`` sessions arriving as a
     Poisson process of ``rate`` sessions a second, seeded: the same for every arm.
-    The gaps are scaled so that the last session starts at ``(n - 1) / rate``: 128
-    draws at 0.9 a second spanned anywhere from 124 s (seed 7: 1.02 a second) to
-    163 s (seed 0: 0.78), and a unit near its capacity answers that difference with
-    its whole queue, so the rate asked for is the rate run."""
+    The gaps are scaled so that the last session starts at ``(n - 1) / rate``: the 127
+    gaps of 128 sessions at 0.9 a second spanned anywhere from 124 s (seed 7: 1.02 a
+    second) to 163 s (seed 0: 0.78), and a unit near its capacity answers that
+    difference with its whole queue, so the rate asked for is the rate run."""
     rng = random.Random(seed)
     gaps = [rng.expovariate(rate) for _ in range(n - 1)]
     scale = (n - 1) / rate / sum(gaps) if gaps else 1.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 import time
 
@@ -115,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
     if args.name != "routing" and args.session_rate is not None:
         print("bench: --session-rate is bench routing's", file=sys.stderr)
         return ExitCode.USAGE
-    if args.session_rate is not None and not args.session_rate > 0:
-        print("bench: --session-rate must be > 0", file=sys.stderr)
+    if args.session_rate is not None and not (
+        math.isfinite(args.session_rate) and args.session_rate > 0
+    ):
+        print("bench: --session-rate must be a finite number > 0", file=sys.stderr)
         return ExitCode.USAGE
     if args.name != "classes" and (args.tp is not None or args.admission is not None):
         print("bench: --tp and --admission are bench classes'", file=sys.stderr)

@@ -107,10 +107,17 @@ and the cost's spill (home's load beyond the other unit's by the prefix's prefil
 ``home_u``, about 5 sequences for a 768-token system prompt) comes late. With a factor
 c >= 1 the home is the first unit in the prompt's rendezvous order whose sequences + 1
 are at most ``ceil(c x (the candidates' sequences + 1) / units)`` (Mirrokni et al.'s
-bound, on the engines' load reports, so replicas agree while their reports do). One
-run at 1.0 sessions/s (open loop, saturated): c 1.25 gave a hit rate of 0.714 and a
-TTFT p90 of 1203 ms, against 0.665 and 1522 ms off, and 0.725 and 1325 ms for the
-approximate index. That is one repeat, so it is not the default.
+bound). The sequences are ``unit_load``'s: the engines' reports moved by this proxy's
+own starts and ends since, so replicas agree about as closely as their loads do. The
+bound applies only when every candidate has a fresh report (a unit counted by one
+proxy's in-flight requests alone would look light against the others' engine counts),
+it counts sequences, not each unit's share of its ``max_num_seqs`` (units alike), and
+it acts at any load: with 2 units and c 1.25 a prefix leaves a home 2 sequences busier
+than the other unit (3 when the home holds it), against about 5 by the cost alone.
+One run at 1.0 sessions/s (open loop, saturated; a script's run, not a file in
+``bench/results``): c 1.25 gave a hit rate of 0.714 and a TTFT p90 of 1203 ms, against
+0.665 and 1522 ms off, and 0.725 and 1325 ms for the approximate index. It was not run
+below saturation. One repeat, so it is not the default.
 
 The session header is not used: a conversation's own blocks lead its next turn to the
 unit that holds them (``session_affinity`` still pins sessions by the header).
@@ -176,7 +183,8 @@ def home_unit(
     when off or for an empty prompt. With ``load_factor`` (>= 1) and the candidates'
     ``loads`` (sequences, in their order), bounded loads (Mirrokni et al. 2018): the
     first unit in that order whose load + 1 is at most ``ceil(load_factor x (total
-    load + 1) / units)``; one always is."""
+    load + 1) / units)``; one always is for whole-number loads (the least loaded one),
+    else the first in order."""
     if prefix_tokens <= 0 or not token_ids or not candidates:
         return None
     # Decimal text, not array("Q"): a completions prompt's ids are the client's, and a
@@ -188,7 +196,8 @@ def home_unit(
     if load_factor < 1.0 or loads is None:
         return order[0].unit_id
     load = {u.unit_id: x for u, x in zip(candidates, loads, strict=True)}
-    cap = math.ceil(load_factor * (sum(loads) + 1) / len(candidates))
+    # Less a hair: 1.1 x 100 / 2 is 55.00000000000001 in floats, and its ceil 56.
+    cap = math.ceil(load_factor * (sum(loads) + 1) / len(candidates) - 1e-9)
     return next((u.unit_id for u in order if load[u.unit_id] + 1 <= cap), order[0].unit_id)
 
 
@@ -237,8 +246,11 @@ class KvAwarePolicy:
         now = time.monotonic()
         per_seq = self.cfg.prefill_tokens_per_seq
         loads = [unit_load(u, now, self.load_max_age_s) for u in candidates]
+        # Bounded homes only on engine counts everywhere ("Bounded homes" above).
+        reported = all(report is not None for _, report in loads)
         home = home_unit(ids, tokens.cache_salt, self.cfg.home_prefix_tokens, candidates,
-                         [seqs for seqs, _ in loads], self.cfg.home_load_factor)  # fmt: skip
+                         [seqs for seqs, _ in loads] if reported else None,
+                         self.cfg.home_load_factor)  # fmt: skip
         home_tokens = min(n, self.cfg.home_prefix_tokens)
         scored = []  # (cost, cached tokens, exact prediction or None, from the exact index)
         for u, (seqs, report) in zip(candidates, loads, strict=True):

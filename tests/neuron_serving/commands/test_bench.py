@@ -26,8 +26,9 @@ def test_an_unknown_trace_is_a_usage_error(capsys) -> None:
     [
         (["bench", "classes", "--session-rate", "1"], "bench routing's"),
         (["bench", "all", "--session-rate", "1"], "bench routing's"),
-        (["bench", "routing", "--session-rate", "0"], "must be > 0"),
-        (["bench", "routing", "--session-rate", "nan"], "must be > 0"),
+        (["bench", "routing", "--session-rate", "0"], "must be a finite number > 0"),
+        (["bench", "routing", "--session-rate", "nan"], "must be a finite number > 0"),
+        (["bench", "routing", "--session-rate", "inf"], "must be a finite number > 0"),
     ],
 )
 def test_session_rate_is_routings_and_positive(argv, said, capsys) -> None:

@@ -44,7 +44,10 @@ def test_a_slow_collection_lands_in_its_bucket() -> None:
 def test_freeze_heap_moves_the_live_heap_out_of_the_collector(unfrozen) -> None:
     kept = [object() for _ in range(1000)]  # noqa: F841 (alive through the freeze)
     frozen = gc_pauses.freeze_heap()
-    assert frozen == gc.get_freeze_count() >= 1000
+    # Frozen objects still die by their reference counts, and another thread of this
+    # process may free a few between the two reads (CI saw 1420203, then 1420201);
+    # nothing freezes more meanwhile.
+    assert frozen >= 1000 and frozen - 1000 < gc.get_freeze_count() <= frozen
     # A full collection now walks only what was allocated since.
     assert len(gc.get_objects(generation=2)) < frozen
 

@@ -123,7 +123,9 @@ def test_real_replicas_share_the_port_and_a_sigkilled_one_comes_back_drained(tmp
         drained = {r: {u for u, e in units.items() if e["draining"]}
                    for r, units in replicas.admin.units().items()}  # fmt: skip
         assert drained == {"proxy-0": {"unit-0"}, "proxy-1": {"unit-0"}}
-        assert replicas.snapshot()[0]["restarts"] == 1
+        # One CI run saw 2 (the restarted replica failed once more); say why if again.
+        snap = replicas.snapshot()[0]
+        assert snap["restarts"] == 1, (snap, replicas.groups[0].failures, events)
     finally:
         replicas.stop()
     assert replicas.pids() == []

@@ -271,6 +271,8 @@ def _routing_targets(r: dict[str, Any]) -> list[Target]:
     hit_ref = context(
         ("tenant partition / approximate", "hit_rate_partition_over_approximate"),
         ("exact / tenant partition", "hit_rate_exact_over_partition"),
+        # The most any routing reaches against the approximate index (reuse_ceiling).
+        ("ceiling / approximate", "hit_rate_ceiling_over_approximate"),
     )
     p90_ref = context(
         ("tenant partition / approximate", "ttft_p90_partition_over_approximate"),
@@ -298,13 +300,16 @@ def _routing_open_targets(r: dict[str, Any]) -> list[Target]:
     beside the closed loop's verdicts (the issue's workload is the closed loop's)."""
     ra = r.get("ratios", {})
     rate = (r.get("workload") or {}).get("sessions_per_s")
+    ceiling = ra.get("hit_rate_ceiling_over_approximate")
     return [
         Target("routing_open", f"information: exact / approximate index, open loop at "
                f"{num(rate)} sessions/s",
                f"hit rate {spread_text(ra.get('hit_rate_exact_over_approximate'))}; TTFT p90 "
                f"{spread_text(ra.get('ttft_p90_exact_over_approximate'))}; tenant partition "
                f"/ approximate TTFT p90 "
-               f"{spread_text(ra.get('ttft_p90_partition_over_approximate'))}", None,
+               f"{spread_text(ra.get('ttft_p90_partition_over_approximate'))}"
+               + (f"; hit-rate ceiling / approximate {spread_text(ceiling)}" if ceiling else ""),
+               None,
                status="information, no target"),
     ]  # fmt: skip
 
@@ -797,9 +802,17 @@ def _routing_section(r: dict[str, Any]) -> list[str]:
         if w.get("sessions_per_s")
         else f"{w.get('concurrent_sessions')} at a time"
     )
+    reuse = w.get("reuse") or {}
+    ceiling = (
+        f"; hit-rate ceiling {num(reuse['ceiling'], 3)} (a session's own earlier turns "
+        f"{num(reuse.get('session_local'), 3)}, tenants' system prompts on first turns "
+        f"{num(reuse.get('first_turn'), 3)})"
+        if reuse.get("ceiling") is not None
+        else ""
+    )
     return [f"- {w.get('tenants')} tenants, {w.get('sessions')} sessions x {w.get('turns')} "
             f"turns ({arrivals}), prefix working set {num(w.get('pressure'))}x the fleet's KV "
-            f"cache, model {Path(str(w.get('model'))).name}", "",
+            f"cache, model {Path(str(w.get('model'))).name}{ceiling}", "",
             *_table(["arm", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "output tok/s",
                      "load spread", "prediction accuracy", "errors"], rows)]  # fmt: skip
 

@@ -178,6 +178,81 @@ def sessions_plan(n: int, turns: int, tenants: int, seed: int) -> list[tuple[int
     return out
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reuse_ceiling(
+    model_dir: Path, systems: list[str], plan: list[tuple[int, list[str]]],
+    block_size: int = BLOCK_SIZE, answer_tokens: int = MAX_TOKENS,
+) -> dict[str, float]:  # fmt: skip
+    """The plan's prefix-cache hit rate if every block an earlier request could have
+    left in a cache were still there: the most any routing can reach on it, whatever
+    the cache size. Computed from the plan alone, with the prompts' token ids as the
+    proxy and vLLM compute them (``proxy.prompt_tokens``, the model's chat template).
+
+    A prompt of n tokens hits at most ``(n - 1) // block_size`` whole blocks (vLLM
+    computes the last token itself), and only blocks that an earlier request held:
+
+    - ``session_local``: turn k > 0 repeats turn k-1's prompt and its answer, whose
+      whole blocks (prompt and ``answer_tokens`` generated ids: vLLM caches full
+      blocks of output too) the earlier turn left. What a policy that keeps a
+      session on one unit gets while nothing it holds is evicted;
+    - ``first_turn``: a session's first prompt shares its tenant's system prompt
+      with an earlier session's first prompt (the tenant's first session in the
+      plan shares nothing; no two tenants share a block: each system prompt starts
+      with its store's name). What placing tenants where their prompt is cached adds.
+
+    Shares of the plan's prompt tokens (vLLM's ``prefix_cache_queries``), and
+    ``ceiling`` their sum. The answers in the histories are stand-ins of
+    ``answer_tokens`` tokens (the arms' answers are that long: ``ignore_eos``), so
+    ``prompt_tokens`` is within a few tokens a turn of what the engines count."""
+    from tokenizers import Tokenizer
+
+    from proxy.prompt_tokens import ModelPrompts
+
+    prompts = ModelPrompts(model_dir)
+    words = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    stand_in = " ".join(f"{t} {i}" for i, t in enumerate(TOPICS))
+    answer = words.decode(words.encode(stand_in, add_special_tokens=False).ids[:answer_tokens])
+    total = local = first = 0
+    tenant_first: dict[int, list[int]] = {}
+    for tenant, questions in plan:
+        messages = [{"role": "system", "content": systems[tenant]}]
+        prev: list[int] | None = None
+        for q in questions:
+            messages.append({"role": "user", "content": q})
+            body = {"model": "llm", "messages": messages}
+            rendered = prompts.for_openai("chat/completions", body)
+            if rendered is None:
+                raise RuntimeError(f"{model_dir}: its chat prompts cannot be reproduced")
+            ids = list(rendered.token_ids)
+            limit = (len(ids) - 1) // block_size
+            total += len(ids)
+            if prev is None:
+                seen = tenant_first.setdefault(tenant, ids)
+                if seen is not ids:
+                    first += min(limit, _common(ids, seen) // block_size) * block_size
+            else:
+                shared = _common(ids, prev)
+                held = len(prev) + answer_tokens if shared == len(prev) else shared
+                local += min(limit, held // block_size) * block_size
+            messages.append({"role": "assistant", "content": answer})
+            prev = ids
+    return {
+        "prompt_tokens": total,
+        "session_local": local / total if total else 0.0,
+        "first_turn": first / total if total else 0.0,
+        "ceiling": (local + first) / total if total else 0.0,
+    }
+
+
 def kv_cache_bytes(model_dir: Path, blocks: int) -> int:
     """Bytes of ``blocks`` KV blocks of the model (K and V, every layer), in the dtype
     the leaders run it: ``dtype auto``, where vLLM 0.32 downcasts a float32 checkpoint
@@ -483,10 +558,15 @@ def _kv_blocks(leader: Leader) -> int | None:
     return None
 
 
-def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def _ratios(
+    per_repeat: list[dict[str, dict[str, Any]]], ceiling: float | None = None
+) -> dict[str, Any]:
     """The targets' ratios within each repeat (arms of one repeat ran back to back),
-    then their spread over the repeats."""
-    hit, p90, pp, pp_approx = [], [], [], []
+    then their spread over the repeats. With the plan's hit-rate ``ceiling``
+    (``reuse_ceiling``), also the most any routing could reach against each repeat's
+    approximate index: the hit-rate target is out of reach in a repeat where that is
+    below it."""
+    hit, p90, pp, pp_approx, reach = [], [], [], [], []
     ref: dict[str, list[float]] = {"hit": [], "exact_hit": [], "p90": [], "pp": [], "p90_again": []}
     for rep in per_repeat:
         ex, ap, r2 = rep["exact"], rep["approximate"], rep.get("exact_2_replicas")
@@ -503,6 +583,8 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
             pp_approx.append((ap["hit_rate"] - a2["hit_rate"]) * 100)
         if ex["hit_rate"] is not None and ap["hit_rate"]:
             hit.append(ex["hit_rate"] / ap["hit_rate"])
+        if ceiling is not None and ap["hit_rate"]:
+            reach.append(ceiling / ap["hit_rate"])
         if ap["ttft_p90_ms"]:
             p90.append(ex["ttft_p90_ms"] / ap["ttft_p90_ms"])
         if r2 is not None and r2["hit_rate"] is not None and ex["hit_rate"] is not None:
@@ -521,6 +603,8 @@ def _ratios(per_repeat: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         # Information: the exact arm run twice (points, and its TTFT p90 ratio).
         "hit_rate_pp_exact_again_vs_exact": spread(ref["pp"]),
         "ttft_p90_exact_again_over_exact": spread(ref["p90_again"]),
+        # Information: the hit-rate ceiling over the approximate index's hit rate.
+        "hit_rate_ceiling_over_approximate": spread(reach),
     }
 
 
@@ -561,6 +645,7 @@ def main(
         working_set = TENANTS * SYSTEM_BLOCKS + concurrency * history_blocks
         unit_blocks = round(working_set / PRESSURE / 2)
         kv_bytes = kv_cache_bytes(model_dir, unit_blocks)
+        reuse = reuse_ceiling(model_dir, systems, plan)
         for r in range(repeats):
             rep: dict[str, dict[str, Any]] = {}
             order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
@@ -586,7 +671,7 @@ def main(
         } | {"errors": sum(rep[arm]["errors"] for rep in per_repeat)}
         for arm, _, _ in ARMS
     }  # fmt: skip
-    ratios = _ratios(per_repeat)
+    ratios = _ratios(per_repeat, reuse["ceiling"])
 
     def met(key: str, ok) -> bool | None:
         med = ratios[key].get("median")
@@ -611,6 +696,9 @@ def main(
             "kv_cache_blocks_per_unit": unit_blocks,
             "pressure": working_set / (2 * unit_blocks),
             "kv_cache_bytes_per_unit": kv_bytes,
+            # The plan's prompt tokens and the shares of them an earlier request held
+            # (reuse_ceiling): no routing's hit rate exceeds "ceiling".
+            "reuse": reuse,
             "model": model or SERVE_MODEL,
             "seed": 0,
             "cpu_bind": ["0", "1"],

@@ -302,8 +302,9 @@ def test_routing_targets_show_the_tenant_partition_beside_the_verdicts(tmp_path)
         "ttft_p90_partition_over_approximate": spread([1.05]),
         "hit_rate_pp_exact_again_vs_exact": spread([3.0]),
         "ttft_p90_exact_again_over_exact": spread([0.95]),
-    }})  # fmt: skip
-    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+        "hit_rate_ceiling_over_approximate": spread([1.16]),
+    }, "workload": {"reuse": {"ceiling": 0.9, "session_local": 0.74, "first_turn": 0.16}}})  # fmt: skip
+    path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     hit, p90 = (next(t for t in ts if t.target.startswith(k)) for k in
                 ("exact KV index hit rate", "exact KV index TTFT p90"))  # fmt: skip
     assert hit.met is False and p90.met is False
@@ -311,6 +312,9 @@ def test_routing_targets_show_the_tenant_partition_beside_the_verdicts(tmp_path)
     assert "exact / tenant partition: 0.98" in hit.measured
     assert "tenant partition / approximate: 1.05" in p90.measured
     assert "exact again / exact: 0.95" in p90.measured
+    # The most any routing reaches against the approximate index, and the ceiling.
+    assert "ceiling / approximate: 1.16" in hit.measured
+    assert "hit-rate ceiling 0.900 (a session's own earlier turns 0.740" in path.read_text()
     pp = next(t for t in ts if t.target.startswith("2 proxy replicas"))
     assert "exact run twice: 3.0 points" in pp.measured
     # A result from before the reference arm renders without it.

@@ -11,6 +11,7 @@ from neuron_serving.bench.routing import (
     TENANTS,
     _ratios,
     _schedstat,
+    reuse_ceiling,
     sessions_plan,
     tenant_partition,
 )
@@ -77,6 +78,8 @@ def test_ratios_report_the_partition_against_both_indexes() -> None:
     assert r["hit_rate_partition_over_approximate"]["median"] == pytest.approx(1.5)
     assert r["hit_rate_exact_over_partition"]["median"] == pytest.approx(0.8)
     assert r["ttft_p90_partition_over_approximate"]["median"] == pytest.approx(0.8)
+    assert r["hit_rate_ceiling_over_approximate"].get("median") is None
+    assert _ratios([rep], 0.9)["hit_rate_ceiling_over_approximate"]["median"] == pytest.approx(1.8)
     # A result without the reference arm (an earlier run) has no such figures.
     del rep["tenant_partition"], rep["exact_again"]
     r = _ratios([rep])
@@ -136,3 +139,37 @@ def test_open_loop_sessions_start_as_a_seeded_poisson_process() -> None:
     assert max(gaps) > 5 * min(gaps)  # still Poisson's bursts and lulls
     assert session_starts(10, 4.0, seed=1) != session_starts(10, 4.0, seed=0)
     assert session_starts(1, 4.0, seed=0) == [0.0] and session_starts(0, 4.0, seed=0) == []
+
+
+def test_the_reuse_ceiling_counts_only_blocks_an_earlier_request_held(demo_model) -> None:
+    """Checked against the prompts' own token ids (the proxy's, which equal vLLM's):
+    a session's later turn reuses its previous turn's prompt and answer in whole blocks;
+    a first turn reuses its tenant's system prompt only after another session of that
+    tenant; the first session of a tenant and a tenant alone reuse nothing."""
+    from proxy.prompt_tokens import ModelPrompts
+
+    bs = 8
+    systems = ["You are the assistant of Harbor and Pine, a store of tents and stoves.",
+               "You are the assistant of Summit Gear, which sells boots and jackets."]  # fmt: skip
+    one = [(0, ["Do you have tents for 4 people?"])]
+    r = reuse_ceiling(demo_model, systems, one, block_size=bs, answer_tokens=4)
+    assert r["ceiling"] == 0.0 and r["prompt_tokens"] > 0
+
+    prompts = ModelPrompts(demo_model)
+
+    def ids(messages):
+        return list(prompts.for_openai("chat/completions", {"messages": messages}).token_ids)
+
+    plan = [(0, ["Do you have tents for 4 people?", "And a stove?"]),
+            (1, ["Any boots in size 9?"]), (0, ["Which stove is lightest?"])]  # fmt: skip
+    r = reuse_ceiling(demo_model, systems, plan, block_size=bs, answer_tokens=4)
+    sys0 = {"role": "system", "content": systems[0]}
+    first0 = ids([sys0, {"role": "user", "content": plan[0][1][0]}])
+    third = ids([sys0, {"role": "user", "content": plan[2][1][0]}])
+    shared = next(i for i, (a, b) in enumerate(zip(first0, third, strict=False)) if a != b)
+    assert r["first_turn"] * r["prompt_tokens"] == shared // bs * bs > 0
+    # Turn 2 of session 0 repeats turn 1's prompt and 4 answer tokens: whole blocks.
+    local = r["session_local"] * r["prompt_tokens"]
+    assert local == min((len(first0) + 4) // bs * bs, local) and local >= len(first0) // bs * bs
+    assert r["ceiling"] == pytest.approx(r["session_local"] + r["first_turn"])
+    assert 0 < r["ceiling"] < 1

@@ -55,6 +55,12 @@ Figures per arm (each repeat runs every arm, in a rotated order):
   how many predictions equalled the hit vLLM reported;
 - every unit's KV routing mode at the end (``exact`` is expected).
 
+Per workload, before any arm: the plan's hit-rate ceiling (``reuse_ceiling``): the
+share of its prompt tokens in whole blocks an earlier request held (a session's own
+previous turn, or its tenant's system prompt from an earlier session), which no
+routing exceeds; and, per repeat, that ceiling over the approximate index's hit rate,
+the largest exact / approximate ratio any routing could reach in that repeat.
+
 Targets (issue 20), ratios per repeat, then their spread: exact hit rate >= 1.2x the
 approximate index's; exact TTFT p90 <= 0.7x the approximate index's; 2 replicas'
 hit rate within 2 percentage points of 1 replica's.

@@ -116,8 +116,10 @@ it acts at any load: with 2 units and c 1.25 a prefix leaves a home 2 sequences 
 than the other unit (3 when the home holds it), against about 5 by the cost alone.
 One run at 1.0 sessions/s (open loop, saturated; a script's run, not a file in
 ``bench/results``): c 1.25 gave a hit rate of 0.714 and a TTFT p90 of 1203 ms, against
-0.665 and 1522 ms off, and 0.725 and 1325 ms for the approximate index. It was not run
-below saturation. One repeat, so it is not the default.
+0.665 and 1522 ms off, and 0.725 and 1325 ms for the approximate index. Below
+saturation it did worse (0.9 sessions/s: 0.687 and 1683 ms, against 0.770 and 874 ms
+off), and in the closed loop it changed little (c 1.25: 0.619 and 1620 ms; c 1.1: 0.640
+and 1620 ms; off: 0.627 and 1632 ms), one run each. So it is not the default.
 
 The session header is not used: a conversation's own blocks lead its next turn to the
 unit that holds them (``session_affinity`` still pins sessions by the header).

@@ -805,8 +805,9 @@ def _routing_section(r: dict[str, Any]) -> list[str]:
     reuse = w.get("reuse") or {}
     ceiling = (
         f"; hit-rate ceiling {num(reuse['ceiling'], 3)} (a session's own earlier turns "
-        f"{num(reuse.get('session_local'), 3)}, tenants' system prompts on first turns "
-        f"{num(reuse.get('first_turn'), 3)})"
+        f"{num(reuse.get('session_local'), 3)}, other sessions of its tenant "
+        # "first_turn": the name in results of 9734e78
+        f"{num(reuse.get('other_sessions', reuse.get('first_turn')), 3)})"
         if reuse.get("ceiling") is not None
         else ""
     )

@@ -204,21 +204,26 @@ def reuse_ceiling(
     proxy and vLLM compute them (``proxy.prompt_tokens``, the model's chat template).
 
     A prompt of n tokens hits at most ``(n - 1) // block_size`` whole blocks (vLLM
-    computes the last token itself), and only blocks that an earlier request held:
+    computes the last token itself: ``KVCacheManager.get_computed_blocks``), and only
+    blocks that an earlier request held:
 
-    - ``session_local``: turn k > 0 repeats turn k-1's prompt and its answer, whose
-      whole blocks (prompt and ``answer_tokens`` generated ids: vLLM caches full
-      blocks of output too) the earlier turn left. What a policy that keeps a
-      session on one unit gets while nothing it holds is evicted;
-    - ``first_turn``: a session's first prompt shares its tenant's system prompt
-      with an earlier session's first prompt (the tenant's first session in the
-      plan shares nothing; no two tenants share a block: each system prompt starts
-      with its store's name). What placing tenants where their prompt is cached adds.
+    - ``session_local``: turn k > 0 repeats turn k-1's prompt and its answer. Turn k-1
+      held the whole blocks of its prompt and of all but the last of its
+      ``answer_tokens`` generated ids (vLLM caches full blocks of output too,
+      ``allocate_slots``; the last token's KV is never computed, the request ends).
+      What a policy that keeps a session on one unit gets while nothing it holds is
+      evicted;
+    - ``other_sessions``: further whole blocks of the prompt that an earlier session
+      of the same tenant (in plan order) held in one of its prompts: on this
+      workload a first turn's share of its tenant's system prompt (no two tenants
+      share a block: each system prompt starts with its store's name). What placing
+      tenants where their prompt is cached adds.
 
-    Shares of the plan's prompt tokens (vLLM's ``prefix_cache_queries``), and
-    ``ceiling`` their sum. The answers in the histories are stand-ins of
-    ``answer_tokens`` tokens (the arms' answers are that long: ``ignore_eos``), so
-    ``prompt_tokens`` is within a few tokens a turn of what the engines count."""
+    Shares of the plan's prompt tokens (vLLM's ``prefix_cache_queries``), ``ceiling``
+    their sum, and the counts in tokens (``*_tokens``). The answers in the histories
+    are stand-ins of ``answer_tokens`` tokens (the arms' answers are that long:
+    ``ignore_eos``; theirs are the model's own words), so the block boundaries, and
+    ``prompt_tokens``, are within a few tokens a turn of what the engines count."""
     from tokenizers import Tokenizer
 
     from proxy.prompt_tokens import ModelPrompts
@@ -227,11 +232,14 @@ def reuse_ceiling(
     words = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     stand_in = " ".join(f"{t} {i}" for i, t in enumerate(TOPICS))
     answer = words.decode(words.encode(stand_in, add_special_tokens=False).ids[:answer_tokens])
-    total = local = first = 0
-    tenant_first: dict[int, list[int]] = {}
+    total = own = others = 0
+    # Per tenant, every whole-block prefix of its earlier sessions' prompts.
+    held: dict[int, set[tuple[int, ...]]] = {}
     for tenant, questions in plan:
         messages = [{"role": "system", "content": systems[tenant]}]
+        seen = held.get(tenant, set())
         prev: list[int] | None = None
+        session: list[list[int]] = []
         for q in questions:
             messages.append({"role": "user", "content": q})
             body = {"model": "llm", "messages": messages}
@@ -241,22 +249,31 @@ def reuse_ceiling(
             ids = list(rendered.token_ids)
             limit = (len(ids) - 1) // block_size
             total += len(ids)
-            if prev is None:
-                seen = tenant_first.setdefault(tenant, ids)
-                if seen is not ids:
-                    first += min(limit, _common(ids, seen) // block_size) * block_size
-            else:
+            mine = 0
+            if prev is not None:
                 shared = _common(ids, prev)
-                held = len(prev) + answer_tokens if shared == len(prev) else shared
-                local += min(limit, held // block_size) * block_size
+                kept = len(prev) + answer_tokens - 1 if shared == len(prev) else shared
+                mine = min(limit, kept // block_size)
+            theirs = next((k for k in range(limit, mine, -1)
+                           if tuple(ids[: k * block_size]) in seen), mine)  # fmt: skip
+            own += mine * block_size
+            others += (theirs - mine) * block_size
+            session.append(ids)
             messages.append({"role": "assistant", "content": answer})
             prev = ids
+        held.setdefault(tenant, set()).update(
+            tuple(ids[: k * block_size]) for ids in session
+            for k in range(1, len(ids) // block_size + 1)
+        )  # fmt: skip
+
+    def share(tokens: int) -> float:
+        return tokens / total if total else 0.0
+
     return {
-        "prompt_tokens": total,
-        "session_local": local / total if total else 0.0,
-        "first_turn": first / total if total else 0.0,
-        "ceiling": (local + first) / total if total else 0.0,
-    }
+        "prompt_tokens": total, "session_local_tokens": own, "other_sessions_tokens": others,
+        "session_local": share(own), "other_sessions": share(others),
+        "ceiling": share(own + others),
+    }  # fmt: skip
 
 
 def kv_cache_bytes(model_dir: Path, blocks: int) -> int:

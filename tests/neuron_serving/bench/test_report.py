@@ -303,7 +303,7 @@ def test_routing_targets_show_the_tenant_partition_beside_the_verdicts(tmp_path)
         "hit_rate_pp_exact_again_vs_exact": spread([3.0]),
         "ttft_p90_exact_again_over_exact": spread([0.95]),
         "hit_rate_ceiling_over_approximate": spread([1.16]),
-    }, "workload": {"reuse": {"ceiling": 0.9, "session_local": 0.74, "first_turn": 0.16}}})  # fmt: skip
+    }, "workload": {"reuse": {"ceiling": 0.9, "session_local": 0.74, "other_sessions": 0.16}}})  # fmt: skip
     path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     hit, p90 = (next(t for t in ts if t.target.startswith(k)) for k in
                 ("exact KV index hit rate", "exact KV index TTFT p90"))  # fmt: skip
@@ -314,7 +314,10 @@ def test_routing_targets_show_the_tenant_partition_beside_the_verdicts(tmp_path)
     assert "exact again / exact: 0.95" in p90.measured
     # The most any routing reaches against the approximate index, and the ceiling.
     assert "ceiling / approximate: 1.16" in hit.measured
-    assert "hit-rate ceiling 0.900 (a session's own earlier turns 0.740" in path.read_text()
+    assert (
+        "hit-rate ceiling 0.900 (a session's own earlier turns 0.740, other sessions of "
+        "its tenant 0.160)"
+    ) in path.read_text()
     pp = next(t for t in ts if t.target.startswith("2 proxy replicas"))
     assert "exact run twice: 3.0 points" in pp.measured
     # A result from before the reference arm renders without it.
@@ -343,7 +346,16 @@ def test_the_open_loop_is_reported_beside_the_closed_loop_for_information(tmp_pa
     assert hit.met is True and hit.measured.startswith("1.25")
     (info,) = [t for t in ts if t.benchmark == "routing_open"]
     assert info.status == "information, no target" and "0.90 sessions/s" in info.target
-    assert "TTFT p90 1.90" in info.measured
+    assert "TTFT p90 1.90" in info.measured and "ceiling" not in info.measured
     assert "## Routing policies (2 units), open loop" in md
     assert "0.90 sessions/s arriving as a Poisson process" in md
     assert all(r.target != info.target for r in report.readme_rows(report.latest_results(tmp_path)))
+    # With the plan's ceiling (results from 9734e78 on): the most any routing reaches.
+    _write(tmp_path, "routing-open", {
+        "workload": {"sessions_per_s": 0.8},
+        "ratios": {"hit_rate_exact_over_approximate": spread([1.09]),
+                   "hit_rate_ceiling_over_approximate": spread([1.18])},
+    }, time="2026-12-03T11:00:00Z")  # fmt: skip
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    (info,) = [t for t in ts if t.benchmark == "routing_open"]
+    assert "hit-rate ceiling / approximate 1.18" in info.measured

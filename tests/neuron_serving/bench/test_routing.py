@@ -143,16 +143,16 @@ def test_open_loop_sessions_start_as_a_seeded_poisson_process() -> None:
 
 def test_the_reuse_ceiling_counts_only_blocks_an_earlier_request_held(demo_model) -> None:
     """Checked against the prompts' own token ids (the proxy's, which equal vLLM's):
-    a session's later turn reuses its previous turn's prompt and answer in whole blocks;
-    a first turn reuses its tenant's system prompt only after another session of that
-    tenant; the first session of a tenant and a tenant alone reuse nothing."""
+    a session's later turn reuses its previous turn's prompt and all but the last of
+    its answer's tokens, in whole blocks; a first turn reuses its tenant's system
+    prompt only after another session of that tenant; the first session of a tenant
+    and a tenant alone reuse nothing."""
     from proxy.prompt_tokens import ModelPrompts
 
-    bs = 8
     systems = ["You are the assistant of Harbor and Pine, a store of tents and stoves.",
                "You are the assistant of Summit Gear, which sells boots and jackets."]  # fmt: skip
     one = [(0, ["Do you have tents for 4 people?"])]
-    r = reuse_ceiling(demo_model, systems, one, block_size=bs, answer_tokens=4)
+    r = reuse_ceiling(demo_model, systems, one, block_size=8, answer_tokens=4)
     assert r["ceiling"] == 0.0 and r["prompt_tokens"] > 0
 
     prompts = ModelPrompts(demo_model)
@@ -160,16 +160,24 @@ def test_the_reuse_ceiling_counts_only_blocks_an_earlier_request_held(demo_model
     def ids(messages):
         return list(prompts.for_openai("chat/completions", {"messages": messages}).token_ids)
 
+    sys0 = {"role": "system", "content": systems[0]}
     plan = [(0, ["Do you have tents for 4 people?", "And a stove?"]),
             (1, ["Any boots in size 9?"]), (0, ["Which stove is lightest?"])]  # fmt: skip
-    r = reuse_ceiling(demo_model, systems, plan, block_size=bs, answer_tokens=4)
-    sys0 = {"role": "system", "content": systems[0]}
     first0 = ids([sys0, {"role": "user", "content": plan[0][1][0]}])
     third = ids([sys0, {"role": "user", "content": plan[2][1][0]}])
     shared = next(i for i, (a, b) in enumerate(zip(first0, third, strict=False)) if a != b)
-    assert r["first_turn"] * r["prompt_tokens"] == shared // bs * bs > 0
-    # Turn 2 of session 0 repeats turn 1's prompt and 4 answer tokens: whole blocks.
-    local = r["session_local"] * r["prompt_tokens"]
-    assert local == min((len(first0) + 4) // bs * bs, local) and local >= len(first0) // bs * bs
-    assert r["ceiling"] == pytest.approx(r["session_local"] + r["first_turn"])
+    # Blocks of 4 and an answer of 5-8 tokens whose last token completes a block: the
+    # answer's tokens but the last reach past the prompt's blocks, all of them one more.
+    bs = 4
+    answer = next(a for a in range(5, 9) if (len(first0) + a) % bs == 0)
+    r = reuse_ceiling(demo_model, systems, plan, block_size=bs, answer_tokens=answer)
+    assert r["other_sessions_tokens"] == shared // bs * bs > 0
+    assert r["session_local_tokens"] == (len(first0) + answer) // bs * bs - bs
+    assert r["session_local_tokens"] > len(first0) // bs * bs
+    # All but the last answer token: with 1 answer token only the prompt's blocks.
+    r1 = reuse_ceiling(demo_model, systems, plan, block_size=bs, answer_tokens=1)
+    assert r1["session_local_tokens"] == len(first0) // bs * bs
+    assert r["ceiling"] == pytest.approx(
+        (r["session_local_tokens"] + r["other_sessions_tokens"]) / r["prompt_tokens"]
+    )
     assert 0 < r["ceiling"] < 1

@@ -284,7 +284,8 @@ class RoutingConfig:
     # real policy, not yet by that e2e test under kv_aware). `bench routing` (SmolLM2,
     # bench/README.md) measured 1.12-1.24x prefix_cache_aware's hit rate and 0.83-0.85x
     # its TTFT p90 in a closed loop; in an open loop, p90 0.37-0.39x below saturation
-    # and 1.15x at it (bounded homes, home_load_factor below, for that).
+    # and 1.15x at it (bounded homes, home_load_factor below, were tried for that and
+    # did not hold up: off).
     policy: str = "prefix_cache_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index

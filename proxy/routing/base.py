@@ -69,12 +69,14 @@ def rendezvous_order(key: bytes, candidates: Sequence[UnitState]) -> list[UnitSt
     held move (each to its second). ``session_affinity``'s sessions, ``kv_aware``'s
     home units."""
 
-    def score(u: UnitState) -> bytes:
-        return hashlib.blake2b(key + b"\0" + u.unit_id.encode(), digest_size=8).digest()
-
-    return sorted(candidates, key=score, reverse=True)
+    return sorted(candidates, key=lambda u: _score(key, u), reverse=True)
 
 
 def rendezvous(key: bytes, candidates: Sequence[UnitState]) -> UnitState:
-    """The first of ``rendezvous_order``."""
-    return rendezvous_order(key, candidates)[0]
+    """The first of ``rendezvous_order``, without sorting the rest (session_affinity
+    asks for it on every request)."""
+    return max(candidates, key=lambda u: _score(key, u))
+
+
+def _score(key: bytes, unit: UnitState) -> bytes:
+    return hashlib.blake2b(key + b"\0" + unit.unit_id.encode(), digest_size=8).digest()

@@ -309,8 +309,14 @@ def test_flow_control_orders_classes_and_tenants_on_a_real_leader(
         assert errors == {}, errors
         order = [n for _, n in sorted(done)]
         print("start order:", order)
-        assert order[0] == "holder" and order[1:3] == ["rt", "nrt"], order
-        batch = order[3:]
+        # Answers are noted as each client thread reads its last byte: the holder's
+        # thread may note its own after rt's (the unit's slot is freed when the stream
+        # ends, before that thread runs again on a busy host), so the holder, which
+        # held the unit's one slot while the rest queued, is left out of the order.
+        assert "holder" in order, order
+        order = [n for n in order if n != "holder"]
+        assert order[:2] == ["rt", "nrt"], order
+        batch = order[2:]
         firsts = [n[0] for n in batch]
         # Equal shares while both wait: they alternate (within 10%: 6 and 6 of 12).
         assert firsts[:6].count("a") == 3 and firsts.count("a") == firsts.count("b") == 6, order

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,13 @@ def test_schedstat_counts_every_threads_cpu_and_the_main_threads_wait() -> None:
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "done"
+        # After "done" the main thread still runs (or waits for a CPU) until it sleeps;
+        # its wait figure is fixed only once it is asleep (state S in its stat).
+        stat = Path(f"/proc/{child.pid}/task/{child.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "S":
+            assert time.monotonic() < deadline, stat.read_text()
+            time.sleep(0.01)
         cpu, wait = _schedstat(child.pid)
         assert cpu >= 0.35  # two threads' 0.2 s each, less clock granularity
         main = Path(f"/proc/{child.pid}/task/{child.pid}/schedstat").read_text().split()

@@ -282,8 +282,9 @@ class RoutingConfig:
     # opt-in. As the default it sent every stream of the local cluster's failover test
     # to one unit (a stale load report; fixed by UnitState.load_now, checked with the
     # real policy, not yet by that e2e test under kv_aware). `bench routing` (SmolLM2,
-    # bench/README.md) measured 1.12-1.24x prefix_cache_aware's hit rate and 0.83-0.85x
-    # its TTFT p90 in a closed loop; in an open loop, p90 0.37-0.39x below saturation
+    # bench/README.md, result files and script runs) measured 1.02-1.25x
+    # prefix_cache_aware's hit rate and 0.79-0.90x its TTFT p90 in a closed loop (8
+    # runs); in an open loop, p90 0.37-0.39x below saturation
     # and 1.15x at it (bounded homes, home_load_factor below, were tried for that and
     # did not hold up: off).
     policy: str = "prefix_cache_aware"

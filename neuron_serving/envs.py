@@ -53,6 +53,11 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         _float("NEURON_SERVING_ABORT_GRACE_S", 0.5),
         "After a rank fails, how long the engine may take to unwind before the process aborts.",
     ),
+    "NEURON_SERVING_PROGRESS_INTERVAL_S": (
+        _float("NEURON_SERVING_PROGRESS_INTERVAL_S", 2.0),
+        "How often a leader reports progress for a request with nothing to send "
+        "(triton/progress.py); the proxies' timeouts.silence_s must be several times it.",
+    ),
     "NEURON_SERVING_RPC_TIMEOUT_S": (
         _float("NEURON_SERVING_RPC_TIMEOUT_S", 1800.0),
         "Upper bound on one gathered collective_rpc (model load, profiling, warm-up).",

@@ -24,9 +24,10 @@ Then frames in both directions: a 4-byte big-endian length, then that many bytes
 of msgpack. A length above the receiver's bound ends the connection before anything
 is allocated. Proxy -> leader: a list of ``Open`` (an OpenAI call), ``Generate`` (a
 text request of Triton's generate route), ``Cancel`` and ``KvReplay``; leader -> proxy:
-a list of ``Event`` (one response of one call), ``Load`` (the unit's engine load: sent
-right after the handshake, then when it changes, at most every ~100 ms, and again
-unchanged every ~2 s) and the KV cache event stream (``KvInfo``, ``KvEvents``,
+a list of ``Event`` (one response of one call), ``Progress`` (a call that has sent
+nothing for ``PROGRESS_INTERVAL_S`` is still held by the leader), ``Load`` (the unit's
+engine load: sent right after the handshake, then when it changes, at most every
+~100 ms, and again unchanged every ~2 s) and the KV cache event stream (``KvInfo``, ``KvEvents``,
 ``KvReplayMiss``; below). Every message is a tagged msgpack array (the tag first),
 decoded into these types only.
 
@@ -78,12 +79,19 @@ from neuron_serving.secret_file import resolve_secret
 # 03: the KV cache event stream (``KvInfo``, ``KvEvents``, ``KvReplayMiss``,
 # ``KvReplay``): a peer of 02 would fail on the first of them, so it fails the
 # handshake instead and uses Triton.
-MAGIC = b"NSOAIC03"
+# 04: ``Progress``, the leader's word that a call it holds is alive although it has
+# nothing to send yet; a proxy of 03 would fail on it.
+MAGIC = b"NSOAIC04"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HELLO_BYTES = len(MAGIC) + NONCE_BYTES  # leader -> proxy
 PROOF_BYTES = NONCE_BYTES + MAC_BYTES  # proxy -> leader
 HANDSHAKE_TIMEOUT_S = 5.0
+# A request that has sent nothing for this long gets a progress report (``Progress`` on
+# the channel, a ``progress`` response over Triton): the default of the leader's
+# ``NEURON_SERVING_PROGRESS_INTERVAL_S``. A proxy's silence budget
+# (``timeouts.silence_s``, 30 s by default) must be several of these.
+PROGRESS_INTERVAL_S = 2.0
 LENGTH_BYTES = 4
 # Proxy -> leader: an envelope is at most MAX_ENVELOPE_BYTES (64 MiB, the leader's
 # bound on ``openai_request``) plus msgpack framing. Leader -> proxy: one event is
@@ -241,6 +249,16 @@ class Event(msgspec.Struct, tag=0, array_like=True):
         )
 
 
+class Progress(msgspec.Struct, tag=5, array_like=True, frozen=True):
+    """Call ``id`` is alive on the leader: its engine request is queued or running, but
+    it has produced nothing to send for ``PROGRESS_INTERVAL_S`` (a prompt waiting for
+    its turn, a non-streamed answer being generated, a stream held back by a tool-call
+    or structured-output buffer). So a call's silence can only mean a leader that is
+    gone or stuck, never a long answer (``triton/progress.py``)."""
+
+    id: int
+
+
 class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     """The unit's load, from its leader's vLLM scheduler stats (the proxy keeps it as
     ``registry.EngineLoad``). Counts every request the engine holds, whichever proxy
@@ -316,9 +334,9 @@ class KvReplayMiss(msgspec.Struct, tag=4, array_like=True, frozen=True):
     oldest_seq: int
 
 
-# Integer tags (``Event`` 0, ``Load`` 1, the KV stream 2-4): one byte per message, and
-# events are one per stream per engine step.
-ToProxy = list[Event | Load | KvInfo | KvEvents | KvReplayMiss]
+# Integer tags (``Event`` 0, ``Load`` 1, the KV stream 2-4, ``Progress`` 5): one byte
+# per message, and events are one per stream per engine step.
+ToProxy = list[Event | Load | KvInfo | KvEvents | KvReplayMiss | Progress]
 
 
 def frame(payload: bytes) -> bytes:

@@ -9,7 +9,8 @@ per stream, and no per-request HTTP or gRPC set-up (the costs measured in the
 proxy README). What the dispatcher sees does not change: ``openai`` is an async
 iterator of ``GenerationDelta`` ending with the final one, raising only
 ``UpstreamError``, bounded by one ``ReadWatchdog`` per call (first response,
-between responses, the deadline). Events of one call that arrived together are
+between responses, the deadline; the leader's ``Progress`` reports extend it, so only
+a silent leader fails a call). Events of one call that arrived together are
 merged into one delta (bodies and token ids concatenated), so a proxy that falls
 behind writes each client once per wake-up, not once per event.
 
@@ -73,6 +74,7 @@ from neuron_serving.openai_channel import (
     KvReplayMiss,
     Load,
     Open,
+    Progress,
     ToProxy,
     check_leader,
     frame,
@@ -106,12 +108,13 @@ Address = tuple[str, int]
 
 
 class _Call:
-    __slots__ = ("events", "waiter", "error")
+    __slots__ = ("events", "waiter", "error", "watchdog")
 
     def __init__(self) -> None:
         self.events: list[Event] = []
         self.waiter: asyncio.Future | None = None
         self.error: UpstreamError | None = None
+        self.watchdog: ReadWatchdog | None = None  # extended by the leader's ``Progress``
 
     def wake(self) -> None:
         w = self.waiter
@@ -173,6 +176,10 @@ class LeaderChannel(asyncio.Protocol):
                     cls = message.__class__
                     if cls is Event:
                         self._deliver(message)
+                    elif cls is Progress:
+                        call = self.calls.get(message.id)
+                        if call is not None and call.watchdog is not None:
+                            call.watchdog.heard()
                     elif cls is Load:
                         self._loaded(message)
                     else:
@@ -594,8 +601,8 @@ class ChannelUpstream:
         call_id, call = channel.open(request)
         if timing is not None:
             timing.mark_sent(loop)
-        watchdog = ReadWatchdog(loop, deadline, asyncio.current_task())
-        budget = self._timeouts.first_token_s
+        call.watchdog = watchdog = ReadWatchdog(loop, deadline, asyncio.current_task())
+        budget = self._timeouts.silence_s
         finished = False
         try:
             while True:
@@ -618,7 +625,6 @@ class ChannelUpstream:
                     call.events = []
                 if timing is not None and not timing.first:
                     timing.first = loop.time()
-                budget = self._timeouts.inter_token_s
                 delta = _delta(events, text)
                 finished = delta.final
                 yield delta

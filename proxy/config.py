@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from neuron_serving import envs
+from neuron_serving.openai_channel import PROGRESS_INTERVAL_S
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -98,16 +99,41 @@ class RetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class TimeoutConfig:
-    """Deadlines; every upstream wait is bounded by one of these."""
+    """How long an attempt may be silent, and how long a request may last.
 
-    request_s: float = 600.0  # whole request, all attempts and migrations included
-    first_token_s: float = 60.0  # one attempt: send -> first response (covers queueing in vLLM)
-    inter_token_s: float = 30.0  # one attempt: silence between responses = a stalled unit
+    A slow answer is not a dead unit: a leader sends a progress report for every
+    request that has had nothing to send for ``openai_channel.PROGRESS_INTERVAL_S``
+    (2 s), so an attempt fails on silence only when no response and no report came
+    for ``silence_s``: a leader gone, stuck, or cut off. A request queued in vLLM, a
+    non-streamed answer of thousands of tokens or ``n`` of hundreds lasts as long as
+    it takes, unless ``request_s`` caps it."""
+
+    # Most a request may last, all attempts and migrations included; past it the
+    # engine request is aborted and the client gets a 504 (OpenAI's error format).
+    # 0 = no maximum (the default, as vllm serve has none).
+    request_s: float = 0.0
+    # One attempt: the longest gap between two things heard from the leader
+    # (responses or progress reports). Several progress intervals, so that a leader
+    # busy for a moment (a long prefill step, a GC pause) is not taken for a dead one.
+    silence_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("request_s", "first_token_s", "inter_token_s"):
-            v = getattr(self, name)
-            _check(v > 0 and math.isfinite(v), f"timeouts.{name} must be a positive number")
+        _check(
+            self.request_s >= 0 and math.isfinite(self.request_s),
+            "timeouts.request_s must be >= 0 (0 = no maximum)",
+        )
+        # Below a few progress intervals a healthy leader's request would look silent
+        # between two reports; allowed (tests use fake leaders) but never a default.
+        _check(
+            self.silence_s > 0 and math.isfinite(self.silence_s),
+            f"timeouts.silence_s must be a positive number (leaders report progress "
+            f"every {PROGRESS_INTERVAL_S:g} s; use several times that)",
+        )
+
+    @property
+    def max_request_s(self) -> float:
+        """``request_s``, or infinity when there is no maximum."""
+        return self.request_s or math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +187,11 @@ class AdmissionConfig:
     unit_max_kv_usage: float = 0.95
     # An engine report older than this is not trusted (the proxy's count alone).
     load_max_age_s: float = 5.0
+    # Most choices a request may ask for (``n``, and ``best_of``): above it, a 400
+    # before it waits or reaches a unit. 128 is OpenAI's documented limit of ``n``.
+    # vLLM sets none and runs each choice as a sequence of its own, so without it one
+    # request could queue thousands of sequences in a unit's engine.
+    max_n: int = 128
     # Per class, over CLASS_DEFAULTS: {"batch": {"unit_share": 0.5}, ...}; after
     # construction, every class's ClassConfig.
     classes: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +202,10 @@ class AdmissionConfig:
         _check(self.unit_max_in_flight >= 0, "admission.unit_max_in_flight must be >= 0")
         _check(0 < self.unit_max_kv_usage <= 1, "admission.unit_max_kv_usage must be in (0, 1]")
         _check(self.load_max_age_s > 0, "admission.load_max_age_s must be > 0")
+        _check(
+            isinstance(self.max_n, int) and not isinstance(self.max_n, bool) and self.max_n >= 1,
+            "admission.max_n must be an integer >= 1",
+        )
         _check(isinstance(self.classes, dict), "admission.classes must be a mapping")
         built = dict(CLASS_DEFAULTS)  # every class, so the effective values show
         for name, raw in self.classes.items():
@@ -467,9 +502,19 @@ def _build(cls: type, raw: Any, where: str) -> Any:
         raise ValueError(f"{where}: expected a mapping, got {type(raw).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(raw) - known
+    for key in sorted(unknown):
+        replaced = _REPLACED.get(f"{where}.{key}")
+        _check(replaced is None, f"{where}.{key} was replaced: {replaced}")
     _check(not unknown, f"{where}: unknown keys {sorted(unknown)}")
     return cls(**raw)
 
+
+# Keys that no longer exist, and what took their place.
+_SILENCE = (
+    "leaders report progress while a request has nothing to send, so one budget "
+    "(timeouts.silence_s) bounds every silence, before the first token and after it"
+)
+_REPLACED = {"timeouts.first_token_s": _SILENCE, "timeouts.inter_token_s": _SILENCE}
 
 _SECTIONS = {
     "health": HealthCheckConfig,

@@ -1,9 +1,20 @@
 """One request, end to end across units: routing, retries, request migration.
 
-Two kinds of job: ``OpenAIJob`` (``relay``: an OpenAI call whose answer, vLLM's
-bytes, is relayed) and ``GenerationJob`` (``generate``: Triton's generate front
-end's text request).
+Every kind of request goes through one attempt loop (``Dispatcher.run``): an OpenAI
+call whose answer, vLLM's bytes, is relayed (``OpenAIJob``), and Triton generate's
+text request (``GenerationJob``). What differs between them is a few hooks
+(``_Kind``: what an attempt sends, what the client gets of each response, how a
+continuation is built), so retry, migration and their fixes are written once.
 
+- Slow is not dead. An attempt fails only when its unit has: the connection to the
+  leader broke, the leader reported the unit or the engine request failed (an
+  UNAVAILABLE error, vLLM's ``abort`` finish), or the leader fell silent for
+  ``timeouts.silence_s`` although it reports progress for every request it holds
+  (``upstream.py``). A long answer, a queued prompt or a large ``n`` never fails an
+  attempt, so it is never started over elsewhere.
+- One unit at a time. A failed attempt's upstream call is closed before the next
+  begins, which cancels its engine request on its leader (a lost connection cancels
+  all of its calls there), so a request never runs on two units at once.
 - Before the first response reaches the client, a failed attempt is retried on
   another unit (up to ``retry.max_attempts`` attempts in all, full-jitter
   exponential backoff, within the Envoy-style retry budget). A non-streamed
@@ -12,11 +23,11 @@ end's text request).
   is final and never retried: another unit would give the same.
 - After it, a unit that fails mid-stream is replaced (Dynamo's request
   migration), and the client's stream simply continues. OpenAI streams that can
-  be resumed exactly (``protocol.resumable``) continue from their token ids: the
-  next unit is fed the prompt's token ids plus the ids streamed so far, and its
-  chunks are fixed up to continue the stream (``resume.py``); other OpenAI
-  streams end with an error event. Text requests resend the prompt plus the text
-  so far with the remaining ``max_tokens``.
+  be resumed (``protocol.resumable``) continue from their token ids: the next unit
+  is fed the prompt's token ids plus the ids streamed so far, and its chunks are
+  fixed up to continue the stream (``resume.py``); other OpenAI streams end with a
+  retriable error event. Text requests resend the prompt plus the text so far with
+  the remaining ``max_tokens``.
 - Versions: a job is served by one checkpoint version. A client may pin one
   (``version``); otherwise the version of the unit that produces the first token
   is fixed from then on, so a migration only goes to a unit of that version and
@@ -35,11 +46,11 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-from proxy.config import RetryConfig
+from proxy.config import RetryConfig, UnitSpec
 from proxy.errors import APIError
 from proxy.metrics import ProxyMetrics
 from proxy.outlier import OutlierDetector, unroutable_reason
@@ -106,6 +117,10 @@ class Job:
     # control (proxy/flow_control.py), fair between tenants.
     traffic_class: TrafficClass = TrafficClass.REAL_TIME
     tenant: str = ""
+    # The sequences the job puts in a unit's engine (protocol.OpenAIRequest.sequences:
+    # vLLM runs each of n choices, per prompt, as a request of its own): what it needs
+    # of a unit's room in flow control and counts in the unit's in-flight counts.
+    cost: int = 1
     # The unit flow control placed the first attempt on (already counted there).
     first_unit: UnitState | None = None
     # Pinned checkpoint version (None: any); fixed to the serving unit's version
@@ -238,160 +253,71 @@ class Dispatcher:
         remaining = deadline - asyncio.get_running_loop().time()
         await asyncio.sleep(max(0.0, min(delay, remaining)))
 
-    async def generate(self, job: GenerationJob) -> AsyncIterator[GenerationDelta]:
-        """Yield text deltas; the last one has the finish reason, the job's usage
+    def run(self, job: GenerationJob | OpenAIJob) -> AsyncIterator[GenerationDelta]:
+        """The job's responses across units, until (and including) the final one. An
+        OpenAI call's first response has ``status`` (when it is not 200 it is the only
+        one) and each ``body`` is what the client gets, resumed attempts' already fixed
+        up; a text request's last response has the finish reason, the job's usage
         (prompt tokens of the original prompt, completion tokens over all units) and the
         serving attempt's ``cached_tokens`` (its leader's report, for kv_accuracy.py)."""
-        # One generator (not a counting wrapper around another): every layer of async
+        kind = _OpenAICall(job) if isinstance(job, OpenAIJob) else _TextRequest(job)
+        return self._attempts(job, kind)
+
+    async def _attempts(
+        self, job: GenerationJob | OpenAIJob, kind: _Kind
+    ) -> AsyncIterator[GenerationDelta]:
+        """The one attempt loop of every request (module docstring): attempts until one
+        answers, each on a unit the job has not failed on if there is one. An attempt
+        ends only when it answers or fails (the connection to its leader broke, the
+        leader reported the unit or the engine request failed, the leader fell silent
+        for ``timeouts.silence_s``); a slow attempt is never abandoned for another.
+        Before the next one begins, the failed one's upstream call is closed (which
+        cancels it on its leader), so a request runs on one unit at a time."""
+        # One generator (not a wrapper around one per kind): every layer of async
         # generators costs a resumption per token.
         self.active_jobs += 1
         try:
-            generated = ""
-            tokens_done = 0  # completion tokens of earlier, interrupted attempts
-            prompt_tokens: int | None = None
             tried: set[str] = set()
-            failures = backoff = 0  # failed attempts before the first token; > 0: back off
+            failures = backoff = 0  # failed attempts before the first response; > 0: back off
             while True:
-                if tokens_done >= job.max_tokens:
-                    # The unit died after the last token but before saying so: nothing to resume.
-                    yield GenerationDelta("", "length", prompt_tokens, tokens_done)
+                done = kind.next_attempt()
+                if done is not None:  # every token was sent before the unit failed
+                    yield done
                     return
                 unit, is_retry = await self._begin_attempt(job, tried, backoff)
-                sampling = dict(job.sampling, max_tokens=job.max_tokens - tokens_done)
-                seg_tokens = seg_reported = 0
                 try:
                     timing = AttemptTiming()
-                    gen = self.upstream.generate(
-                        unit.spec,
-                        job.prompt + generated,
-                        sampling,
-                        job.deadline,
-                        timing,
-                        priority=int(job.traffic_class),
-                    )
+                    gen = kind.open(self.upstream, unit.spec, job.deadline, timing)
                     async with contextlib.aclosing(gen):
                         async for d in gen:
-                            seg_tokens += bool(d.text)
-                            seg_reported = max(seg_reported, d.completion_tokens or 0)
                             if d.model_version is not None:
                                 self.registry.set_version(unit, d.model_version)
-                            if job.version is None and (d.text or d.finish_reason is not None):
+                            if d.finish_reason == "abort":
+                                raise _aborted()
+                            out = kind.accept(d)
+                            if out is None:
+                                continue
+                            if job.version is None:  # the first response: the version is fixed
                                 job.version = unit.model_version
                                 if job.attempts == 1:
                                     job.upstream_ttft_s = timing.upstream_ttft_s
-                            if prompt_tokens is None and d.prompt_tokens is not None:
-                                # A migrated attempt's prompt includes earlier output.
-                                prompt_tokens = max(0, d.prompt_tokens - tokens_done)
-                            generated += d.text
-                            if d.finish_reason == "abort":  # the unit's engine stopped (relay)
-                                if d.text:
-                                    yield GenerationDelta(d.text)
-                                raise _aborted()
-                            if d.finish_reason is None:
-                                if d.text:
-                                    yield d
-                                continue
-                            self._record_answer(unit, None)
-                            yield GenerationDelta(
-                                d.text,
-                                d.finish_reason,
-                                prompt_tokens,
-                                tokens_done + max(seg_tokens, seg_reported),
-                                cached_tokens=d.cached_tokens,
-                            )
-                            return
-                except UpstreamError as e:
-                    tokens_done += max(seg_tokens, seg_reported)
-                    failures, backoff = self._failed(job, unit, e, tried, bool(generated), failures)
-                finally:
-                    self._end_attempt(job, unit, is_retry)
-        finally:
-            self.active_jobs -= 1
-
-    async def relay(self, job: OpenAIJob) -> AsyncIterator[GenerationDelta]:
-        """Yield the leader's responses to one OpenAI call, across units, until the
-        final one. The first has ``status``; when it is not 200 it is the only one.
-        ``body`` of each is what the client gets (resumed attempts' already fixed up)."""
-        self.active_jobs += 1
-        try:
-            req = job.request
-            envelope = openai_envelope(
-                req.endpoint, job.raw_body, req.resumable, priority=int(job.traffic_class)
-            )
-            tried: set[str] = set()
-            failures = backoff = 0  # failed attempts before the first response; > 0: back off
-            prompt_ids: list[int] | None = None
-            output_ids: list[int] = []  # generated ids streamed to the client so far
-            origin: bytes | None = None  # a stream's first event: the client has it
-            while True:
-                resumed: ResumedStream | None = None
-                if origin is not None and prompt_ids is not None:
-                    resumed = ResumedStream(
-                        origin, req.endpoint == "chat/completions", len(prompt_ids), len(output_ids)
-                    )
-                    if req.max_tokens is not None and len(output_ids) >= req.max_tokens:
-                        # Every token was streamed; the unit died before saying so.
-                        body = resumed.length_finish(req.include_usage)
-                        yield GenerationDelta("", "length", body=body)
-                        return
-                    body_json = msgspec.json.encode(
-                        dict(job.body, request_id=response_id_suffix(resumed.id))
-                    )
-                    resume = {"prompt_token_ids": prompt_ids, "output_token_ids": output_ids}
-                    envelope = openai_envelope(
-                        req.endpoint, body_json, True, resume, priority=int(job.traffic_class)
-                    )
-                unit, is_retry = await self._begin_attempt(job, tried, backoff)
-                try:
-                    timing = AttemptTiming()
-                    gen = self.upstream.openai(unit.spec, envelope, job.deadline, timing)
-                    async with contextlib.aclosing(gen):
-                        first = True
-                        async for d in gen:
-                            if first:
-                                first = False
-                                if d.model_version is not None:
-                                    self.registry.set_version(unit, d.model_version)
-                                if d.status is None:  # not an answer of the OpenAI contract
-                                    raise UpstreamError(
-                                        "leader answered an openai_request without openai_status",
-                                        unit_fault=True,
-                                        retriable=True,
-                                    )
-                                if resumed is not None and d.status != 200:
-                                    raise _not_resumed(d.status)
-                                if job.version is None:
-                                    job.version = unit.model_version
-                                    if job.attempts == 1:
-                                        job.upstream_ttft_s = timing.upstream_ttft_s
-                                if prompt_ids is None:
-                                    prompt_ids = d.prompt_token_ids
-                            if d.finish_reason == "abort":
-                                raise _aborted()
-                            if d.token_ids:
-                                output_ids.extend(d.token_ids)
-                            if resumed is not None:
-                                d = dataclasses.replace(d, body=resumed.fix(d.body))
-                            elif origin is None and req.stream and d.status == 200:
-                                origin = first_event(d.body)
-                            if d.final:
-                                self._record_answer(unit, d.status)
-                            yield d
-                            if d.final:
+                            if out.final:
+                                self._record_answer(unit, out.status)
+                            yield out
+                            if out.final:
                                 return
                 except UpstreamError as e:
-                    started = origin is not None
-                    if started and e.retriable and (not req.resumable or prompt_ids is None):
+                    if kind.started and e.retriable and not kind.resumable:
                         self._record_failure(unit, e)
                         self.metrics.migrations.labels("not_resumable").inc()
                         raise _not_resumable(e) from e
-                    failures, backoff = self._failed(job, unit, e, tried, started, failures)
+                    failures, backoff = self._failed(job, unit, e, tried, kind.started, failures)
                 finally:
                     self._end_attempt(job, unit, is_retry)
         finally:
             self.active_jobs -= 1
 
-    # -- one attempt's bookkeeping, shared by both kinds of job ----------------------------
+    # -- one attempt's bookkeeping ------------------------------------------------------
 
     async def _begin_attempt(
         self, job: GenerationJob | OpenAIJob, tried: set[str], backoff: int
@@ -411,15 +337,16 @@ class Dispatcher:
         job.units.append(unit.unit_id)
         job.attempts += 1
         is_retry = job.attempts > 1
-        unit.in_flight += 1
-        unit.class_in_flight[job.traffic_class] += 1
+        # Sequences, as the engine counts them (a request with n choices runs n).
+        unit.in_flight += job.cost
+        unit.class_in_flight[job.traffic_class] += job.cost
         unit.requests_total += 1
         self.retries_in_flight += is_retry
         return is_retry
 
     def _end_attempt(self, job: GenerationJob | OpenAIJob, unit: UnitState, is_retry: bool) -> None:
-        unit.in_flight -= 1
-        unit.class_in_flight[job.traffic_class] -= 1
+        unit.in_flight -= job.cost
+        unit.class_in_flight[job.traffic_class] -= job.cost
         self.retries_in_flight -= is_retry
 
     def _record_answer(self, unit: UnitState, status: int | None) -> None:
@@ -506,3 +433,155 @@ def _not_resumed(status: int | None) -> UpstreamError:
         status=503,
         client_message=public,
     )
+
+
+# -- what differs between kinds of request: small hooks of the one attempt loop ---------
+
+
+class _Kind(Protocol):
+    """One request's state across attempts, for ``Dispatcher._attempts``."""
+
+    @property
+    def started(self) -> bool:
+        """The client has had part of the answer: a failure migrates (no backoff)."""
+        ...
+
+    @property
+    def resumable(self) -> bool:
+        """A started answer can continue on another unit."""
+        ...
+
+    def next_attempt(self) -> GenerationDelta | None:
+        """Before each attempt: the final response when nothing is left to generate
+        (every token was sent before the unit failed), else None."""
+        ...
+
+    def open(
+        self, upstream: Upstream, unit: UnitSpec, deadline: float, timing: AttemptTiming
+    ) -> AsyncIterator[GenerationDelta]:
+        """The attempt's upstream call: the request, or its continuation."""
+        ...
+
+    def accept(self, d: GenerationDelta) -> GenerationDelta | None:
+        """One response of the attempt -> what the client gets (None: nothing yet).
+        Raises ``UpstreamError`` for a response that breaks the leader's contract."""
+        ...
+
+
+class _TextRequest:
+    """Triton generate's text request: a continuation resends the prompt plus the text
+    so far, with the remaining ``max_tokens``."""
+
+    def __init__(self, job: GenerationJob) -> None:
+        self.job = job
+        self.generated = ""
+        self.tokens_done = 0  # completion tokens of earlier, interrupted attempts
+        self.prompt_tokens: int | None = None
+        self.seg_tokens = self.seg_reported = 0  # the current attempt's
+        self.resumable = True
+
+    @property
+    def started(self) -> bool:
+        return bool(self.generated)
+
+    def next_attempt(self) -> GenerationDelta | None:
+        self.tokens_done += max(self.seg_tokens, self.seg_reported)
+        self.seg_tokens = self.seg_reported = 0
+        if self.tokens_done >= self.job.max_tokens:
+            return GenerationDelta("", "length", self.prompt_tokens, self.tokens_done)
+        return None
+
+    def open(
+        self, upstream: Upstream, unit: UnitSpec, deadline: float, timing: AttemptTiming
+    ) -> AsyncIterator[GenerationDelta]:
+        job = self.job
+        sampling = dict(job.sampling, max_tokens=job.max_tokens - self.tokens_done)
+        return upstream.generate(
+            unit, job.prompt + self.generated, sampling, deadline, timing,
+            priority=int(job.traffic_class),
+        )  # fmt: skip
+
+    def accept(self, d: GenerationDelta) -> GenerationDelta | None:
+        self.seg_tokens += bool(d.text)
+        self.seg_reported = max(self.seg_reported, d.completion_tokens or 0)
+        if self.prompt_tokens is None and d.prompt_tokens is not None:
+            # A continuation's prompt includes earlier output.
+            self.prompt_tokens = max(0, d.prompt_tokens - self.tokens_done)
+        self.generated += d.text
+        if d.finish_reason is None:
+            return d if d.text else None
+        return GenerationDelta(
+            d.text, d.finish_reason, self.prompt_tokens,
+            self.tokens_done + max(self.seg_tokens, self.seg_reported),
+            cached_tokens=d.cached_tokens,
+        )  # fmt: skip
+
+
+class _OpenAICall:
+    """An OpenAI call: vLLM's bytes relayed. A resumable stream continues from its
+    token ids (the envelope's ``resume``) and its chunks are fixed up (``resume.py``);
+    anything else is retried whole until its first response, then cannot move."""
+
+    def __init__(self, job: OpenAIJob) -> None:
+        self.job = job
+        req = job.request
+        self.envelope = openai_envelope(
+            req.endpoint, job.raw_body, req.resumable, priority=int(job.traffic_class)
+        )
+        self.prompt_ids: list[int] | None = None
+        self.output_ids: list[int] = []  # generated ids streamed to the client so far
+        self.origin: bytes | None = None  # a stream's first event: the client has it
+        self.resumed: ResumedStream | None = None
+        self.first = True  # the attempt's first response is next
+
+    @property
+    def started(self) -> bool:
+        return self.origin is not None
+
+    @property
+    def resumable(self) -> bool:
+        return self.job.request.resumable and self.prompt_ids is not None
+
+    def next_attempt(self) -> GenerationDelta | None:
+        self.first = True
+        if self.origin is None or self.prompt_ids is None:
+            return None  # nothing reached the client: the request again, whole
+        job, req = self.job, self.job.request
+        self.resumed = resumed = ResumedStream(
+            self.origin, req.endpoint == "chat/completions", len(self.prompt_ids),
+            len(self.output_ids),
+        )  # fmt: skip
+        if req.max_tokens is not None and len(self.output_ids) >= req.max_tokens:
+            return GenerationDelta("", "length", body=resumed.length_finish(req.include_usage))
+        body = msgspec.json.encode(dict(job.body, request_id=response_id_suffix(resumed.id)))
+        resume = {"prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}
+        self.envelope = openai_envelope(
+            req.endpoint, body, True, resume, priority=int(job.traffic_class)
+        )
+        return None
+
+    def open(
+        self, upstream: Upstream, unit: UnitSpec, deadline: float, timing: AttemptTiming
+    ) -> AsyncIterator[GenerationDelta]:
+        return upstream.openai(unit, self.envelope, deadline, timing)
+
+    def accept(self, d: GenerationDelta) -> GenerationDelta | None:
+        if self.first:
+            self.first = False
+            if d.status is None:  # not an answer of the OpenAI contract
+                raise UpstreamError(
+                    "leader answered an openai_request without openai_status",
+                    unit_fault=True,
+                    retriable=True,
+                )
+            if self.resumed is not None and d.status != 200:
+                raise _not_resumed(d.status)
+            if self.prompt_ids is None:
+                self.prompt_ids = d.prompt_token_ids
+        if d.token_ids:
+            self.output_ids.extend(d.token_ids)
+        if self.resumed is not None:
+            return dataclasses.replace(d, body=self.resumed.fix(d.body))
+        if self.origin is None and self.job.request.stream and d.status == 200:
+            self.origin = first_event(d.body)
+        return d

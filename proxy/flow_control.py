@@ -10,11 +10,11 @@ per tenant::
         classes in rank order: the class's value, minus one for each ``aging_s``
         its oldest request has waited (equal ranks: the older request first)
         within a class, tenants by stride scheduling: the tenant with the lowest
-        pass goes next, and a dispatch adds 1/weight to its pass (each tenant with
-        waiting work gets its weighted share of dispatches; a tenant that was idle
+        pass goes next, and a dispatch adds cost/weight to its pass (each tenant with
+        waiting work gets its weighted share of sequences; a tenant that was idle
         joins at the class's current pass, with no credit saved up)
         the head request of that tenant starts if the dispatcher finds a unit with
-        room for its class; else the next tenant, then the next class
+        room for its class and cost; else the next tenant, then the next class
     a request that cannot start within its class's ``queue_timeout_s`` -> 429
     its class queue full -> 429; every queue together full -> the newest request of
         the least urgent class below the arrival is shed (503), else the arrival 429s
@@ -22,12 +22,15 @@ per tenant::
 Late binding: a request is given its unit when it leaves the queue, and only a
 unit with room for its class takes it, so work that cannot start yet waits here,
 where a more urgent request can still pass it, not in a unit's engine queue. A
-unit has room for class c while
+unit has room for a request of class c and cost k while
 
-    load - lower(c) < unit_share(c) x limit,
+    load - lower(c) + min(k, room(c)) <= room(c),
+        room(c)  = unit_share(c) x limit (at least 1)
         load     = max(the proxy's in-flight count there, the engine's running + waiting)
-        lower(c) = this proxy's requests of less urgent classes there
+        lower(c) = this proxy's sequences of less urgent classes there
         limit    = admission.unit_max_in_flight, or the engine's max_num_seqs
+        k        = the request's sequences (``Job.cost``: n choices per prompt, see
+                   protocol.py), counted as that many in the unit's in-flight counts
 
 from the leader's own vLLM scheduler stats (``registry.EngineLoad``, pushed over
 its OpenAI channel; counts other proxies' requests too). The proxy's in-flight count
@@ -49,6 +52,15 @@ answer's relay). Measured on `bench classes`' workload (2 TP=1 units, real-time 
 up to 0.1 s at p99 (5 ms alone) while batch held the units' slots. A unit whose KV
 cache is at least ``unit_max_kv_usage`` full takes only real-time requests: vLLM
 preempts lower-priority sequences for them.
+
+Cost: with k = 1 the rule is ``load - lower(c) < room(c)``. A request of n
+choices is n sequences in vLLM's running batch and queue (each child of a
+parallel-sampling request is an engine request of its own, and the engine's running
++ waiting counts each), so it starts only where n fit; wider than the class's room,
+it needs all of it (a unit its class and the more urgent ones leave idle) and runs
+there alone, the engine queueing the rest, rather than be squeezed in beside a full
+load, where the engine would hold every later request of its class behind it. A
+wide request reserves nothing: narrower ones that fit pass it while it waits.
 
 Retries and migrations of a started request do not queue again: they hold their
 place (dispatch.py picks their unit without the room rule).
@@ -86,10 +98,12 @@ class Overloaded(Exception):
 
 
 class FlowJob:
-    """What flow control needs of a job (``dispatch.Job``): its class and tenant."""
+    """What flow control needs of a job (``dispatch.Job``): its class, tenant and cost
+    (the sequences it puts in a unit's engine)."""
 
     traffic_class: TrafficClass
     tenant: str
+    cost: int
 
 
 # Picks a unit with room for the job (``room`` filters the eligible units) and
@@ -100,7 +114,7 @@ Placer = Callable[[object, Callable[[UnitState], bool]], UnitState | None]
 
 @dataclass(slots=True, eq=False)
 class _Waiter:
-    job: object
+    job: FlowJob
     cls: TrafficClass
     tenant: str
     since: float  # loop.time() it arrived
@@ -191,7 +205,8 @@ class FlowController:
 
     # ---- room -------------------------------------------------------------------------------
 
-    def has_room(self, unit: UnitState, cls: TrafficClass) -> bool:
+    def has_room(self, unit: UnitState, cls: TrafficClass, cost: int = 1) -> bool:
+        """Whether ``unit`` can start a request of class ``cls`` and ``cost`` sequences."""
         limit = self.cfg.unit_max_in_flight
         report = unit.fresh_load(time.monotonic(), self.cfg.load_max_age_s)
         load = unit.sequences(report)
@@ -209,7 +224,11 @@ class FlowController:
         # for the proxy to see a request end (which lags by the answer's relay).
         # Bounded: a class's own and more urgent requests stay within its share.
         lower = sum(unit.class_in_flight[c] for c in CLASSES if c > cls)
-        return load - lower < max(1, math.floor(self._classes[cls].cfg.unit_share * limit))
+        room = max(1, math.floor(self._classes[cls].cfg.unit_share * limit))
+        # A request of several sequences needs room for all of them, but never more
+        # than the class's whole room: one wider than that still starts, alone, on a
+        # unit where its class and the more urgent ones hold nothing.
+        return load - lower + min(cost, room) <= room
 
     # ---- admission ----------------------------------------------------------------------
 
@@ -253,9 +272,10 @@ class FlowController:
     def _waiting_at_or_above(self, cls: TrafficClass) -> bool:
         return any(self._classes[c].waiting for c in CLASSES if c <= cls)
 
-    def _try_place(self, job: object, cls: TrafficClass) -> UnitState | None:
+    def _try_place(self, job: FlowJob, cls: TrafficClass) -> UnitState | None:
         assert self.place is not None, "no placer"
-        return self.place(job, lambda u: self.has_room(u, cls))
+        cost = job.cost
+        return self.place(job, lambda u: self.has_room(u, cls, cost))
 
     async def _wait(self, job: FlowJob, cls: TrafficClass, tenant: str, start: float) -> UnitState:
         q = self._classes[cls]
@@ -407,7 +427,9 @@ class FlowController:
                 t.queue.popleft()
                 self._forget(w)
                 q.vtime = t.pass_
-                t.pass_ += 1.0 / max(1e-6, self.weight_of(name))
+                # Fair in sequences, not requests: a request of n choices uses n
+                # requests' worth of the units.
+                t.pass_ += w.job.cost / max(1e-6, self.weight_of(name))
                 if not t.queue:
                     del q.tenants[name]  # its pass survives only while it has work
                     q.vtime = max(q.vtime, _pass)

@@ -15,16 +15,18 @@ Both read ``cached_tokens`` (INT32, the last response: vLLM's prefix cache hit),
 never fails a response: a tensor that cannot be read is passed on as what it is, for
 ``kv_accuracy.py`` to count.
 
-Every wait is bounded: the first response by ``first_token_s`` (a unit that
-accepts the request and then says nothing is broken), each later one by
-``inter_token_s``, all of it by the request deadline (also passed to gRPC as the
-call's deadline). Leaving the iterator early (client gone, caller cancelled)
+Every wait is bounded: each gap between two responses by ``timeouts.silence_s``,
+where a progress response (only the ``progress`` output: the leader holds the
+request and has nothing to send yet, ``upstream.py``) counts and is not passed on,
+and all of it by the request deadline, when there is one (also passed to gRPC as
+the call's deadline). Leaving the iterator early (client gone, caller cancelled)
 cancels the gRPC call, which makes Triton cancel the request in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 import uuid
 from collections.abc import AsyncIterator
@@ -127,6 +129,12 @@ def _text(value: Any) -> str | None:
     if value is None:
         return None
     return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def is_progress(response: service_pb2.ModelInferResponse) -> bool:
+    """A progress report: a response whose only output is ``progress``."""
+    outputs = response.outputs
+    return len(outputs) == 1 and outputs[0].name == "progress"
 
 
 def decode_response(response: service_pb2.ModelInferResponse) -> GenerationDelta:
@@ -262,7 +270,7 @@ class TritonUpstream:
         # keeps the stream open until the request's final response. The call is
         # cancelled on the way out, which makes Triton cancel the request in vLLM if it
         # is still running.
-        call = client.stream_infer_one(request, remaining)
+        call = client.stream_infer_one(request, None if math.isinf(remaining) else remaining)
         if timing is not None:
             # The call sends from a task it has just scheduled; asyncio runs ready
             # callbacks in FIFO order, so this one runs right after that task's first
@@ -271,7 +279,7 @@ class TritonUpstream:
             loop.call_soon(timing.mark_sent, loop)
         task = asyncio.current_task()
         watchdog = ReadWatchdog(loop, deadline, task)
-        budget = self.timeouts.first_token_s
+        budget = self.timeouts.silence_s
         try:
             while True:
                 try:
@@ -295,7 +303,8 @@ class TritonUpstream:
                     )
                 if response.error_message:
                     raise classify_stream_error(response.error_message)
-                budget = self.timeouts.inter_token_s
+                if is_progress(response.infer_response):
+                    continue  # the leader is alive; the read budget starts again
                 try:
                     delta = decode_response(response.infer_response)
                 except Exception as e:  # a leader that breaks the tensor contract is broken

@@ -32,8 +32,8 @@ leader's "v7", HTTP only Triton's "1"). So over HTTP the proxy learns a unit's
 checkpoint version from its probes alone (the model config's ``model_version``
 parameter, ``health_checker.py``), not from the first response.
 
-Every wait is bounded as in the gRPC upstream (``ReadWatchdog``: first token, between
-tokens, the request deadline). Leaving the iterator early closes the connection,
+Every wait is bounded as in the gRPC upstream (``ReadWatchdog``: silence between
+responses, progress reports included but not passed on; the request deadline). Leaving the iterator early closes the connection,
 and Triton cancels a request whose HTTP connection closed (vLLM aborts it). A
 stream that ended normally returns its connection to the pool.
 """
@@ -84,6 +84,7 @@ def build_body(prompt: str, sampling: dict[str, Any], priority: int = 0) -> byte
     }
     if priority:
         body["priority"] = priority
+    body["report_progress"] = True  # progress responses (upstream.py: slow is not dead)
     return json.dumps(body).encode("utf-8")
 
 
@@ -107,6 +108,7 @@ class TritonEvent(msgspec.Struct):
     token_ids: int | list[int] | None = None
     prompt_token_ids: int | list[int] | None = None
     cached_tokens: Any = None  # unchecked (upstream.GenerationDelta.cached_tokens)
+    progress: Any = None  # a progress report: the leader holds the request (upstream.py)
     error: Any = None
 
 
@@ -131,18 +133,20 @@ def _first(value: str | list[str] | None) -> str | None:
     return value
 
 
-def decode_event(payload: bytes) -> GenerationDelta:
-    """One ``generate_stream`` event's JSON -> a delta. Missing outputs are None (our
-    leader sends counts on a stream's first and last responses only); the event's
-    ``model_version`` is Triton's, not the checkpoint's (see above). Raises
-    ``UpstreamError`` for an ``error`` event and ``ValueError`` for one that breaks the
-    contract."""
+def decode_event(payload: bytes) -> GenerationDelta | None:
+    """One ``generate_stream`` event's JSON -> a delta, or None for a progress report.
+    Missing outputs are None (our leader sends counts on a stream's first and last
+    responses only); the event's ``model_version`` is Triton's, not the checkpoint's
+    (see above). Raises ``UpstreamError`` for an ``error`` event and ``ValueError`` for
+    one that breaks the contract."""
     try:
         e = _EVENT.decode(payload)
     except msgspec.DecodeError as err:  # ValidationError included
         raise ValueError(str(err)) from None
     if e.error is not None:
         raise classify_stream_error(str(e.error))
+    if e.progress is not None:
+        return None
     reason = _first(e.finish_reason)
     body = e.openai_body
     return GenerationDelta(
@@ -261,7 +265,7 @@ class TritonHttpUpstream:
         url = f"http://{unit.leader_http}/v2/models/{unit.triton_model}/generate_stream"
         task = asyncio.current_task()
         watchdog = ReadWatchdog(loop, deadline, task)
-        budget = self.timeouts.first_token_s
+        budget = self.timeouts.silence_s
         resp: aiohttp.ClientResponse | None = None
         finished = False
         try:
@@ -328,11 +332,12 @@ class TritonHttpUpstream:
                         unit_fault=True,
                         retriable=True,
                     ) from None
+                if delta is None:
+                    continue  # a progress report: the read budget starts again
                 if first:
                     first = False
                     if timing is not None:
                         timing.first = loop.time()
-                budget = self.timeouts.inter_token_s
                 if delta.final:
                     finished = True
                 yield delta

@@ -60,7 +60,8 @@ def build_request(
     model: str, request_id: str, prompt: str, sampling: dict[str, Any], priority: int = 0
 ) -> service_pb2.ModelInferRequest:
     """vllm_backend's inputs: ``text_input``, ``stream``, ``sampling_parameters`` (JSON),
-    ``exclude_input_in_output``; each of shape [1], data in ``raw_input_contents``.
+    ``exclude_input_in_output``, and our leader's ``report_progress``; each of shape
+    [1], data in ``raw_input_contents``.
     ``priority`` (vLLM's request priority, the traffic class): our leader's INT32
     ``priority`` input, only when nonzero (0 is the input's default)."""
     req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
@@ -72,6 +73,8 @@ def build_request(
     ]
     if priority:
         inputs.append(("priority", "INT32", _INT32.pack(priority)))
+    # Progress responses while nothing else is sent (upstream.py: slow is not dead).
+    inputs.append(("report_progress", "BOOL", _TRUE))
     for name, dtype, raw in inputs:
         t = req.inputs.add()
         t.name, t.datatype = name, dtype

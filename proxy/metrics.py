@@ -132,7 +132,10 @@ class ProxyMetrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "proxy_unit_in_flight", "Requests in flight by unit", ["unit"], registry=r
+            "proxy_unit_in_flight",
+            "Sequences in flight by unit (a request with n choices counts n)",
+            ["unit"],
+            registry=r,
         )
         self.unit_upstream = Gauge(
             "proxy_unit_upstream",

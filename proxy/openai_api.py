@@ -4,15 +4,17 @@
 The leader runs vLLM's own OpenAI serving layer and answers with the bytes ``vllm
 serve`` would send; this front end relays them. It reads the body (bounded), checks
 that it is a JSON object naming a served model, reads the few fields it needs
-(``protocol.parse_openai``) and hands an ``OpenAIJob`` to the generation path both
-front ends share (``pipeline.py``: admission, the dispatcher's ``relay``, metrics,
-the SSE response); it never re-renders a response (``OpenAIRender``). A
-non-streamed answer is one JSON body with vLLM's status. A stream's response
-headers are sent only once its first response exists with status 200, so that
-every failure before it (no unit, all retries failed, overload, vLLM's own 4xx) is
-a plain HTTP error with the right status; after it each leader response's body
-(one or more whole SSE events) is written as it comes. A failure that migration
-cannot repair becomes one SSE error event in vLLM's format followed by ``[DONE]``.
+(``protocol.parse_openai``: ``n`` or ``best_of`` above ``admission.max_n`` is a 400
+here, and the sequences vLLM will run are the job's cost in flow control) and hands
+an ``OpenAIJob`` to the generation path both front ends share (``pipeline.py``:
+admission, the dispatcher's ``relay``, metrics, the SSE response); it never
+re-renders a response (``OpenAIRender``). A non-streamed answer is one JSON body
+with vLLM's status. A stream's response headers are sent only once its first
+response exists with status 200, so that every failure before it (no unit, all
+retries failed, overload, vLLM's own 4xx) is a plain HTTP error with the right
+status; after it each leader response's body (one or more whole SSE events) is
+written as it comes. A failure that migration cannot repair becomes one SSE error
+event in vLLM's format followed by ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -146,7 +148,10 @@ class OpenAIFrontEnd:
         self, request: web.Request, endpoint: Endpoint, body: Any
     ) -> web.StreamResponse:
         start = asyncio.get_running_loop().time()
-        req = parse_openai(body, endpoint, self.deps.model_names())
+        # n or best_of above admission.max_n: a 400 here, before the request waits for
+        # a slot or reaches a unit.
+        max_n = self.deps.config.admission.max_n
+        req = parse_openai(body, endpoint, self.deps.model_names(), max_n=max_n)
         if endpoint == "version":
             body = {}  # the model was only for routing
         fields = self.pipeline.job_fields(request, req.model, start)
@@ -159,6 +164,7 @@ class OpenAIFrontEnd:
                 req.model, endpoint, body, len(req.routing_key)
             ),
             request=req,
+            cost=req.sequences,
             # The client's JSON as msgspec re-encodes it (same values, same key order):
             # a few microseconds, and the leader gets exactly what the client sent.
             raw_body=msgspec.json.encode(body),

@@ -9,8 +9,8 @@ responses (a ``Render``); everything between is here, the same for both:
     Pipeline.prompt_tokens the prompt's token ids as the leader computes them, when
                            the routing policy uses them (prompt_tokens.py)
     Pipeline.serve         flow control's slot (flow_control.py: the request's turn
-                           in its class's queue, and its unit) -> the dispatcher (``relay`` for an
-                           OpenAIJob, ``generate`` for a GenerationJob) -> the first
+                           in its class's queue, and its unit) -> the dispatcher's
+                           one attempt loop (``Dispatcher.run``) -> the first
                            response (TTFT) -> one response, or an SSE stream written as
                            the responses come (each write bounded by
                            ``limits.write_timeout_s``; ITL, the proxy's hop, e2e;
@@ -125,7 +125,7 @@ class Pipeline:
         )
         return {
             "model": model,
-            "deadline": start + config.timeouts.request_s,
+            "deadline": start + config.timeouts.max_request_s,
             "session_id": text_header(request, config.routing.session_header),
             "version": pinned_version(self.deps.registry, model, request.headers),
             "traffic_class": cls,
@@ -184,10 +184,7 @@ class Pipeline:
         loop = asyncio.get_running_loop()
         try:
             async with deps.admission.slot(job):
-                if isinstance(job, OpenAIJob):
-                    gen = deps.dispatcher.relay(job)
-                else:
-                    gen = deps.dispatcher.generate(job)
+                gen = deps.dispatcher.run(job)
                 async with contextlib.aclosing(gen):
                     first = await anext(gen)  # failures up to here are plain HTTP errors
                     if first.status is None or first.status == 200:
@@ -210,11 +207,11 @@ class Pipeline:
 
     async def complete(self, job: OpenAIJob) -> tuple[int, bytes]:
         """One OpenAI call answered whole, for the proxy itself (the Batch API's
-        lines): flow control's slot, the dispatcher's relay (retries included), the
+        lines): flow control's slot, the dispatcher's attempts (retries included), the
         responses' bodies joined. Raises Overloaded, NoRoutableUnit or UpstreamError."""
         deps = self.deps
         async with deps.admission.slot(job):
-            gen = deps.dispatcher.relay(job)
+            gen = deps.dispatcher.run(job)
             async with contextlib.aclosing(gen):
                 status, parts = 200, []
                 async for d in gen:

@@ -6,8 +6,10 @@ models validate it (their 400s reach the client as ``vllm serve`` sends them, an
 unknown fields are accepted, as there). The proxy reads only what it needs to
 route and relay: ``model`` (which units), ``stream`` (SSE or one JSON body),
 ``stream_options.include_usage``, what decides whether a stream can be resumed
-token-exactly on another unit (``resumable``), and the text that keys the
-prefix-aware routing policy. ``stream`` is read with pydantic's lax boolean rules,
+token-exactly on another unit (``resumable``), the text that keys the
+prefix-aware routing policy, and how many sequences the engine will run for the
+request (``sequences``: flow control's cost of it; ``n`` and ``best_of`` above
+``admission.max_n`` are a 400 here). ``stream`` is read with pydantic's lax boolean rules,
 as vLLM reads it (``1``, ``"true"``, ``"yes"``... are true), so the proxy and the
 leader never disagree about whether a response is a stream.
 
@@ -18,6 +20,7 @@ here (``parse_sampling``, ``int_param``): it builds the leader's text request it
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,6 +34,9 @@ MAX_STOP = 4
 # pydantic's lax bool (what vLLM's request models accept), strings case-insensitive.
 _TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
 _FALSE = frozenset(("0", "off", "f", "false", "n", "no"))
+# pydantic's lax int from a string (after stripping): digits, `_` between them, `.0...`.
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_MAX_DIGITS = 64  # integer strings of more significant digits read as +-10**64
 # Request fields that make the engine's output depend on more than the token ids so
 # far: a continuation fed prompt + output ids would not be the undisturbed stream.
 _STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -50,6 +56,8 @@ class OpenAIRequest:
     routing_key: str = ""
     # OpenAI's service_tier as a traffic class to lower to (None: no change).
     service_tier: TrafficClass | None = None
+    # Sequences vLLM runs for the request (``sequences``): the job's cost in flow control.
+    sequences: int = 1
 
 
 def lax_bool(value: Any, param: str) -> bool:
@@ -87,13 +95,18 @@ def request_model(body: dict[str, Any], served: list[str]) -> str:
     return model
 
 
-def parse_openai(body: Any, endpoint: Endpoint, served: list[str]) -> OpenAIRequest:
-    """Read what the proxy needs; everything else is vLLM's to validate."""
+def parse_openai(
+    body: Any, endpoint: Endpoint, served: list[str], *, max_n: int | None = None
+) -> OpenAIRequest:
+    """Read what the proxy needs; everything else is vLLM's to validate. ``max_n``:
+    ``n`` or ``best_of`` above it is a 400 (None: no bound; callers that admit the
+    request pass ``admission.max_n``)."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
     model = request_model(body, served)
     if endpoint not in GENERATE_ENDPOINTS:
         return OpenAIRequest(endpoint, model, routing_key=routing_key(body, endpoint))
+    per_prompt = choices(body, max_n)
     stream = lax_bool(body.get("stream"), "stream")
     include_usage = False
     opts = body.get("stream_options")
@@ -115,20 +128,96 @@ def parse_openai(body: Any, endpoint: Endpoint, served: list[str]) -> OpenAIRequ
         max_tokens=limit if _is_int(limit) else None,
         routing_key=routing_key(body, endpoint),
         service_tier=tier,
+        sequences=per_prompt * prompt_count(body, endpoint),
     )
+
+
+# -- the request's cost: the sequences vLLM runs for it ----------------------------------
+#
+# Flow control's room is a unit's max_num_seqs: vLLM's bound on sequences in its running
+# batch. vLLM runs each of a request's ``n`` choices as a request of its own (AsyncLLM
+# fans a parent out into n child EngineCoreRequests, vllm/v1/engine/parallel_sampling.py),
+# each taking a running slot, and its scheduler stats (the running + waiting flow control
+# compares with max_num_seqs) count the children; a completions prompt list is one engine
+# request per prompt, each fanned out n ways. vLLM's own admission check counts a request
+# of n choices as n (AsyncLLM.check_admission). So a request's cost is in the unit of the
+# engine's load: prompts x max(n, best_of) sequences. best_of (OpenAI: best_of candidates
+# generated, n returned) is counted although vLLM 0.32 accepts and ignores it: erring
+# high costs a wide request only its wait, and holds if a leader's vLLM honours it.
+#
+# The token budget (max_tokens) is read but does not scale the cost: it sets how long a
+# sequence holds its slot, not how many slots it holds, and the cost stays counted for
+# the request's whole life, which is that duration. A long single answer weighted as
+# several sequences would keep a unit's slots empty that vLLM would fill; the KV cache
+# its tokens grow into is bounded by the engine's own report (admission.unit_max_kv_usage).
+
+
+def choices(body: dict[str, Any], max_n: int | None) -> int:
+    """Sequences per prompt: ``n``, or ``best_of`` when larger; 400 when either is above
+    ``max_n`` (OpenAI's own limit and error for ``n``). A value vLLM would refuse (not
+    an integer, below 1) counts 1: vLLM's 400 runs nothing."""
+    most = 1
+    for param in ("n", "best_of"):
+        value = lax_int(body.get(param))
+        if value is None:
+            continue
+        if max_n is not None and value > max_n:
+            got = value if value < 10**15 else "a larger one"
+            raise invalid(
+                f"Invalid '{param}': integer above maximum value. Expected a value <= "
+                f"{max_n}, but got {got} instead.",
+                param,
+                "integer_above_max_value",
+            )
+        most = max(most, value)
+    return most
+
+
+def prompt_count(body: dict[str, Any], endpoint: Endpoint) -> int:
+    """Engine requests vLLM makes of the body: one per prompt of a completions prompt
+    list (strings, or lists of token ids); one for a chat, a string or one token list."""
+    if endpoint != "completions":
+        return 1
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or all(_is_int(t) for t in prompt):
+        return 1
+    return len(prompt)
+
+
+def lax_int(value: Any) -> int | None:
+    """``value`` as vLLM's pydantic models read an int field in lax mode (a bool, an
+    integral float within int64, a string of digits with ``_`` between them and an
+    optional ``.000`` tail, stripped), or None: absent or not an integer."""
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) < 2**63 else None
+    if isinstance(value, str) and _INT_TEXT.fullmatch(text := value.strip()):
+        digits = text.partition(".")[0]
+        if len(digits.lstrip("+-").replace("_", "").lstrip("0")) > _MAX_DIGITS:
+            # Above any bound; int() of it would cost (past 4300 digits: raise).
+            return -(10**_MAX_DIGITS) if digits[0] == "-" else 10**_MAX_DIGITS
+        return int(digits)
+    return None
 
 
 def resumable(body: dict[str, Any], endpoint: Endpoint) -> bool:
     """Whether a stream broken mid-way can continue on another unit from its token ids
-    and give the tokens the undisturbed stream would have given (proxy/README.md,
-    "Migration"). Not: structured outputs and tool calls (the grammar's and the tool
-    parser's state is not in the token ids), several choices (``n``, ``best_of``,
-    batched prompts), ``echo`` and ``prompt_logprobs`` (they describe the prompt,
-    which a continuation changes), frequency/presence penalties (they count only
-    output tokens, which a continuation sees as prompt), and sampling (temperature
-    absent or above 0), even with a ``seed``: vLLM's per-request generator starts again
-    from the seed on the new unit, so a seeded continuation is reproducible but not the
-    undisturbed stream's."""
+    (proxy/README.md, "Migration"): the next unit is fed the prompt plus the tokens
+    already streamed and generates the rest.
+
+    Greedy, the continuation is the undisturbed stream's tokens. Sampled (temperature
+    above 0, with or without ``seed``), it is a sample from the same distribution
+    given the tokens already sent, as Dynamo's migration makes it: vLLM's per-request
+    generator starts again (from the seed, if any) on the new unit, so a seed's
+    reproducibility does not survive a failure.
+
+    Not resumable: structured outputs and tool calls (the grammar's and the tool
+    parser's state is not in the token ids: the new leader would start the grammar or
+    the parser over in the middle of the answer), several choices (``n``, ``best_of``,
+    batched prompts), ``echo`` and ``prompt_logprobs`` (they describe the prompt, which
+    a continuation changes), and frequency/presence penalties (they count only output
+    tokens, which a continuation sees as prompt)."""
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return False
@@ -149,8 +238,7 @@ def resumable(body: dict[str, Any], endpoint: Endpoint) -> bool:
         if isinstance(prompt, list) and prompt and not all(_is_int(t) for t in prompt):
             if len(prompt) != 1:  # a batch: one choice per prompt
                 return False
-    temperature = body.get("temperature")
-    return _is_number(temperature) and temperature == 0
+    return True
 
 
 def routing_key(body: dict[str, Any], endpoint: Endpoint) -> str:

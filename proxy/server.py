@@ -234,7 +234,7 @@ class ProxyServer:
         unless another unit (re-added under a new id) uses the same leader."""
         addr = unit.spec.leader_grpc
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeouts.request_s
+        deadline = loop.time() + self.config.timeouts.max_request_s
         while unit.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.2)
         if all(u.spec.leader_grpc != addr for u in self.registry.units.values()):

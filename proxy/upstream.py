@@ -9,9 +9,17 @@ whether the unit is at fault (outlier ejection), whether another unit may succee
 (retry, migration) and what the client sees if it is final. In-stream error
 messages are classified the same way over both transports
 (``classify_stream_error``), and both bound their reads with one ``ReadWatchdog``
-per stream: the first response by ``first_token_s`` (a unit that accepts the
-request and then says nothing is broken), each later one by ``inter_token_s``, all
-of it by the request deadline.
+per stream: every gap between two things heard from the leader by
+``timeouts.silence_s``, all of it by the request deadline (``timeouts.request_s``,
+none by default).
+
+Slow is not dead. A leader reports progress for every request it holds that has had
+nothing to send for ``PROGRESS_INTERVAL_S`` (``neuron_serving/triton/progress.py``:
+``Progress`` on the channel, a response holding only the ``progress`` output over
+Triton, which the proxy asks for with the envelope's ``progress`` and the text
+route's ``report_progress``). A report extends the watchdog and reaches no one else,
+so a prompt queued for minutes or a non-streamed answer of thousands of tokens is
+never failed for its length; only a leader gone, stuck or cut off falls silent.
 """
 
 from __future__ import annotations
@@ -61,9 +69,21 @@ class UpstreamError(Exception):
         self.client_message = client_message
 
 
+# What a client reads when its request ran past ``timeouts.request_s``.
+DEADLINE_MESSAGE = (
+    "the request ran past the maximum request duration (the proxy's timeouts.request_s) "
+    "and was aborted"
+)
+
+
 class DeadlineExceeded(UpstreamError):
-    def __init__(self, message: str = "request deadline exceeded") -> None:
-        super().__init__(message, unit_fault=False, retriable=False, status=504)
+    """The request's maximum duration passed: the attempt is abandoned (which aborts
+    its engine request) and the client gets a 504."""
+
+    def __init__(self, message: str = DEADLINE_MESSAGE) -> None:
+        super().__init__(
+            message, unit_fault=False, retriable=False, status=504, client_message=DEADLINE_MESSAGE
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,8 +122,8 @@ def openai_envelope(
     resume: dict[str, list[int]] | None = None,
     priority: int = 0,
 ) -> bytes:
-    """The ``openai_request`` input: ``{"endpoint", "token_ids", "resume", "body"}``
-    (UTF-8 JSON). ``body`` is the client's JSON as it arrived (the front end has parsed
+    """The ``openai_request`` input: ``{"endpoint", "token_ids", "resume", "progress",
+    "body"}`` (UTF-8 JSON); ``progress`` is always true (see the module docstring). ``body`` is the client's JSON as it arrived (the front end has parsed
     it, so it is valid JSON), spliced in rather than re-encoded: the proxy forwards
     the body untouched and pays no encoding per request. ``resume``:
     ``{"prompt_token_ids", "output_token_ids"}`` (a migrated stream's continuation).
@@ -112,6 +132,7 @@ def openai_envelope(
     head = b'{"endpoint":' + json.dumps(endpoint).encode()
     head += b',"token_ids":' + (b"true" if token_ids else b"false")
     head += b',"resume":' + (b"null" if resume is None else json.dumps(resume).encode())
+    head += b',"progress":true'
     if priority:
         head += b',"priority":%d' % priority
     return head + b',"body":' + body + b"}"
@@ -174,6 +195,11 @@ class ReadWatchdog:
 
     def idle(self) -> None:
         self._expires = math.inf
+
+    def heard(self) -> None:
+        """The leader reported progress: the current read may last another budget."""
+        if self._expires < math.inf:
+            self._expires = min(self._loop.time() + self._budget, self._deadline)
 
     def _arm(self, at: float) -> None:
         if self._handle is not None:

@@ -125,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
         print("bench: --tp and --admission are bench classes'", file=sys.stderr)
         return ExitCode.USAGE
     if args.admission is not None:
-        from neuron_serving.commands.up import parse_admission
+        from neuron_serving.commands.up import parse_section
 
         try:
-            parse_admission(args.admission)
+            parse_section("admission", args.admission)
         except ValueError as e:
             print(f"bench: {e}", file=sys.stderr)
             return ExitCode.USAGE

@@ -75,6 +75,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         '{"unit_share": 0.5}}}\' (proxy/README.md, "Traffic classes and flow control")',
     )
     p.add_argument(
+        "--timeouts",
+        default=None,
+        metavar="JSON",
+        help="the proxy replicas' timeouts section merged over the defaults, e.g. "
+        '\'{"request_s": 900}\' to cap every request at 15 minutes (none by default) or '
+        '\'{"silence_s": 60}\' (proxy/README.md, "Slow is not dead")',
+    )
+    p.add_argument(
         "--base-port", type=int, default=29600, help="first port of the units' port blocks"
     )
     p.add_argument(
@@ -301,23 +309,24 @@ print()
 PY"""
 
 
-def parse_admission(text: str | None) -> dict[str, Any]:
-    """--admission as the mapping every replica's config gets, checked here by the
-    proxy's own config class, before any process starts (ValueError)."""
+def parse_section(name: str, text: str | None) -> dict[str, Any]:
+    """``--NAME JSON`` (``--admission``, ``--timeouts``) as the mapping every replica's
+    config gets as its NAME section, checked here by the proxy's own config class,
+    before any process starts (ValueError)."""
     if text is None:
         return {}
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--admission is not JSON: {e}") from e
+        raise ValueError(f"--{name} is not JSON: {e}") from e
     if not isinstance(raw, dict):
-        raise ValueError("--admission must be a JSON object")
+        raise ValueError(f"--{name} must be a JSON object")
     from proxy.config import section_from_dict  # the proxy's own checks (late: a CLI)
 
     try:
-        section_from_dict("admission", raw)
+        section_from_dict(name, raw)
     except TypeError as e:  # a value of a type its checks cannot compare
-        raise ValueError(f"--admission: {e}") from None
+        raise ValueError(f"--{name}: {e}") from None
     return raw
 
 
@@ -356,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--routing must be one of {', '.join(POLICIES)}")
         capacity = _capacity_config(args)
         leader_args = _leader_args(args)
-        admission = parse_admission(args.admission)
+        admission = parse_section("admission", args.admission)
+        timeouts = parse_section("timeouts", args.timeouts)
         model = Path(args.model) if args.model else demo_model_dir(say)
         spec = ClusterSpec(
             model_dir=model,
@@ -368,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
             proxies=args.proxies,
             routing=args.routing,
             admission=admission,
+            timeouts=timeouts,
             base_port=args.base_port,
             max_model_len=args.max_model_len,
             kv_cache_bytes=args.kv_cache_bytes,

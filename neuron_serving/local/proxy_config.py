@@ -108,6 +108,7 @@ def proxy_config(
         "retry": {"max_migrations": 3, "budget_pct": 100.0, "min_retry_concurrency": 64},
         "routing": {"policy": spec.routing_policy},
         **({"admission": dict(spec.admission)} if spec.admission else {}),
+        **({"timeouts": dict(spec.timeouts)} if spec.timeouts else {}),
         # The Batch API's store and files live with the cluster's run dir, shared by the
         # replicas (SQLite in WAL mode on one host; a lease per line, owned by a replica
         # id). Ids are fixed, so a restarted replica takes its own leased lines back at once.

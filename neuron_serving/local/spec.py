@@ -89,6 +89,8 @@ class ClusterSpec:
     routing: str = ""
     # The replicas' admission section (proxy/config.py AdmissionConfig), over its defaults.
     admission: dict[str, Any] = field(default_factory=dict)
+    # The replicas' timeouts section (proxy/config.py TimeoutConfig), over its defaults.
+    timeouts: dict[str, Any] = field(default_factory=dict)
     base_port: int = 29600
     # "" = the checkpoint manifest's model name (so a deploy to another version's
     # directory keeps the name clients use), else the model directory's name.

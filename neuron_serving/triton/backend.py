@@ -42,6 +42,7 @@ from neuron_serving.triton.openai_envelope import (
     OpenAIEnvelope,
     parse_envelope,
 )
+from neuron_serving.triton.progress import ProgressTracker
 from neuron_serving.triton.request import (
     GenerateRequest,
     RequestError,
@@ -122,6 +123,8 @@ class LLMBackend:
         refused."""
         self.config = config
         self.metrics = metrics
+        # Requests that get progress reports (engine loop only).
+        self.progress = ProgressTracker(on_report=metrics.progress_reports.inc)
         self.engine_thread = engine_thread
         self.engine_thread.start()
         self.engine = self.engine_thread.engine
@@ -176,10 +179,12 @@ class LLMBackend:
             stream = Stream(sender)
             self.responses.register(request_id, stream)
             if isinstance(parsed, OpenAIEnvelope):
-                out = _TritonOut(self, request_id, stream, self._openai_response)
+                out = _TritonOut(self, request_id, stream, self._openai_response, parsed.progress)
                 coro = self._generate_openai(request_id, parsed, out)
             else:
-                out = _TritonOut(self, request_id, stream, self._text_response)
+                out = _TritonOut(
+                    self, request_id, stream, self._text_response, parsed.report_progress
+                )
                 coro = self._generate(request_id, parsed, out)
             try:
                 stream.future = self.engine_thread.submit(coro)
@@ -226,6 +231,7 @@ class LLMBackend:
         stream = tensor("stream")
         exclude = tensor("exclude_input_in_output")
         want_ids = tensor("return_token_ids")
+        report = tensor("report_progress")
         priority = tensor("priority")
         if priority is not None and priority.size != 1:
             raise RequestError(f"priority must hold exactly one integer, got {priority.size}")
@@ -245,6 +251,7 @@ class LLMBackend:
             return_token_ids=bool(want_ids[0]) if want_ids is not None and want_ids.size else False,
             # An INT32 tensor (Triton checks the type against the model config).
             priority=None if priority is None else int(priority[0]),
+            report_progress=bool(report[0]) if report is not None and report.size else False,
         )
 
     async def _generate(self, request_id: str, req: GenerateRequest, out: Any) -> None:
@@ -253,7 +260,7 @@ class LLMBackend:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._begin()
+        self._begin(out)
         produced = False
         try:
             prompt_ids = self.tokenizer.encode(req.prompt)
@@ -327,7 +334,7 @@ class LLMBackend:
             message = self._unavailable_message() if dead else f"generation failed: {e!r}"
             out.error(message, "UNAVAILABLE" if dead else "INTERNAL")
         finally:
-            self._end()
+            self._end(out)
 
     async def _generate_openai(self, request_id: str, env: OpenAIEnvelope, out: Any) -> None:
         """One OpenAI call through vLLM's serving layer; the bodies are relayed verbatim.
@@ -343,7 +350,7 @@ class LLMBackend:
         """
         from neuron_serving.triton.openai_serving import SSEPuller
 
-        self._begin()
+        self._begin(out)
         puller = None
         try:
             result = await self.openai.handle(env)
@@ -386,7 +393,7 @@ class LLMBackend:
         finally:
             if puller is not None:
                 await puller.aclose()
-            self._end()
+            self._end(out)
 
     # ---- the OpenAI channel ------------------------------------------------------------
 
@@ -466,11 +473,14 @@ class LLMBackend:
             return
         call.task = asyncio.get_running_loop().create_task(coro)
 
-    def _begin(self) -> None:
+    def _begin(self, out: Any) -> None:
         self._in_flight += 1
         self._idle_since = None
+        if out.reports_progress:
+            self.progress.track(out)
 
-    def _end(self) -> None:
+    def _end(self, out: Any) -> None:
+        self.progress.untrack(out)
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle_since = time.monotonic()
@@ -635,6 +645,11 @@ class LLMBackend:
             tensors.append(T("cached_tokens", np.array([e.cached_tokens], dtype=np.int32)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 
+    def _progress_response(self) -> Any:
+        """A Triton response that only says the request is alive (progress.py)."""
+        progress = self.pb.Tensor("progress", np.array([True], dtype=np.bool_))
+        return self.pb.InferenceResponse(output_tensors=[progress])
+
     def _error(self, message: str, code: str) -> Any:
         error = self.pb.TritonError(message, getattr(self.pb.TritonError, code))
         return self.pb.InferenceResponse(output_tensors=[], error=error)
@@ -665,15 +680,25 @@ class _TritonOut:
     """A Triton response sender as a request's output (the channel's is
     ``channel_server.ChannelCall``; ``_generate`` and ``_generate_openai`` take either)."""
 
-    __slots__ = ("backend", "request_id", "stream", "render")
+    __slots__ = ("backend", "request_id", "stream", "render", "reports_progress", "sends", "seen")
 
     def __init__(
-        self, backend: LLMBackend, request_id: str, stream: Stream, render: Callable[[Event], Any]
+        self,
+        backend: LLMBackend,
+        request_id: str,
+        stream: Stream,
+        render: Callable[[Event], Any],
+        reports_progress: bool = False,
     ) -> None:
         self.backend = backend
         self.request_id = request_id
         self.stream = stream
         self.render = render  # event -> InferenceResponse (text or OpenAI outputs)
+        # The client asked for progress reports (the envelope's ``progress``, the
+        # ``report_progress`` input): a plain Triton client never sees one.
+        self.reports_progress = reports_progress
+        self.sends = 0  # responses sent (progress.ProgressTracker)
+        self.seen = 0
 
     @property
     def cancelled(self) -> bool:
@@ -681,6 +706,7 @@ class _TritonOut:
 
     def send(self, event: Event, final: bool) -> asyncio.Future | None:
         b = self.backend
+        self.sends += 1
         if final:
             b._enqueue(self.request_id, self.render(event), b.final)
             return None
@@ -691,6 +717,10 @@ class _TritonOut:
     def error(self, message: str, code: str) -> None:
         b = self.backend
         b._enqueue(self.request_id, b._error(message, code), b.final)
+
+    def progress(self) -> None:
+        b = self.backend
+        b._enqueue(self.request_id, b._progress_response())
 
 
 class _UnitFault(Exception):

@@ -13,7 +13,9 @@ output collector merges what arrives meanwhile. Here the future resolves when th
 frame is handed to the transport, or, while the transport is over its high-water
 mark (a proxy that does not read), when the transport asks for more
 (``resume_writing``). A connection's tasks are cancelled when it closes (vLLM
-aborts their requests); a ``Cancel`` cancels one.
+aborts their requests); a ``Cancel`` cancels one. A call that has nothing to send
+gets a ``Progress`` report every ``PROGRESS_INTERVAL_S`` (``progress.py``), so that
+the proxy never takes a long answer for a dead leader.
 
 Load reports (``openai_channel.Load``, from ``engine_load.EngineLoadTracker``):
 each connection gets the unit's load right after the handshake, then whenever it
@@ -65,6 +67,7 @@ from neuron_serving.openai_channel import (
     KvReplayMiss,
     Load,
     Open,
+    Progress,
     ToLeader,
     check_proof,
     frame,
@@ -92,24 +95,38 @@ class ChannelCall:
     """One OpenAI call on a connection: what the backend's request task answers into
     (the channel's counterpart of a Triton response sender)."""
 
-    __slots__ = ("conn", "id", "task", "cancelled")
+    __slots__ = ("conn", "id", "task", "cancelled", "sends", "seen")
+
+    # Every channel call gets progress reports (progress.py): the proxy is the
+    # channel's only client, and its silence budget relies on them.
+    reports_progress = True
 
     def __init__(self, conn: _Connection, call_id: int) -> None:
         self.conn = conn
         self.id = call_id
         self.task: asyncio.Task | None = None
         self.cancelled = False
+        self.sends = 0  # events sent (progress.ProgressTracker)
+        self.seen = 0
 
     def send(self, event: Event, final: bool) -> asyncio.Future | None:
         """Queue ``event`` (its ``id`` is set here). Not final: returns the future to
         await before pulling more output (see the module's backpressure note)."""
         event.id = self.id
+        self.sends += 1
         if final:
             self.conn.calls.pop(self.id, None)
         return self.conn.send(event, waiter=not final)
 
     def error(self, message: str, code: str) -> None:
         self.send(Event(self.id, error=message, error_code=code), final=True)
+
+    def progress(self) -> None:
+        """Tell the proxy this call is alive (``Progress``). Not to a peer that does not
+        read (over its high-water mark): it is not timing anything out meanwhile, and
+        its backlog must not grow."""
+        if not self.conn.paused:
+            self.conn.queue(Progress(self.id))
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -132,7 +149,7 @@ class _Connection(asyncio.Protocol):
         self.authenticated = False
         self.handshake = bytearray()
         self.reader = FrameReader(MAX_TO_LEADER)
-        self.pending: list[Event | Load | KvInfo | KvEvents | KvReplayMiss] = []
+        self.pending: list[Event | Load | KvInfo | KvEvents | KvReplayMiss | Progress] = []
         self.waiters: list[asyncio.Future] = []
         self.paused = False
         self.load_sent: Snapshot | None = None  # the last load queued for this peer
@@ -223,7 +240,7 @@ class _Connection(asyncio.Protocol):
     def closing(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
-    def queue(self, message: Load | KvInfo | KvEvents | KvReplayMiss) -> None:
+    def queue(self, message: Load | KvInfo | KvEvents | KvReplayMiss | Progress) -> None:
         """Append ``message`` to the next frame (flushed behind the tasks ready now)."""
         if self.closing:
             return

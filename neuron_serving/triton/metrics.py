@@ -43,6 +43,13 @@ class BackendMetrics:
             [*labels, "outcome"],
             registry=registry,
         )
+        self.progress_reports = Counter(
+            "neuron_serving_triton_progress_reports",
+            "Progress reports sent for requests that had nothing else to send (a prompt "
+            "queued, a non-streamed answer being generated): slow, not dead.",
+            list(labels),
+            registry=registry,
+        ).labels(**labels)
         self._unit = unit_id
         self.canary_seconds = Histogram(
             "neuron_serving_triton_canary_seconds",

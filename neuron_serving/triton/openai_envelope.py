@@ -11,9 +11,12 @@ Wire (UTF-8 JSON, one string in a TYPE_STRING tensor)::
      "body": {...},                      # the client's JSON body
      "token_ids": false,                 # attach prompt/generated token ids (migration)
      "resume": null | {"prompt_token_ids": [...], "output_token_ids": [...]},
-     "priority": 0}                      # vLLM's request priority: the traffic class
+     "priority": 0,                      # vLLM's request priority: the traffic class
                                          # (0 real-time, 1 near-real-time, 2 batch);
                                          # it overrides any "priority" in the body
+     "progress": false}                  # send a "progress" response while nothing
+                                         # else is sent (progress.py); the OpenAI
+                                         # channel reports every call's anyway
 
 A malformed envelope is the proxy's bug, not the client's: it is a Triton
 INVALID_ARG error (``RequestError``), never an OpenAI 400.
@@ -48,6 +51,7 @@ class OpenAIEnvelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     token_ids: bool = False
     resume: Resume | None = None
     priority: Annotated[int, msgspec.Meta(ge=0, lt=16)] = 0
+    progress: bool = False
 
 
 def parse_envelope(raw: bytes | str) -> OpenAIEnvelope:

@@ -23,15 +23,25 @@ handler task sets) to
   request, so sampling parameters are the same);
 - remember an exception from the engine (``fault``), because vLLM's stream
   generator turns it into an in-stream error event, while a unit fault must reach
-  the proxy as a Triton UNAVAILABLE error so that it can retry or migrate.
+  the proxy as a Triton UNAVAILABLE error so that it can retry or migrate. The
+  request's own errors (``VLLMClientError``) are not faults;
+- turn a structured output grammar that EngineCore could not compile into the 400
+  it is (``GrammarCheck``), where vLLM answers 500 "Internal server error".
+
+A stream that fails before its first event for the request's fault (a 4xx error
+event) is answered with that status and the error body, as a request rejected
+before its stream started is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +63,19 @@ from vllm.entrypoints.serve.exception_handling.handlers.validation import (
 from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
+from vllm.exceptions import VLLMClientError, VLLMValidationError
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.sampling_params import RequestOutputKind
 from vllm.version import __version__ as VLLM_VERSION
 
 from neuron_serving.triton.openai_envelope import OpenAIEnvelope, Resume
 
+log = logging.getLogger(__name__)
+
 SSE_DONE = "data: [DONE]\n\n"
+# Bounds the wait for GrammarCheck: its first use also builds the backend (the
+# vocabulary's token table). Past it, vLLM's own answer stands.
+GRAMMAR_CHECK_TIMEOUT_S = 30.0
 
 _TAP: ContextVar[EngineTap | None] = ContextVar("neuron_serving_engine_tap", default=None)
 
@@ -175,6 +191,7 @@ class TeeEngineClient:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
+        self._grammar = GrammarCheck(engine)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -201,8 +218,18 @@ class TeeEngineClient:
             async for out in outputs:
                 if tap is not None:
                     tap.observe(out, sampling_params.output_kind)
+                if any(seq.finish_reason == "error" for seq in out.outputs):
+                    failure = await self._grammar.failure(sampling_params)
+                    if failure is not None:
+                        raise VLLMValidationError(
+                            f"Failed to compile the structured output grammar: {failure}"
+                        ) from failure
                 yield out
         except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except VLLMClientError:
+            # The request's own fault (vLLM's validation in add_request, or its
+            # grammar): answered as vLLM maps it, never a unit fault.
             raise
         except BaseException as e:
             if tap is not None:
@@ -212,6 +239,80 @@ class TeeEngineClient:
             # Close the engine's generator now, not at garbage collection: on an early
             # exit, AsyncLLM.generate aborts the request (frees its KV blocks) there.
             await outputs.aclose()
+
+
+class GrammarCheck:
+    """Why EngineCore could not compile a request's structured output grammar.
+
+    vLLM's frontend validation builds the grammar but does not compile it (that
+    needs the vocabulary); EngineCore compiles it when it takes the request, and if
+    that fails it ends the request with finish reason "error" before any token and
+    keeps the compiler's message to its own log (grammar_compile_error_reqs in
+    vllm/v1/core/sched/scheduler.py). vLLM's serving layer then answers 500
+    "Internal server error". Compiling the grammar again here, with the backend
+    the request was validated for and as EngineCore does (``_create_grammar`` in
+    vllm/v1/structured_output/__init__.py), tells the request's fault (a 400 with
+    the compiler's message) from any other error (vLLM's answer stands).
+
+    Only requests the engine already failed get here. One thread: failing
+    grammars cost this process at most one core.
+    """
+
+    # As StructuredOutputManager.grammar_init picks them, by the name vLLM's
+    # validation sets in ``StructuredOutputsParams._backend``.
+    BACKENDS = {
+        "xgrammar": ("vllm.v1.structured_output.backend_xgrammar", "XgrammarBackend"),
+        "guidance": ("vllm.v1.structured_output.backend_guidance", "GuidanceBackend"),
+        "outlines": ("vllm.v1.structured_output.backend_outlines", "OutlinesBackend"),
+        "lm-format-enforcer": (
+            "vllm.v1.structured_output.backend_lm_format_enforcer",
+            "LMFormatEnforcerBackend",
+        ),
+    }
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._backends: dict[str, Any] = {}  # used by the executor's thread only
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+
+    async def failure(self, sampling_params: Any) -> Exception | None:
+        """The compiler's exception for the request's grammar; None if it compiles,
+        if the request has none, or if that could not be found out."""
+        so = sampling_params.structured_outputs
+        if so is None or so._backend is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(GRAMMAR_CHECK_TIMEOUT_S):
+                return await loop.run_in_executor(
+                    self._executor, self._compile, so._backend, sampling_params
+                )
+        except Exception:  # noqa: BLE001 - undecided (timed out, no backend here)
+            log.warning("could not check the grammar of a failed request", exc_info=True)
+            return None
+
+    def _compile(self, name: str, sampling_params: Any) -> Exception | None:
+        """The compiler's exception, or None if the grammar compiles."""
+        from vllm.v1.structured_output.request import get_structured_output_key
+
+        backend = self._backends.get(name)
+        if backend is None:
+            from vllm.tokenizers import cached_tokenizer_from_config
+
+            module, cls = self.BACKENDS[name]
+            config = self._engine.vllm_config
+            backend = getattr(importlib.import_module(module), cls)(
+                config,
+                tokenizer=cached_tokenizer_from_config(model_config=config.model_config),
+                vocab_size=config.model_config.get_vocab_size(),
+            )
+            self._backends[name] = backend
+        key = get_structured_output_key(sampling_params.structured_outputs)
+        try:
+            backend.compile_grammar(*key, stop_token_ids=sampling_params.all_stop_token_ids)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises
+            return e
+        return None
 
 
 def resumed_prompt(prompt: Any, resume: Resume) -> dict[str, Any]:
@@ -317,12 +418,55 @@ class OpenAIServing:
         if isinstance(out, pydantic.BaseModel):
             tap.carry()
             return OpenAIResult(200, tap, dumps(out.model_dump()))
-        return OpenAIResult(200, tap, stream=out)
+        # The status goes out with the first event, so waiting for it here delays
+        # nothing; a request refused before it had one gets its 4xx (see the module
+        # docstring).
+        try:
+            first = await _next_event(out)
+        except BaseException:
+            await out.aclose()
+            raise
+        error = _stream_error(first)
+        if error is not None and error.error.code < 500:
+            await out.aclose()
+            return _error(error, tap)
+        return OpenAIResult(200, tap, stream=_Replayed(first, out))
 
 
 def _error(err: ErrorResponse, tap: EngineTap) -> OpenAIResult:
     tap.carry()
     return OpenAIResult(err.error.code, tap, dumps(err.model_dump()))
+
+
+def _stream_error(event: str | None) -> ErrorResponse | None:
+    """The error an event carries if it is vLLM's in-stream error event
+    (``create_streaming_error_response``)."""
+    if event is None or not event.startswith('data: {"error"'):
+        return None
+    try:
+        return ErrorResponse.model_validate_json(event[len("data: ") :])
+    except pydantic.ValidationError:
+        return None
+
+
+class _Replayed:
+    """A stream whose first event was already taken: that event comes first."""
+
+    def __init__(self, first: str | None, rest: AsyncGenerator[str, None]) -> None:
+        self._first = first
+        self._rest = rest
+
+    def __aiter__(self) -> _Replayed:
+        return self
+
+    async def __anext__(self) -> str:
+        if self._first is not None:
+            event, self._first = self._first, None
+            return event
+        return await anext(self._rest)
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()
 
 
 class SSEPuller:

@@ -61,6 +61,8 @@ class GenerateRequest:
     exclude_input_in_output: bool = False
     return_token_ids: bool = False
     priority: int = 0  # vLLM's request priority (AsyncLLM.generate's keyword)
+    # Send a ``progress`` response while nothing else is sent (progress.py).
+    report_progress: bool = False
     # Validated keyword arguments for vllm.SamplingParams (max_tokens always set).
     sampling: dict[str, Any] = field(default_factory=dict)
 
@@ -194,6 +196,7 @@ def parse_request(
     max_model_len: int,
     return_token_ids: bool | None = None,
     priority: int | None = None,
+    report_progress: bool | None = None,
 ) -> GenerateRequest:
     return GenerateRequest(
         prompt=decode_prompt(text_input),
@@ -201,6 +204,7 @@ def parse_request(
         exclude_input_in_output=bool(exclude_input_in_output),
         return_token_ids=bool(return_token_ids),
         priority=parse_priority(priority),
+        report_progress=bool(report_progress),
         sampling=parse_sampling_parameters(sampling_parameters, max_model_len),
     )
 

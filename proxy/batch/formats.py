@@ -12,6 +12,8 @@ the batch (status ``failed``, ``errors.data`` naming each bad line, up to
 ``MAX_REPORTED_ERRORS``). A line's body is checked as the OpenAI front end checks a
 request (``protocol.parse_openai``: a served model, the fields the proxy reads);
 the rest is vLLM's, whose 4xx answer becomes that line's result in the error file.
+So does the 400 of a line over the proxy's own bounds (``admission.max_n``),
+checked when the line runs (``runner.py``), against the config of that time.
 """
 
 from __future__ import annotations

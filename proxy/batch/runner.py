@@ -216,16 +216,24 @@ class BatchRunner:
             body = json.loads(line.body)
             if body.get("stream"):
                 body = dict(body, stream=False)  # a batch line is answered whole
-            req = parse_openai(body, ENDPOINTS[batch["endpoint"]], self.pipeline.deps.model_names())
+            # Checked as the OpenAI front end checks a request, against today's config:
+            # n above admission.max_n is this line's 400 (the except below).
+            req = parse_openai(
+                body,
+                ENDPOINTS[batch["endpoint"]],
+                self.pipeline.deps.model_names(),
+                max_n=cfg.admission.max_n,
+            )
             job = OpenAIJob(
                 model=req.model,
-                deadline=loop.time() + cfg.timeouts.request_s,
+                deadline=loop.time() + cfg.timeouts.max_request_s,
                 traffic_class=TrafficClass.BATCH,
                 tenant=batch["tenant"],
                 prompt_tokens=await self.pipeline.prompt_tokens(
                     req.model, req.endpoint, body, len(req.routing_key)
                 ),
                 request=req,
+                cost=req.sequences,
                 raw_body=msgspec.json.encode(body),
                 body=body,
             )

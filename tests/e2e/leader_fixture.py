@@ -32,14 +32,15 @@ PROXY_READY_TIMEOUT_S = 60.0
 @contextmanager
 def running_leader(
     model: Path, tmp: Path, *, extra: list[str] = (), max_model_len: int = MAX_MODEL_LEN,
-    ports_of: LeaderEndpoints | None = None,
+    ports_of: LeaderEndpoints | None = None, env: dict[str, str] | None = None,
 ) -> Iterator[LeaderEndpoints]:  # fmt: skip
     """A ready TP=1 leader; on exit SIGTERM, a bounded wait, then kill its whole session.
-    ``ports_of``: a leader whose ports it takes (one that is dead: ``kill_leader``)."""
+    ``ports_of``: a leader whose ports it takes (one that is dead: ``kill_leader``);
+    ``env``: variables added to the leader's environment."""
     args = ["--max-model-len", str(max_model_len), "--kv-cache-bytes", str(KV_CACHE_BYTES),
             "--drain", "1", *extra]  # fmt: skip
     ports = None if ports_of is None else ports_of.ports()
-    ldr = start_leader(model, tmp, tp=1, extra=args, ports=ports)
+    ldr = start_leader(model, tmp, tp=1, extra=args, ports=ports, env=env)
     try:
         wait_ready(ldr)
         yield ldr

@@ -13,12 +13,14 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import openai
 import psutil
 import pytest
+import yaml
 
 from neuron_serving.local.probe import get_json
 from tests.procs import Proc, up_ports, wait_for
@@ -106,6 +108,46 @@ class Cluster:
     def log_tail(self) -> str:
         return "\n".join(self.proc.stdout().splitlines()[-40:])
 
+    def leader_metrics(self, unit_id: str) -> str:
+        """``unit_id``'s leader's Prometheus text (the merged Triton + vLLM + ours
+        exposition on its metrics port, the port after its gRPC one); "" when it does
+        not answer."""
+        config = yaml.safe_load((self.run_dir / "proxy-0.yaml").read_text())
+        grpc = next(u["leader_grpc"] for u in config["units"] if u["unit_id"] == unit_id)
+        host, port = grpc.rsplit(":", 1)
+        try:
+            with urllib.request.urlopen(f"http://{host}:{int(port) + 1}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return ""
+
+    def proxy_metrics(self) -> str:
+        """Every proxy replica's /metrics (admin port), concatenated."""
+        out = []
+        for replica in self.replicas():
+            req = urllib.request.Request(f"{replica['admin_url']}/metrics")
+            req.add_header("Authorization", f"Bearer {self.admin_token}")
+            with urllib.request.urlopen(req, timeout=5) as r:
+                out.append(r.read().decode())
+        return "\n".join(out)
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in a Prometheus exposition whose labels include
+    ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def leader_requests(c: Cluster, unit_id: str) -> float:
+    """Requests ``unit_id``'s leader has taken, every outcome: one per engine request."""
+    return metric_sum(c.leader_metrics(unit_id), "neuron_serving_triton_requests_total")
+
 
 def alive(pid: int) -> bool:
     try:
@@ -115,7 +157,7 @@ def alive(pid: int) -> bool:
 
 
 def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | None = None,
-                  proxies: int = 1, units: int = 2):  # fmt: skip
+                  proxies: int = 1, units: int = 2, env: dict[str, str] | None = None):  # fmt: skip
     """Run `up` on ``model`` with ``proxies`` proxy replicas until it says ready and its
     ``units`` units (``extra_args`` must say ``--units`` when not 2) are routable on every
     replica; yield the cluster; stop it and check that no process it ever had is left.
@@ -126,7 +168,7 @@ def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | Non
     args = ["up", "--model", str(model), "--port", str(port), "--admin-port",
             str(admin), "--proxies", str(proxies), "--base-port", str(base), "--run-dir",
             str(run_dir), *extra_args]  # fmt: skip
-    proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, name or model.name)
     print("up:", " ".join(args), "logs in", run_dir)
     started = time.monotonic()

@@ -32,13 +32,18 @@ CHAT = [
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 API_KEY = "e2e-client-key-0123456789"
 # A request long enough (about 2 s here) to hold the unit while a queue builds.
-HOLD_TOKENS = 480  # the proxy requires it (tenant "e2e")
+HOLD_TOKENS = 480
+# Slow is not dead, at test scale: the leader reports progress every 0.1 s for a
+# request with nothing to send, and the proxies fail an attempt after 2 s of silence,
+# which every non-streamed answer of HOLD_TOKENS passes.
+PROGRESS_ENV = {"NEURON_SERVING_PROGRESS_INTERVAL_S": "0.1"}
+SILENCE_S = 2.0  # the proxy requires it (tenant "e2e")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def leader(demo_model: Path, tmp_path_factory) -> Iterator[LeaderEndpoints]:
-    with running_leader(demo_model, tmp_path_factory.mktemp("proxy-e2e")) as ldr:
+    with running_leader(demo_model, tmp_path_factory.mktemp("proxy-e2e"), env=PROGRESS_ENV) as ldr:
         yield ldr
 
 
@@ -54,6 +59,7 @@ def stack(
     config = proxy_config(
         [leader], demo_model, api_keys_file=str(keys), openai_channel=channel,
         upstream_protocol="grpc" if channel else request.param,
+        timeouts={"silence_s": SILENCE_S},
     )  # fmt: skip
     with running_proxy(config, tmp, name=f"proxy-{request.param}") as base:
         _wait_upstream(base, request.param)
@@ -179,37 +185,88 @@ def test_bad_requests_get_openai_errors(client, stack) -> None:
     assert unit["requests_total"] >= 4
 
 
-def test_client_disconnect_cancels_the_request_in_vllm(stack) -> None:
-    """A client that drops its stream mid-way through the proxy: the proxy cancels the
-    gRPC call (or closes the HTTP connection) and Triton aborts the request in vLLM (the engine goes idle long before
-    the request's max_tokens would have been generated)."""
+def _leader_requests(leader: LeaderEndpoints) -> float:
+    """Requests the leader has taken (every outcome): one per engine request it ran."""
+    from tests.e2e.triton_leader_helpers import metric
+
+    return sum(
+        metric(leader.metrics, "neuron_serving_triton_requests_total", outcome=o)
+        for o in ("ok", "invalid", "cancelled", "unavailable", "error")
+    )
+
+
+def test_a_non_streamed_answer_past_the_silence_budget_completes_once(client, stack) -> None:
+    """Slow is not dead: a sampled, non-streamed completion with n=8 whose answer takes
+    longer than the proxy's silence budget comes back whole (200, every choice), run
+    once on the leader, kept alive by the leader's progress reports."""
+    from tests.e2e.triton_leader_helpers import metric
+
+    leader, _ = stack
+    reports = "neuron_serving_triton_progress_reports_total"
+    before, reports_before = _leader_requests(leader), metric(leader.metrics, reports)
+    t = time.monotonic()
+    out = client.completions.create(
+        model="llm", prompt="Describe our tents.", max_tokens=HOLD_TOKENS, n=8,
+        temperature=0.8, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    took = time.monotonic() - t
+    print(f"n=8 x {HOLD_TOKENS} tokens, not streamed: {took:.1f} s (silence budget {SILENCE_S} s)")
+    assert [c.finish_reason for c in out.choices] == ["length"] * 8
+    assert out.usage.completion_tokens == 8 * HOLD_TOKENS
+    assert _leader_requests(leader) == before + 1  # run once: never started over
+    assert metric(leader.metrics, reports) > reports_before
+
+
+# Every route a client can leave, streamed or not (path, body, streams).
+ROUTES = {
+    "chat stream": ("/v1/chat/completions", {"messages": CHAT, "stream": True}, True),
+    "chat": ("/v1/chat/completions", {"messages": CHAT}, False),
+    "completion stream": ("/v1/completions", {"prompt": "Hiking boots?", "stream": True}, True),
+    "completion": ("/v1/completions", {"prompt": "Hiking boots?"}, False),
+    "generate stream": ("/v2/models/llm/generate_stream", {"text_input": "Hiking boots?"}, True),
+    "generate": ("/v2/models/llm/generate", {"text_input": "Hiking boots?"}, False),
+}
+
+
+@pytest.mark.parametrize("route", ROUTES.values(), ids=ROUTES.keys())
+def test_client_disconnect_cancels_the_request_in_vllm(stack, route) -> None:
+    """A client that goes away (drops its stream mid-way, or gives up waiting for a
+    whole answer: its own timeout is a disconnect) on any route and transport: the
+    proxy cancels the upstream call and the leader aborts the request in vLLM, whose
+    running count is back to 0 long before max_tokens would have been generated."""
     import http.client
-    import time
 
     from tests.e2e.triton_leader_helpers import metric
 
     leader, base = stack
+    path, extra, streams = route
     cancelled = "neuron_serving_triton_requests_total"
     before = metric(leader.metrics, cancelled, outcome="cancelled")
     host, port = base.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = {"model": "llm", "prompt": "Tell me about hiking boots.", "max_tokens": 400,
-            "stream": True, "ignore_eos": True}  # fmt: skip
-    conn.request(
-        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH}
-    )
-    resp = conn.getresponse()
-    assert resp.status == 200
-    chunks = 0
-    while chunks < 3:
-        chunks += resp.readline().startswith(b"data:")
-    conn.close()  # drop the connection mid-stream
+    if path.startswith("/v2"):
+        body = {**extra, "parameters": {"max_tokens": HOLD_TOKENS, "ignore_eos": True}}
+    else:
+        body = {"model": "llm", "max_tokens": HOLD_TOKENS, "ignore_eos": True, **extra}
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    if streams:
+        resp = conn.getresponse()
+        assert resp.status == 200
+        chunks = 0
+        while chunks < 3:
+            chunks += resp.readline().startswith(b"data:")
+    else:  # the client's own timeout, once the engine runs the request
+        deadline = time.monotonic() + 30
+        while metric(leader.metrics, "vllm:num_requests_running") < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    conn.close()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         done = metric(leader.metrics, cancelled, outcome="cancelled") > before
         if done and metric(leader.metrics, "vllm:num_requests_running") == 0:
             break
-        time.sleep(0.25)
+        time.sleep(0.1)
     assert metric(leader.metrics, cancelled, outcome="cancelled") == before + 1
     assert metric(leader.metrics, "vllm:num_requests_running") == 0
 

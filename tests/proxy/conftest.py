@@ -80,7 +80,7 @@ class Fleet:
             "health": {"interval_s": 0.05, "timeout_s": 0.05, "jitter_s": 0.01,
                        "unhealthy_threshold": 2, "healthy_threshold": 2},
             "retry": {"backoff_base_s": 0.001, "backoff_max_s": 0.01},
-            "timeouts": {"request_s": 10.0, "first_token_s": 3.0, "inter_token_s": 2.0},
+            "timeouts": {"request_s": 10.0, "silence_s": 3.0},
             "models": [{"name": "llm", "model_dir": self.model_dir()}],
             "units": [],
             "upstream_protocol": "grpc" if self.protocol == "channel" else self.protocol,

@@ -65,6 +65,12 @@ class Behavior:
     server_ready: bool = True
     model_ready: bool = True
     token_delay_s: float = 0.0
+    # Every request waits for this event before its first token (None: no wait): a test
+    # holds the unit busy for exactly as long as it wants.
+    gate: asyncio.Event | None = None
+    # Text requests: a progress report (as our leader's progress.py sends) every this
+    # many seconds of a token's delay; 0 = none (a leader that predates them).
+    progress_s: float = 0.0
     fail_next: int = 0  # the next N requests fail with gRPC UNAVAILABLE before any token
     stream_error: str = ""  # in-stream error for every request (e.g. a bad-request message)
     kill_after_tokens: int | None = None  # the whole server dies after this many tokens
@@ -123,6 +129,20 @@ def _response(
         out.shape.append(1)
         raw = serialize_byte_tensor(arr).item() if dtype == "BYTES" else arr.tobytes()
         resp.raw_output_contents.append(raw)
+    return service_pb2.ModelStreamInferResponse(infer_response=resp)
+
+
+# What ``FakeTriton.generate`` yields for a progress report (Behavior.progress_s).
+PROGRESS = None
+
+
+def _progress_response(model: str, rid: str):
+    """A progress report as our leader sends it over Triton: only the ``progress`` output."""
+    resp = service_pb2.ModelInferResponse(model_name=model, id=rid)
+    out = resp.outputs.add()
+    out.name, out.datatype = "progress", "BOOL"
+    out.shape.append(1)
+    resp.raw_output_contents.append(np.array([True], dtype=bool).tobytes())
     return service_pb2.ModelStreamInferResponse(infer_response=resp)
 
 
@@ -230,11 +250,15 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 async for r in self.owner.openai(values["openai_request"]):
                     yield _openai_response("llm", req.id, r)
                 continue
-            async for text, finish, prompt_tokens, completion, version in self.owner.generate(
+            async for item in self.owner.generate(
                 values["text_input"],
                 values.get("sampling_parameters") or "{}",
                 values.get("priority", 0),
             ):
+                if item is PROGRESS:
+                    yield _progress_response("llm", req.id)
+                    continue
+                text, finish, prompt_tokens, completion, version = item
                 cached = b.cached_tokens if finish else None
                 yield _response(
                     "llm", req.id, text, finish, prompt_tokens, completion, version, cached
@@ -266,9 +290,13 @@ async def _generate_stream(request: web.Request) -> web.StreamResponse:
             data = json.dumps(_openai_event(r), sort_keys=True, separators=(",", ":"))
             await resp.write(b"data: " + data.encode() + b"\n\n")
         return resp
-    async for text, finish, prompt_tokens, completion, _version in owner.generate(
+    async for item in owner.generate(
         body["text_input"], body.get("sampling_parameters") or "{}", body.get("priority", 0)
     ):
+        if item is PROGRESS:
+            await resp.write(b'data: {"model_name":"llm","model_version":"1","progress":true}\n\n')
+            continue
+        text, finish, prompt_tokens, completion, _version = item
         # As tritonserver 2.51 writes it: keys sorted, its own repository version, and no
         # trace of an output named model_version (the checkpoint version).
         event = {"model_name": "llm", "model_version": "1", "text_output": text,
@@ -342,9 +370,13 @@ class FakeTriton:
                 if sent is not None:
                     await sent
             return
-        async for text, finish, prompt_tokens, completion, version in self.generate(
+        async for item in self.generate(
             message.text_input, message.sampling_parameters, message.priority
         ):
+            if item is PROGRESS:
+                call.progress()
+                continue
+            text, finish, prompt_tokens, completion, version = item
             event = oc.Event(0, text.encode(), None, finish or None,
                              prompt_tokens=prompt_tokens, completion_tokens=completion,
                              model_version=version)  # fmt: skip
@@ -368,7 +400,14 @@ class FakeTriton:
         try:
             out = ""
             for i in range(max_tokens):
-                await self._token_gate(i)
+                if b.progress_s and b.token_delay_s:
+                    waited = 0.0
+                    while waited < b.token_delay_s:
+                        await asyncio.sleep(b.progress_s)
+                        waited += b.progress_s
+                        yield PROGRESS
+                else:
+                    await self._token_gate(i)
                 if b.abort_after_tokens is not None and i >= b.abort_after_tokens:
                     yield "", "abort", len(prompt), i, None
                     return
@@ -394,6 +433,8 @@ class FakeTriton:
     async def _token_gate(self, i: int) -> None:
         """Before token ``i`` of a request: the knobs that kill, stall or slow it."""
         b = self.behavior
+        if i == 0 and b.gate is not None:
+            await b.gate.wait()
         if b.kill_after_tokens is not None and i >= b.kill_after_tokens:
             asyncio.get_running_loop().create_task(self.kill())
             await asyncio.sleep(3600)  # the server dies under us

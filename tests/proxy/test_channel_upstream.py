@@ -23,6 +23,7 @@ from neuron_serving import openai_channel as oc
 from neuron_serving.triton import channel_server
 from neuron_serving.triton.channel_server import ChannelCall, ChannelServer
 from neuron_serving.triton.engine_load import EngineLoadTracker
+from neuron_serving.triton.progress import ProgressTracker
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import TimeoutConfig, UnitSpec
 from proxy.registry import EngineLoad, Registry
@@ -39,6 +40,9 @@ class ScriptedLeader:
         self.load = EngineLoadTracker()
         self.load.max_num_seqs = 8  # as vLLM building the stat logger sets it
         self.server = ChannelServer(TOKEN, self.open_call, self.load)
+        # As the backend's (progress.py), with a short interval: every call is tracked
+        # unless its spec says "silent" (a leader that lost it, or is stuck).
+        self.progress = ProgressTracker(interval_s=0.05)
         self.cancelled: list[int] = []
         self.opened = 0
         self.texts: list[str] = []
@@ -56,7 +60,10 @@ class ScriptedLeader:
         call.task = asyncio.get_running_loop().create_task(self.run(call, spec))
 
     async def run(self, call: ChannelCall, spec: dict[str, Any]) -> None:
+        if not spec.get("silent"):
+            self.progress.track(call)
         try:
+            await asyncio.sleep(spec.get("first_delay", 0))
             first = oc.Event(0, b"role", status=200, prompt_token_ids=[5, 6], model_version="v1")
             await call.send(first, False)
             for i in range(spec.get("tokens", 3)):
@@ -68,6 +75,8 @@ class ScriptedLeader:
         except asyncio.CancelledError:
             self.cancelled.append(call.id)
             raise
+        finally:
+            self.progress.untrack(call)
 
 
 class FallbackTransport:
@@ -212,11 +221,22 @@ async def test_leader_errors_are_classified_as_over_triton(
     await up.close()
 
 
+async def test_a_slow_call_with_progress_reports_is_not_cut_off(leader) -> None:
+    """Slow is not dead: nothing but ``Progress`` for 4x the silence budget, before the
+    first response and between two, and the call completes."""
+    scripted, port = leader
+    up, _ = await upstream(port, silence_s=0.3)
+    deltas = await collect(up, {"first_delay": 1.2, "tokens": 1, "delay": 1.2})
+    assert deltas[-1].finish_reason == "stop" and not scripted.cancelled
+    assert scripted.progress.reports_total >= 20
+    await up.close()
+
+
 async def test_a_silent_leader_is_cut_off_by_the_watchdog(leader) -> None:
     scripted, port = leader
-    up, _ = await upstream(port, inter_token_s=0.3)
+    up, _ = await upstream(port, silence_s=0.3)
     with pytest.raises(UpstreamError, match="silent for 0.3s") as e:
-        await collect(up, {"hang": True, "tokens": 1})
+        await collect(up, {"hang": True, "tokens": 1, "silent": True})
     assert e.value.unit_fault
     async with asyncio.timeout(5):  # and the leader was told to stop
         while not scripted.cancelled:

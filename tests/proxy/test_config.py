@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from proxy.config import ProxyConfig, UnitSpec, config_from_dict, load_config
+from proxy.config import AdmissionConfig, ProxyConfig, UnitSpec, config_from_dict, load_config
 
 YAML = """
 port: 9000
@@ -72,6 +72,14 @@ def test_json_is_accepted(tmp_path):
 def test_invalid_configs_name_the_field(raw, message):
     with pytest.raises(ValueError, match=message):
         config_from_dict(raw)
+
+
+def test_admission_max_n_is_openais_limit_by_default_and_checked():
+    assert AdmissionConfig().max_n == 128
+    assert config_from_dict({"admission": {"max_n": 4}}).admission.max_n == 4
+    for bad in (0, -1, 1.5, True, "8", None):
+        with pytest.raises(ValueError, match="admission.max_n must be an integer >= 1"):
+            config_from_dict({"admission": {"max_n": bad}})
 
 
 def test_admin_token_env_overrides_file(tmp_path, monkeypatch):

@@ -53,10 +53,10 @@ class Fleet:
         self.flow.release_unit = self.dispatcher.release_first
         self.started: list[str] = []
 
-    def job(self, cls: TrafficClass = RT, tenant: str = "t") -> GenerationJob:
+    def job(self, cls: TrafficClass = RT, tenant: str = "t", cost: int = 1) -> GenerationJob:
         return GenerationJob(
             model="llm", deadline=1e12, prompt="p", max_tokens=1, sampling={},
-            traffic_class=cls, tenant=tenant,
+            traffic_class=cls, tenant=tenant, cost=cost,
         )  # fmt: skip
 
     async def hold(self, name: str, job: GenerationJob, release: asyncio.Event) -> None:
@@ -462,3 +462,129 @@ async def test_snapshot_has_each_class_oldest_queued_wait():
     gate.set()
     await asyncio.gather(blocker, first, second)
     assert fleet.flow.snapshot()["near-real-time"]["oldest_wait_s"] == 0.0
+
+
+# ---- cost: a request's sequences (n choices per prompt) --------------------------------
+
+
+async def test_room_counts_a_requests_sequences_capped_at_the_class_room():
+    fleet = Fleet(units=1)
+    u0, flow = fleet.registry.get("u0"), fleet.flow
+    now = time.monotonic()
+    u0.engine_load = EngineLoad(running=5, waiting=0, kv_usage=0.1, max_num_seqs=8, at=now)
+    assert flow.has_room(u0, RT, 3) and not flow.has_room(u0, RT, 4)
+    assert not flow.has_room(u0, RT, 100)  # wider than the unit: only where it is idle
+    # Batch's room is 0.75 x 8 = 6.
+    assert flow.has_room(u0, BATCH, 1) and not flow.has_room(u0, BATCH, 2)
+    u0.engine_load = dataclasses.replace(u0.engine_load, running=0)
+    assert flow.has_room(u0, RT, 100) and flow.has_room(u0, BATCH, 100)
+    # No limit known (the report is stale, no unit_max_in_flight): room for any cost.
+    u0.engine_load = dataclasses.replace(u0.engine_load, running=8, at=now - 60)
+    assert flow.has_room(u0, BATCH, 1000)
+
+
+async def test_a_wide_request_waits_for_room_for_all_its_sequences():
+    fleet = Fleet(units=1, unit_max_in_flight=4)
+    gates = {name: asyncio.Event() for name in ("s1", "s2", "o", "wide")}
+    s1 = asyncio.create_task(fleet.hold("s1", fleet.job(RT), gates["s1"]))
+    s2 = asyncio.create_task(fleet.hold("s2", fleet.job(RT), gates["s2"]))
+    await settle()
+    wide = asyncio.create_task(fleet.hold("wide", fleet.job(RT, cost=3), gates["wide"]))
+    await settle()
+    assert fleet.started == ["s1", "s2"] and fleet.flow.queued == 1  # 2 + 3 > 4
+    # A narrower request of another tenant fits beside the load and starts: the wide
+    # one holds no reservation (flow_control.py).
+    other = asyncio.create_task(fleet.hold("o", fleet.job(RT, "u"), gates["o"]))
+    await settle()
+    assert fleet.started == ["s1", "s2", "o"] and fleet.flow.queued == 1
+    gates["s1"].set()
+    await s1
+    await settle()
+    assert "wide" not in fleet.started  # 2 + 3 > 4 still
+    gates["s2"].set()
+    await s2
+    await settle()
+    assert fleet.started[-1] == "wide" and fleet.flow.queued == 0  # 1 + 3 = 4
+    gates["wide"].set()
+    gates["o"].set()
+    await asyncio.gather(wide, other)
+    assert fleet.in_flight() == 0 and fleet.flow.active == 0
+
+
+async def test_a_request_wider_than_a_unit_runs_alone_on_an_idle_one():
+    fleet = Fleet(units=2, unit_max_in_flight=2)
+    gate, wide_gate = asyncio.Event(), asyncio.Event()
+    single = fleet.job(RT)
+    held = asyncio.create_task(fleet.hold("single", single, gate))
+    await settle()
+    first, second = fleet.job(RT, cost=10), fleet.job(RT, cost=10)
+    wides = [asyncio.create_task(fleet.hold(n, j, wide_gate)) for n, j in
+             (("w1", first), ("w2", second))]  # fmt: skip
+    await settle()
+    # w1 takes the idle unit (its cost capped at the unit's room: 2); w2 has none.
+    assert fleet.started == ["single", "w1"] and fleet.flow.queued == 1
+    assert first.units != single.units
+    gate.set()
+    await held
+    await settle()
+    assert fleet.started[-1] == "w2" and second.units == single.units
+    wide_gate.set()
+    await asyncio.gather(*wides)
+    assert fleet.in_flight() == 0 and fleet.flow.active == 0
+
+
+async def test_a_wide_batch_request_needs_the_batch_share_free():
+    fleet = Fleet(units=1, unit_max_in_flight=4)  # batch: 3
+    gate, rt_gate = asyncio.Event(), asyncio.Event()
+    rt = asyncio.create_task(fleet.hold("r", fleet.job(RT), rt_gate))
+    await settle()
+    wide = asyncio.create_task(fleet.hold("wide", fleet.job(BATCH, cost=5), gate))
+    await settle()
+    assert fleet.started == ["r"] and fleet.flow.queued == 1  # 1 + min(5, 3) > 3
+    rt_gate.set()
+    await rt
+    await settle()
+    assert fleet.started == ["r", "wide"]
+    gate.set()
+    await wide
+    assert fleet.in_flight() == 0
+
+
+async def test_tenants_share_sequences_not_requests():
+    """Stride scheduling charges a dispatch its cost: a's request of 3 sequences
+    counts as 3 of b's single ones."""
+    fleet = Fleet(unit_max_in_flight=1)
+    jobs = [("aw", fleet.job(RT, "a", cost=3)), ("a1", fleet.job(RT, "a")),
+            ("a2", fleet.job(RT, "a"))] + [(f"b{i}", fleet.job(RT, "b")) for i in range(1, 5)]  # fmt: skip
+    order = await drain_one_by_one(fleet, jobs)
+    assert order == ["aw", "b1", "b2", "b3", "a1", "b4", "a2"]
+
+
+async def test_a_requests_sequences_are_counted_on_its_unit_while_it_runs():
+    fleet = Fleet(units=1, unit_max_in_flight=4)  # batch: 3
+    u0 = fleet.registry.get("u0")
+    gate = asyncio.Event()
+    tasks = [asyncio.create_task(fleet.hold("wide", fleet.job(BATCH, cost=10), gate))]
+    try:
+        await settle()
+        assert fleet.started == ["wide"]
+        # Its sequences, in the unit of the engine's running + waiting (vLLM runs each
+        # choice as a request): the unit is full for batch until the request ends...
+        assert u0.in_flight == 10 and u0.class_in_flight == [0, 0, 10]
+        tasks.append(asyncio.create_task(fleet.hold("b", fleet.job(BATCH, "u"), gate)))
+        await settle()
+        assert "b" not in fleet.started
+        # ...and real-time starts beside it: vLLM's priority scheduler gives it the
+        # next slot that frees, ahead of the batch request's queued sequences.
+        tasks.append(asyncio.create_task(fleet.hold("r", fleet.job(RT), gate)))
+        await settle()
+        assert "r" in fleet.started and u0.class_in_flight == [1, 0, 10]
+    finally:
+        gate.set()
+        await asyncio.gather(*tasks)
+    assert fleet.in_flight() == 0 and u0.class_in_flight == [0, 0, 0]
+    # Placed, then left before its attempt began: uncounted whole.
+    job = fleet.job(RT, cost=5)
+    async with fleet.flow.slot(job):
+        assert job.first_unit is not None and job.first_unit.in_flight == 5
+    assert fleet.in_flight() == 0 and fleet.flow.active == 0

@@ -129,9 +129,10 @@ def test_build_request_is_what_vllm_backend_reads():
     assert [(t.name, t.datatype, list(t.shape)) for t in req.inputs] == [
         ("text_input", "BYTES", [1]), ("stream", "BOOL", [1]),
         ("sampling_parameters", "BYTES", [1]), ("exclude_input_in_output", "BOOL", [1]),
+        ("report_progress", "BOOL", [1]),
     ]  # fmt: skip
     values = _inputs(service_pb2.ModelInferRequest.FromString(req.SerializeToString()))
-    assert values["text_input"] == "héllo 👟"
+    assert values["text_input"] == "héllo 👟" and values["report_progress"] is True
     assert json.loads(values["sampling_parameters"]) == sampling
     assert values["stream"] is True and values["exclude_input_in_output"] is True
     raw = dict(zip([t.name for t in req.inputs], req.raw_input_contents, strict=True))
@@ -143,7 +144,7 @@ def test_the_priority_input_only_when_nonzero():
     input's default and is not sent, over gRPC as over HTTP."""
     assert "priority" not in [t.name for t in build_request("llm", "r", "x", {}).inputs]
     req = build_request("llm", "r", "x", {}, priority=2)
-    assert (req.inputs[-1].name, req.inputs[-1].datatype, list(req.inputs[-1].shape)) == (
+    assert (req.inputs[-2].name, req.inputs[-2].datatype, list(req.inputs[-2].shape)) == (
         "priority", "INT32", [1])  # fmt: skip
     values = _inputs(service_pb2.ModelInferRequest.FromString(req.SerializeToString()))
     assert values["priority"] == 2

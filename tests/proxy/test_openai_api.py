@@ -10,7 +10,8 @@ import pytest
 
 from tests.proxy.conftest import read_sse, url
 from tests.proxy.fake_openai import WORD_ID, WORDS, render_chat
-from tests.proxy.fakes import reference_completion
+from tests.proxy.fakes import reference_completion, wait_until
+from tests.proxy.test_protocol import above_max
 
 pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)
 
@@ -37,8 +38,9 @@ async def test_a_stream_is_relayed_byte_for_byte(fleet):
         raw = await r.read()
     assert raw == b"".join(u.behavior.openai_bodies) and raw.endswith(b"data: [DONE]\n\n")
     (envelope,) = u.behavior.envelopes
-    assert envelope == {"endpoint": "chat/completions", "token_ids": False, "resume": None,
-                        "body": body}  # fmt: skip
+    # Resumable (any temperature): the token ids come along, for a migration.
+    assert envelope == {"endpoint": "chat/completions", "token_ids": True, "resume": None,
+                        "progress": True, "body": body}  # fmt: skip
 
 
 async def test_a_non_200_answer_is_relayed_and_not_retried(fleet):
@@ -117,9 +119,6 @@ async def test_resumed_chat_stream_equals_the_undisturbed_one(fleet, failure):
 
 
 NOT_RESUMABLE = {
-    "sampling without a seed": {"temperature": 0.7},
-    "seeded sampling": {"temperature": 0.8, "seed": 7},
-    "default temperature": {},
     "n > 1": {"temperature": 0, "n": 2},
     "tools": {"temperature": 0, "tools": [{"type": "function", "function": {"name": "f"}}]},
     "structured output": {"temperature": 0, "response_format": {"type": "json_object"}},
@@ -141,6 +140,29 @@ async def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event(fleet, e
         "type": "ServiceUnavailableError", "param": None, "code": 503}}  # fmt: skip
     assert len(chat_text(events).split()) == 3
     assert a.behavior.envelopes[0]["token_ids"] is False and b.behavior.envelopes == []
+
+
+SAMPLED = {
+    "sampling without a seed": {"temperature": 0.7},
+    "seeded sampling": {"temperature": 0.8, "seed": 7},
+    "default temperature": {},
+}
+
+
+@pytest.mark.parametrize("extra", SAMPLED.values(), ids=SAMPLED.keys())
+async def test_a_sampled_stream_continues_on_another_unit(fleet, extra):
+    """Sampled streams resume too: the next unit continues from the tokens the client
+    has (a valid sample given them), with the same sampling parameters."""
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    a.behavior.kill_after_tokens = 3
+    body = {"model": "llm", "messages": CHAT, "max_tokens": 8, "ignore_eos": True,
+            "stream": True, **extra}  # fmt: skip
+    events = await _chat_events(fleet, [a, b], body)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+    assert len(chat_text(events).split()) == 8
+    (resumed,) = b.behavior.envelopes
+    assert len(resumed["resume"]["output_token_ids"]) == 3
+    assert {k: resumed["body"].get(k) for k in extra} == extra
 
 
 async def test_a_non_streamed_request_is_retried_whole(fleet):
@@ -181,3 +203,63 @@ async def test_tokenize_detokenize_version_and_models(fleet):
     assert (
         isinstance(card["created"], int) and card["permission"][0]["object"] == "model_permission"
     )
+
+
+@pytest.mark.parametrize(
+    "endpoint, extra, param, got",
+    [("chat/completions", {"messages": CHAT, "n": 5}, "n", 5),
+     ("chat/completions", {"messages": CHAT, "n": 5, "stream": True}, "n", 5),
+     ("completions", {"prompt": "x", "n": "6"}, "n", 6),
+     ("completions", {"prompt": ["x", "y"], "n": 1, "best_of": 9}, "best_of", 9)],
+)  # fmt: skip
+async def test_n_above_the_maximum_is_a_400_before_any_slot_or_unit(
+    fleet, endpoint, extra, param, got
+):
+    u = await fleet.unit("u0")
+    proxy = await fleet.proxy([u], admission={"max_n": 4})
+    s = fleet.session()
+    body = {"model": "llm", "max_tokens": 2, **extra}
+    async with s.post(url(proxy, f"/v1/{endpoint}"), json=body) as r:
+        assert r.status == 400 and r.content_type == "application/json"
+        assert await r.json() == above_max(param, got, 4)
+    assert u.behavior.envelopes == []
+    assert proxy.admission.snapshot()["real-time"]["dispatched"] == 0
+    # At the maximum: served.
+    ok = {"model": "llm", "messages": CHAT, "max_tokens": 2, "n": 4, "best_of": 4}
+    async with s.post(url(proxy, "/v1/chat/completions"), json=ok) as r:
+        assert r.status == 200
+    assert [e["body"] for e in u.behavior.envelopes] == [ok]
+
+
+async def _status(s, proxy, endpoint: str, body: dict) -> int:
+    async with s.post(url(proxy, f"/v1/{endpoint}"), json=body) as r:
+        await r.read()
+        return r.status
+
+
+@pytest.mark.parametrize(
+    "endpoint, extra",
+    [("chat/completions", {"messages": CHAT, "n": 2}),
+     ("completions", {"prompt": "x", "best_of": 2}),
+     # The fake serves one prompt a request (its 400); the proxy counts two sequences.
+     ("completions", {"prompt": ["x", "y"]})],
+)  # fmt: skip
+async def test_a_request_of_several_sequences_waits_until_they_fit(fleet, endpoint, extra):
+    """One unit of 2 slots, one taken: a request of 2 sequences waits in the proxy
+    (not in the engine, beside a load it does not fit) and starts when the slot frees."""
+    u = await fleet.unit("u0")
+    proxy = await fleet.proxy([u], admission={"unit_max_in_flight": 2})
+    u.behavior.gate = asyncio.Event()  # requests wait there before their first token
+    s = fleet.session()
+    single = {"model": "llm", "prompt": "hi", "max_tokens": 2}
+    first = asyncio.create_task(_status(s, proxy, "completions", single))
+    await wait_until(lambda: u.behavior.active == 1)
+    wide = {"model": "llm", "max_tokens": 2, **extra}
+    second = asyncio.create_task(_status(s, proxy, endpoint, wide))
+    await wait_until(lambda: proxy.admission.queued == 1)
+    await asyncio.sleep(0.05)
+    assert [e["body"] for e in u.behavior.envelopes] == [single] and not second.done()
+    u.behavior.gate.set()
+    assert await first == 200
+    assert await second == (400 if isinstance(extra.get("prompt"), list) else 200)
+    assert [e["body"] for e in u.behavior.envelopes] == [single, wide]

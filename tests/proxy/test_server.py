@@ -109,7 +109,8 @@ async def test_unknown_model_and_bad_input_are_openai_errors(fleet):
     async with s.post(url(proxy, "/v1/completions"), json=body) as r:
         assert r.status == 200, await r.text()
     assert u.behavior.envelopes[-1] == {"endpoint": "completions", "token_ids": False,
-                                        "resume": None, "body": body}  # fmt: skip
+                                        "resume": None, "progress": True,
+                                        "body": body}  # fmt: skip
     for raw in (b"{not json", b"\xff\xfe{}", b"[1, 2]"):
         async with s.post(url(proxy, "/v1/completions"), data=raw) as r:
             assert r.status == 400

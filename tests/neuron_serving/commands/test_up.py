@@ -182,6 +182,28 @@ def test_admission_is_checked_by_the_proxy_and_reaches_every_replica(
         assert got.class_config("real-time").unit_share == 1.0  # the rest: defaults
 
 
+def test_timeouts_reach_every_replica_and_old_keys_say_what_replaced_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:  # fmt: skip
+    from neuron_serving.local.proxy_config import write_proxy_config
+    from proxy.config import load_config
+
+    _fake_cluster(monkeypatch)
+    base = ["up", "--run-dir", str(tmp_path / "run"), "--model", str(_model(tmp_path))]
+    for bad, says in [
+        ('{"first_token_s": 60}', "timeouts.first_token_s was replaced"),
+        ('{"request_s": -1}', "request_s must be >= 0"),
+    ]:
+        assert main([*base, "--timeouts", bad]) == ExitCode.USAGE, bad
+        assert FakeCluster.made == [] and says in capsys.readouterr().err, bad
+    assert main([*base, "--proxies", "2", "--timeouts", '{"request_s": 900}']) == ExitCode.OK
+    paths, _, _ = write_proxy_config(FakeCluster.made[-1].spec)
+    for path in paths:
+        got = load_config(path).timeouts
+        assert got.request_s == 900 and got.silence_s == 30.0
+
+
 def _autoscale_args(**kw: object) -> argparse.Namespace:
     base = dict(autoscale=True, units=None, units_min=1, units_max=3, autoscale_config=None,
                 warm_units=None, autoscale_metrics_port=None)  # fmt: skip

@@ -404,6 +404,8 @@ def test_the_priority_input_reaches_the_engine(backend) -> None:
 class ChannelCall:
     """What the OpenAI channel hands the backend per call (channel_server.ChannelCall)."""
 
+    reports_progress = True
+
     def __init__(self, call_id: int) -> None:
         self.id = call_id
         self.events: list = []
@@ -411,8 +413,13 @@ class ChannelCall:
         self.cancelled = False
         self.task = None
         self.done = threading.Event()
+        self.sends = self.seen = self.progress_reports = 0
+
+    def progress(self) -> None:
+        self.progress_reports += 1
 
     def send(self, event, final: bool) -> None:
+        self.sends += 1
         self.events.append(event)
         if final:
             self.done.set()
@@ -832,3 +839,37 @@ def test_openai_ids_of_an_output_without_event_go_with_the_next_event(openai_bac
     pairs = [(body_of(r), r.outputs["token_ids"].tolist()) for r, _ in s.sent]
     assert [ids for _, ids in pairs] == [[0], [1, 2], [3]]
     assert '"t2 "' in pairs[1][0] and '"t1 "' not in "".join(b for b, _ in pairs)
+
+
+def test_a_slow_request_that_asked_gets_progress_reports(backend) -> None:
+    """Slow is not dead (progress.py): a non-streamed request whose tokens take 0.3 s
+    gets ``progress``-only responses every interval when it asked (the proxy's
+    ``report_progress``), and a plain Triton client's gets none."""
+    backend.progress.interval_s = 0.05
+    backend.engine.step_s = 0.1
+    asked, plain = Sender(), Sender()
+    params = json.dumps({"max_tokens": 3})
+    backend.execute([
+        Request(asked, text_input=b"hi", sampling_parameters=params,
+                report_progress=np.array([True])),
+        Request(plain, text_input=b"hi", sampling_parameters=params),
+    ])  # fmt: skip
+    assert text(wait_final(asked)) == text(wait_final(plain)) == "hit0 t1 t2 "
+    reports = [r for r, flags in asked.sent if list(r.outputs) == ["progress"]]
+    assert len(reports) >= 3 and all(flags == 0 for r, flags in asked.sent[:-1])
+    assert len(plain.sent) == 1  # the answer alone
+    assert len(backend.progress) == 0  # untracked once answered
+
+
+def test_every_channel_call_gets_progress_reports(backend) -> None:
+    """The channel's only client is the proxy: its calls are reported on unasked."""
+    backend.progress.interval_s = 0.05
+    backend.engine.step_s = 0.1
+    call = ChannelCall(7)
+    from neuron_serving.openai_channel import Generate
+
+    async def open_call() -> None:
+        backend._open_channel_call(call, Generate(7, "hi", '{"max_tokens": 3}'))
+
+    backend.engine_thread.call(open_call(), 5.0)
+    assert call.done.wait(5.0) and call.progress_reports >= 2

@@ -65,3 +65,8 @@ def test_malformed_envelopes_are_request_errors(raw: str, fragment: str) -> None
     with pytest.raises(RequestError, match="openai_request") as e:
         parse_envelope(raw)
     assert fragment in str(e.value)
+
+
+def test_the_envelope_asks_for_progress_reports():
+    assert not parse_envelope(b'{"endpoint": "version"}').progress
+    assert parse_envelope(b'{"endpoint": "version", "progress": true}').progress

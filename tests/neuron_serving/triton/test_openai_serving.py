@@ -184,6 +184,41 @@ def test_bad_field_is_vllms_400_and_unknown_fields_pass(served) -> None:
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
 
 
+def test_a_grammar_the_engine_cannot_compile_is_the_requests_400(served) -> None:
+    """vLLM's validation builds this schema's grammar, but EngineCore's xgrammar
+    (0.2.8) fails to compile it (a string pattern repeated more than 128 times), ends
+    the request with finish reason "error", and vLLM answers 500 "Internal server
+    error". The leader answers the request's fault: a 400 with the compiler's message,
+    streamed or not (a stream refused before its first event gets the status too),
+    no unit fault, and the engine serves the next request."""
+    pattern = "^(a|aa|aaa|aaaa){1,200}(b|bb){1,200}$"
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": pattern}},
+        "required": ["s"],
+    }
+    body = {
+        "model": SERVED,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+    for stream in (False, True):
+        status, raw, tap, _ = call(served, "chat/completions", {**body, "stream": stream})
+        error = json.loads(raw)["error"]
+        assert (status, error["type"], error["code"]) == (400, "BadRequestError", 400), raw
+        assert error["message"].startswith("Failed to compile the structured output grammar: ")
+        assert "Check failed" in error["message"]  # xgrammar's own words
+        assert tap.fault is None
+    # vLLM's frontend validation, in a stream: the same 400 as without one.
+    bad_regex = {**body, "response_format": None, "structured_outputs": {"regex": "("}}
+    status, raw, tap, _ = call(served, "chat/completions", {**bad_regex, "stream": True})
+    assert status == 400 and json.loads(raw)["error"]["type"] == "BadRequestError", raw
+    assert tap.fault is None
+    status, raw, _, _ = call(served, "chat/completions", {**body, "response_format": None})
+    assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4, raw
+
+
 def test_tokenize_equals_the_prompt_the_engine_received(served) -> None:
     messages = [
         {"role": "system", "content": "You are a shopping assistant."},

@@ -12,6 +12,7 @@ import pytest
 
 from tests.proxy.conftest import url
 from tests.proxy.fakes import reference_completion
+from tests.proxy.test_protocol import above_max
 
 KEY_A, KEY_B = "tenant-a-key-0123456789", "tenant-b-key-0123456789"
 
@@ -171,6 +172,29 @@ async def test_bad_requests_are_400s_in_openais_format(batchfleet):
         await c.batches.retrieve("batch_nope")
     with pytest.raises(openai.BadRequestError, match="limit"):
         await c.batches.list(limit=1000)
+
+
+async def test_a_line_above_max_n_is_that_lines_400(batchfleet):
+    """admission.max_n is checked as each line runs, as for an ordinary request: the
+    line's result is the 400 an ordinary request gets, and no unit sees it."""
+    _proxy, units, clients = batchfleet
+    c = clients["a"]
+    lines = [chat_line(0, n=2), chat_line(1, n=129), chat_line(2, best_of=500),
+             chat_line(3, n="1000")]  # fmt: skip
+    f = await c.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")  # fmt: skip
+    b = await wait_final(c, b.id)
+    counts = b.request_counts
+    assert b.status == "completed" and (counts.completed, counts.failed) == (1, 3)
+    err = [json.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
+    got = {r["custom_id"]: (r["response"]["status_code"], r["response"]["body"]) for r in err}
+    assert got == {
+        "req-1": (400, above_max("n", 129, 128)),
+        "req-2": (400, above_max("best_of", 500, 128)),
+        "req-3": (400, above_max("n", 1000, 128)),
+    }
+    assert [e["body"]["n"] for u in units for e in u.behavior.envelopes] == [2]
 
 
 async def test_a_tenant_sees_only_its_own_files_and_batches(batchfleet):

@@ -19,7 +19,7 @@ from proxy.dispatch import NoRoutableUnit
 from proxy.errors import APIError, invalid, server_error
 from proxy.flow_control import Overloaded
 from proxy.http_guard import read_body
-from proxy.upstream import UpstreamError
+from proxy.upstream import DEADLINE_MESSAGE, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def as_api_error(e: Exception) -> APIError:
                 {"Retry-After": _RETRY_AFTER},
             )
         if e.status == 504:
-            return server_error(504, "request deadline exceeded", "deadline_exceeded")
+            return server_error(504, e.client_message or DEADLINE_MESSAGE, "deadline_exceeded")
         message = e.client_message or "the model server failed the request"
         return server_error(e.status, message, "upstream_error")
     raise e

@@ -34,7 +34,7 @@ from proxy.http_guard import TRAFFIC_CLASS
 from proxy.pipeline import Pipeline
 from proxy.protocol import Endpoint, parse_openai
 from proxy.traffic_class import lowered
-from proxy.upstream import DeadlineExceeded, GenerationDelta, UpstreamError
+from proxy.upstream import DEADLINE_MESSAGE, DeadlineExceeded, GenerationDelta, UpstreamError
 
 _DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -48,7 +48,7 @@ def stream_error_event(e: Exception) -> bytes:
     ``data: {"error": {message, type, param, code}}`` event (code: the HTTP status
     the failure would have had)."""
     if isinstance(e, DeadlineExceeded):
-        status, message = 504, "request deadline exceeded"
+        status, message = 504, DEADLINE_MESSAGE
     elif isinstance(e, UpstreamError):
         status = e.status if e.status >= 500 else 502
         message = e.client_message or "the unit serving this stream failed; retry the request"

@@ -1,4 +1,3 @@
-import asyncio
 import json
 
 import aiohttp
@@ -138,15 +137,27 @@ async def test_client_disconnect_cancels_upstream(fleet):
     )
 
 
-async def test_deadline_gives_504(fleet):
+async def test_the_maximum_duration_aborts_the_request_and_gives_504(fleet):
+    """``timeouts.request_s`` (off by default): past it the engine request is aborted
+    (the leader sees the call cancelled) and the client gets a 504 in OpenAI's format
+    that says what happened; streamed, the stream ends with that error event."""
     u = await fleet.unit("u0")
     u.behavior.token_delay_s = 0.5
-    proxy = await fleet.proxy([u], timeouts={"request_s": 0.2})
+    proxy = await fleet.proxy([u], timeouts={"request_s": 0.3})
     s = fleet.session()
-    async with s.post(url(proxy, "/v1/completions"), json={"model": "llm", "prompt": "p"}) as r:
+    body = {"model": "llm", "prompt": "p", "max_tokens": 50}
+    async with s.post(url(proxy, "/v1/completions"), json=body) as r:
         assert r.status == 504
-        assert (await r.json())["error"]["code"] == "deadline_exceeded"
-    await asyncio.sleep(0)
+        error = (await r.json())["error"]
+    assert error["code"] == "deadline_exceeded"
+    assert "maximum request duration" in error["message"] and "aborted" in error["message"]
+    await wait_until(lambda: u.behavior.cancelled == 1 and u.behavior.active == 0)
+    u.behavior.token_delay_s = 0.1
+    async with s.post(url(proxy, "/v1/completions"), json={**body, "stream": True}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert b"maximum request duration" in raw and raw.endswith(b"data: [DONE]\n\n")
+    await wait_until(lambda: u.behavior.cancelled == 2 and u.behavior.active == 0)
 
 
 async def test_client_disconnect_cancels_a_non_stream_request(fleet):

@@ -549,12 +549,16 @@ class _OpenAICall:
         job, req = self.job, self.job.request
         self.resumed = resumed = ResumedStream(
             self.origin, req.endpoint == "chat/completions", len(self.prompt_ids),
-            len(self.output_ids),
+            len(self.output_ids), req.replay,
         )  # fmt: skip
         if req.max_tokens is not None and len(self.output_ids) >= req.max_tokens:
             return GenerationDelta("", "length", body=resumed.length_finish(req.include_usage))
         body = msgspec.json.encode(dict(job.body, request_id=response_id_suffix(resumed.id)))
-        resume = {"prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids}
+        resume: dict[str, Any] = {
+            "prompt_token_ids": self.prompt_ids, "output_token_ids": self.output_ids,
+        }  # fmt: skip
+        if req.replay:
+            resume["replay"] = True
         self.envelope = openai_envelope(
             req.endpoint, body, True, resume, priority=int(job.traffic_class)
         )

@@ -51,7 +51,9 @@ class OpenAIRequest:
     model: str
     stream: bool = False
     include_usage: bool = False
-    resumable: bool = False  # a broken stream may continue on another unit, token-exact
+    resumable: bool = False  # a broken stream may continue on another unit (``resumable``)
+    # A continuation replays the answer so far through the leader's tool parser.
+    replay: bool = False
     max_tokens: int | None = None  # the body's limit on generated tokens, if it set one
     routing_key: str = ""
     # OpenAI's service_tier as a traffic class to lower to (None: no change).
@@ -125,6 +127,7 @@ def parse_openai(
         stream=stream,
         include_usage=include_usage,
         resumable=stream and resumable(body, endpoint),
+        replay=uses_tools(body),
         max_tokens=limit if _is_int(limit) else None,
         routing_key=routing_key(body, endpoint),
         service_tier=tier,
@@ -212,9 +215,14 @@ def resumable(body: dict[str, Any], endpoint: Endpoint) -> bool:
     generator starts again (from the seed, if any) on the new unit, so a seed's
     reproducibility does not survive a failure.
 
-    Not resumable: structured outputs and tool calls (the grammar's and the tool
-    parser's state is not in the token ids: the new leader would start the grammar or
-    the parser over in the middle of the answer), several choices (``n``, ``best_of``,
+    Tool calls resume when vLLM's parser reads them from the text (``tool_choice``
+    absent or "auto"): the new leader replays the answer so far through its parser
+    before the continuation (``uses_tools``), so a tool call cut in the middle is
+    finished, not started over; not with logprobs, which the replay has none of.
+
+    Not resumable: structured outputs, ``tool_choice`` "required" or a named function
+    (a grammar: the new engine would start it over in the middle of the answer, and
+    vLLM has no way to advance it over tokens already generated), several choices (``n``, ``best_of``,
     batched prompts), ``echo`` and ``prompt_logprobs`` (they describe the prompt, which
     a continuation changes), and frequency/presence penalties (they count only output
     tokens, which a continuation sees as prompt)."""
@@ -223,7 +231,11 @@ def resumable(body: dict[str, Any], endpoint: Endpoint) -> bool:
         return False
     if any(body.get(k) is not None for k in _STRUCTURED):
         return False
-    if body.get("tools") and body.get("tool_choice") != "none":
+    if uses_tools(body) and (
+        body.get("tool_choice") not in (None, "auto") or _logprobs(body, endpoint)
+    ):
+        # "required" and a named function are a grammar; the replayed answer
+        # (``uses_tools``) carries no logprobs for vLLM's chunks to read.
         return False
     for key in ("n", "best_of"):
         if body.get(key) not in (None, 1):
@@ -239,6 +251,19 @@ def resumable(body: dict[str, Any], endpoint: Endpoint) -> bool:
             if len(prompt) != 1:  # a batch: one choice per prompt
                 return False
     return True
+
+
+def uses_tools(body: dict[str, Any]) -> bool:
+    """The answer may be a tool call that vLLM's tool parser reads from the text: a
+    continuation must replay the answer so far through the parser on the new leader
+    (``Resume.replay``), or it would parse the rest as if it were the start."""
+    return bool(body.get("tools")) and body.get("tool_choice") != "none"
+
+
+def _logprobs(body: dict[str, Any], endpoint: Endpoint) -> bool:
+    if endpoint == "chat/completions":
+        return body.get("logprobs") not in (None, False)
+    return body.get("logprobs") is not None
 
 
 def routing_key(body: dict[str, Any], endpoint: Endpoint) -> str:

@@ -45,8 +45,18 @@ def response_id_suffix(response_id: str) -> str:
 class ResumedStream:
     """Rewrites the chunks of one resumed attempt (see the module docstring)."""
 
-    def __init__(self, origin: bytes, chat: bool, prompt_tokens: int, streamed_tokens: int):
+    def __init__(
+        self,
+        origin: bytes,
+        chat: bool,
+        prompt_tokens: int,
+        streamed_tokens: int,
+        replayed: bool = False,
+    ):
         # origin: the first event the client got; its envelope is the stream's.
+        # replayed: the leader replayed the streamed tokens through its parser, and
+        # its usage already counts them (openai_envelope.Resume.replay).
+        self.replayed = replayed
         first = json.loads(origin[len(_DATA) :])
         self.id: str = first["id"]
         self.created: int = first["created"]
@@ -77,7 +87,9 @@ class ResumedStream:
                     choice["prompt_token_ids"] = None
             usage = obj.get("usage")
             if isinstance(usage, dict):
-                completion = (usage.get("completion_tokens") or 0) + self.streamed_tokens
+                completion = usage.get("completion_tokens") or 0
+                if not self.replayed:
+                    completion += self.streamed_tokens
                 usage["prompt_tokens"] = self.prompt_tokens
                 usage["completion_tokens"] = completion
                 usage["total_tokens"] = self.prompt_tokens + completion

@@ -119,7 +119,7 @@ def openai_envelope(
     endpoint: str,
     body: bytes,
     token_ids: bool,
-    resume: dict[str, list[int]] | None = None,
+    resume: dict[str, Any] | None = None,
     priority: int = 0,
 ) -> bytes:
     """The ``openai_request`` input: ``{"endpoint", "token_ids", "resume", "progress",

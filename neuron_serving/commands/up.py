@@ -79,7 +79,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="JSON",
         help="the proxy replicas' timeouts section merged over the defaults, e.g. "
-        '\'{"request_s": 900}\' to cap every request at 15 minutes (none by default) or '
+        "'{\"request_s\": 900}' to cap every request at 15 minutes (none by default) or "
         '\'{"silence_s": 60}\' (proxy/README.md, "Slow is not dead")',
     )
     p.add_argument(

@@ -10,7 +10,8 @@ Wire (UTF-8 JSON, one string in a TYPE_STRING tensor)::
     {"endpoint": "chat/completions" | "completions" | "tokenize" | "detokenize" | "version",
      "body": {...},                      # the client's JSON body
      "token_ids": false,                 # attach prompt/generated token ids (migration)
-     "resume": null | {"prompt_token_ids": [...], "output_token_ids": [...]},
+     "resume": null | {"prompt_token_ids": [...], "output_token_ids": [...],
+                       "replay": false},
      "priority": 0,                      # vLLM's request priority: the traffic class
                                          # (0 real-time, 1 near-real-time, 2 batch);
                                          # it overrides any "priority" in the body
@@ -43,6 +44,10 @@ class Resume(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
     output_token_ids: list[TokenId]
+    # Feed the output so far to the serving layer's parsers before the continuation
+    # (a tool-call stream: the parser's state is in the text, not in the engine), and
+    # count it in the continuation's usage (openai_serving.TeeEngineClient).
+    replay: bool = False
 
 
 class OpenAIEnvelope(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -126,6 +126,7 @@ class EngineTap:
         "fault",
         "engine_requests",
         "_cached",
+        "replaying",
     )
 
     def __init__(self, resume: Resume | None = None, priority: int = 0) -> None:
@@ -146,6 +147,9 @@ class EngineTap:
         self.fault: BaseException | None = None
         self.engine_requests = 0  # generate() calls: one per prompt of the request
         self._cached: int | None = None  # num_cached_tokens of the first output
+        # The serving layer is reading the replayed answer (TeeEngineClient): the
+        # events it makes now are not sent.
+        self.replaying = False
 
     @property
     def cached_tokens(self) -> int | None:
@@ -215,7 +219,16 @@ class TeeEngineClient:
                 sampling_params.min_tokens = max(0, sampling_params.min_tokens - skip)
             outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         try:
+            replay = tap is not None and tap.resume is not None and tap.resume.replay
+            if replay:
+                # The serving layer's parser reads the answer so far first (see
+                # ``replayed_output``); what it makes of it is not sent (``replaying``).
+                tap.replaying = True
+                yield self.replayed_output(request_id, tap.resume, sampling_params)
+                tap.replaying = False
             async for out in outputs:
+                if replay:  # usage counts the original prompt, as the client's does
+                    out.prompt_token_ids = list(tap.resume.prompt_token_ids)
                 if tap is not None:
                     tap.observe(out, sampling_params.output_kind)
                 if any(seq.finish_reason == "error" for seq in out.outputs):
@@ -239,6 +252,28 @@ class TeeEngineClient:
             # Close the engine's generator now, not at garbage collection: on an early
             # exit, AsyncLLM.generate aborts the request (frees its KV blocks) there.
             await outputs.aclose()
+
+    def replayed_output(self, request_id: str, resume: Resume, sampling_params: Any) -> Any:
+        """The answer streamed before the resume as one engine output: a continuation
+        whose tool parser starts from nothing would parse the rest of a tool call as
+        if it were the start of the answer. vLLM's serving layer feeds it to the
+        request's parser like any output, so the parser's state is the one the
+        undisturbed stream had there; the chunks it makes of it are dropped, because
+        the client has them. The text is the ids decoded after a few prompt tokens, as
+        vLLM's incremental detokenizer reads them (a leading space stays a space)."""
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        tokenizer = self._engine.get_tokenizer()
+        skip = sampling_params.skip_special_tokens
+        context = list(resume.prompt_token_ids[-4:])
+        head = tokenizer.decode(context, skip_special_tokens=skip)
+        full = tokenizer.decode(context + list(resume.output_token_ids), skip_special_tokens=skip)
+        if full.startswith(head):
+            text = full[len(head) :]
+        else:
+            text = tokenizer.decode(list(resume.output_token_ids), skip_special_tokens=skip)
+        out = CompletionOutput(0, text, list(resume.output_token_ids), None, None)
+        return RequestOutput(request_id, None, list(resume.prompt_token_ids), None, [out], False)
 
 
 class GrammarCheck:
@@ -422,7 +457,7 @@ class OpenAIServing:
         # nothing; a request refused before it had one gets its 4xx (see the module
         # docstring).
         try:
-            first = await _next_event(out)
+            first = await _next_event(out, tap)
         except BaseException:
             await out.aclose()
             raise
@@ -489,9 +524,12 @@ class SSEPuller:
         self.done = False
 
     async def pull(self) -> str:
-        parts = [await self._take()]
+        event = await self._take()
+        while not event and not self.done:  # a replayed answer's events: not sent
+            event = await self._take()
+        parts = [event]
         while not self.done:
-            self._next = asyncio.ensure_future(_next_event(self._stream))
+            self._next = asyncio.ensure_future(_next_event(self._stream, self._tap))
             await asyncio.sleep(0)  # the step runs now; done if it did not wait
             if not self._next.done():
                 break
@@ -500,7 +538,7 @@ class SSEPuller:
 
     async def _take(self) -> str:
         nxt, self._next = self._next, None
-        event = await (nxt if nxt is not None else _next_event(self._stream))
+        event = await (nxt if nxt is not None else _next_event(self._stream, self._tap))
         if self._tap is not None:
             self._tap.carry()
         # vLLM ends every stream with [DONE] (errors included); the end of the
@@ -521,9 +559,12 @@ class SSEPuller:
             await aclose()
 
 
-async def _next_event(stream: AsyncIterator[str]) -> str | None:
-    """The next event, or None at the end (StopAsyncIteration does not cross a task)."""
+async def _next_event(stream: AsyncIterator[str], tap: EngineTap | None = None) -> str | None:
+    """The next event, or None at the end (StopAsyncIteration does not cross a task);
+    "" for an event made of the replayed answer (``EngineTap.replaying``, read while
+    the stream is suspended right after making it), which the client already has."""
     try:
-        return await anext(stream)
+        event = await anext(stream)
     except StopAsyncIteration:
         return None
+    return "" if tap is not None and tap.replaying else event

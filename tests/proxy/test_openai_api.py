@@ -120,7 +120,11 @@ async def test_resumed_chat_stream_equals_the_undisturbed_one(fleet, failure):
 
 NOT_RESUMABLE = {
     "n > 1": {"temperature": 0, "n": 2},
-    "tools": {"temperature": 0, "tools": [{"type": "function", "function": {"name": "f"}}]},
+    "required tool": {
+        "temperature": 0,
+        "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    },
     "structured output": {"temperature": 0, "response_format": {"type": "json_object"}},
     "penalties": {"temperature": 0, "frequency_penalty": 0.5},
 }
@@ -163,6 +167,20 @@ async def test_a_sampled_stream_continues_on_another_unit(fleet, extra):
     (resumed,) = b.behavior.envelopes
     assert len(resumed["resume"]["output_token_ids"]) == 3
     assert {k: resumed["body"].get(k) for k in extra} == extra
+
+
+async def test_a_tool_stream_continues_with_its_answer_replayed(fleet):
+    """``tools`` (auto): the continuation asks the next leader to replay the answer so
+    far through its tool parser (``resume.replay``), whose usage then counts it."""
+    a, b = await fleet.unit("u0"), await fleet.unit("u1")
+    a.behavior.kill_after_tokens = 3
+    body = {"model": "llm", "messages": CHAT, "max_tokens": 8, "ignore_eos": True,
+            "stream": True, "tools": [{"type": "function", "function": {"name": "f"}}]}  # fmt: skip
+    events = await _chat_events(fleet, [a, b], body)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events if isinstance(e, dict))
+    assert len(chat_text(events).split()) == 8
+    (resumed,) = b.behavior.envelopes
+    assert resumed["resume"]["replay"] is True and len(resumed["resume"]["output_token_ids"]) == 3
 
 
 async def test_a_non_streamed_request_is_retried_whole(fleet):

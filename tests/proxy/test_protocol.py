@@ -53,7 +53,20 @@ GREEDY = {"temperature": 0}
         ({**GREEDY, "response_format": {"type": "json_schema"}}, False),
         ({**GREEDY, "structured_outputs": {"regex": "a+"}}, False),
         ({**GREEDY, "guided_json": {}}, False),
-        ({**GREEDY, "tools": [{"type": "function"}]}, False),
+        # Tool calls the parser reads from the text resume (the leader replays the
+        # answer so far through it); a grammar ("required", named) does not.
+        ({**GREEDY, "tools": [{"type": "function"}]}, True),
+        ({"tools": [{"type": "function"}], "tool_choice": "auto", "temperature": 0.7}, True),
+        ({**GREEDY, "tools": [{"type": "function"}], "tool_choice": "required"}, False),
+        (
+            {
+                **GREEDY,
+                "tools": [{"type": "function"}],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            False,
+        ),
+        ({**GREEDY, "tools": [{"type": "function"}], "logprobs": 2}, False),
         ({**GREEDY, "tools": [{"type": "function"}], "tool_choice": "none"}, True),
         ({**GREEDY, "n": 2}, False),
         ({**GREEDY, "n": 1, "best_of": 1}, True),
@@ -69,6 +82,14 @@ GREEDY = {"temperature": 0}
 )
 def test_resumable(body, expected):
     assert resumable({"model": "llm", **body}, "completions") is expected
+
+
+def test_a_tool_stream_is_replayed_on_resume():
+    body = {"model": "llm", "messages": [], "stream": True, "tools": [{"type": "function"}]}
+    req = parse_openai(body, "chat/completions", SERVED)
+    assert req.resumable and req.replay
+    assert not parse_openai({**body, "tool_choice": "none"}, "chat/completions", SERVED).replay
+    assert not parse_openai({**body, "tools": []}, "chat/completions", SERVED).replay
 
 
 def test_only_streams_are_resumable():

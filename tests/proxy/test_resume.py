@@ -42,6 +42,16 @@ def test_chat_fixups():
     assert fixed[1]["system_fingerprint"] == "vllm-0.32.0" and fixed[-1] == "[DONE]"
 
 
+def test_a_replayed_continuation_already_counts_the_streamed_tokens():
+    """``replayed``: the leader fed the 4 streamed tokens through its parser, so its
+    usage counts them (and the original prompt); the proxy adds nothing."""
+    replayed = RESUMED.replace(b'"prompt_tokens":23', b'"prompt_tokens":19').replace(
+        b'"completion_tokens":2', b'"completion_tokens":6').replace(
+        b'"total_tokens":25', b'"total_tokens":25')  # fmt: skip
+    fixed = events(ResumedStream(first_event(ORIGIN), True, 19, 4, True).fix(replayed))
+    assert fixed[1]["usage"] == {"prompt_tokens": 19, "total_tokens": 25, "completion_tokens": 6}
+
+
 def test_completion_fixups_keep_role_less_chunks_and_clear_repeated_prompt_ids():
     origin = (
         b'data: {"id":"cmpl-7","object":"text_completion","created":5,"model":"m","choices":[]}'

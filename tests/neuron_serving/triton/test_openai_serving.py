@@ -413,3 +413,126 @@ def test_a_real_time_request_overtakes_a_batch_backlog(served) -> None:
 
     thread.call(run(), TIMEOUT_S)
     assert done.index("real-time") < min(done.index("batch2"), done.index("batch3")), done
+
+
+TOOL_CALL = '[get_stock(sku="A1", qty=2)]'
+STOCK_TOOL = {"type": "function", "function": {
+    "name": "get_stock", "description": "Units of an article in stock.",
+    "parameters": {"type": "object", "properties": {
+        "sku": {"type": "string"}, "qty": {"type": "integer"}}}}}  # fmt: skip
+
+
+class ScriptedEngine:
+    """The real AsyncLLM for everything but ``generate``, which answers ``text``'s tokens
+    one output each (DELTA), as if the engine sampled them: the model decides nothing
+    here, so the tool parser gets a tool call on random weights. A resumed request
+    (its prompt holds ``base`` tokens plus the ones generated so far) gets the rest."""
+
+    def __init__(self, engine, text: str, base: int | None = None) -> None:
+        self._engine = engine
+        self.ids = engine.get_tokenizer().encode(text, add_special_tokens=False)
+        self.base = base
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt, sampling_params, request_id: str, **kwargs):
+        import asyncio
+
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        tokenizer = self._engine.get_tokenizer()
+        prompt_ids = list(prompt["prompt_token_ids"])
+        if self.base is None:
+            self.base = len(prompt_ids)
+        done = len(prompt_ids) - self.base
+        for k, tok in enumerate(self.ids[done:]):
+            last = done + k + 1 == len(self.ids)
+            out = CompletionOutput(0, tokenizer.decode([tok]), [tok], None, None,
+                                   finish_reason="stop" if last else None)  # fmt: skip
+            yield RequestOutput(request_id, None, prompt_ids, None, [out], last)
+            await asyncio.sleep(0)
+
+
+def _tool_stream(served, engine: ScriptedEngine, resume: Resume | None = None):
+    """A streamed chat with tools (vLLM's pythonic parser) through a serving layer on
+    ``engine``: (events, tap, ids per pull)."""
+    thread, _ = served
+
+    async def build() -> OpenAIServing:
+        return OpenAIServing(engine, SERVED, engine._engine.model_config.model, "pythonic")
+
+    serving = thread.call(build(), TIMEOUT_S)
+    body = {"model": SERVED, "messages": [{"role": "user", "content": "Is A1 in stock?"}],
+            "tools": [STOCK_TOOL], "stream": True, "max_tokens": 64, "temperature": 0.7,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    async def run():
+        result = await serving.handle(OpenAIEnvelope("chat/completions", body, True, resume))
+        assert result.status == 200, result.body
+        puller, pulls, ids = SSEPuller(result.stream, result.tap), [], []
+        try:
+            while not puller.done:
+                pulls.append(await puller.pull())
+                ids.append(result.tap.take_token_ids())
+        finally:
+            await puller.aclose()
+        return pulls, result.tap, ids
+
+    pulls, tap, ids = thread.call(run(), TIMEOUT_S)
+    return pulls, tap, ids
+
+
+def _tool_calls(chunks: list[dict]) -> tuple[list[tuple[str, str]], str | None, str]:
+    """What a client makes of a stream's chunks: the tool calls (name, arguments) as
+    OpenAI's streaming format accumulates them, the finish reason, the content."""
+    calls: dict[int, list[str]] = {}
+    finish, content = None, ""
+    for c in chunks:
+        for choice in c["choices"]:
+            delta = choice.get("delta") or {}
+            content += delta.get("content") or ""
+            for tc in delta.get("tool_calls") or []:
+                call = calls.setdefault(tc["index"], ["", ""])
+                fn = tc.get("function") or {}
+                call[0] += fn.get("name") or ""
+                call[1] += fn.get("arguments") or ""
+            finish = choice.get("finish_reason") or finish
+    return [tuple(calls[i]) for i in sorted(calls)], finish, content
+
+
+def test_a_tool_call_stream_resumes_through_the_parser(served) -> None:
+    """A tool-call stream cut at any chunk and resumed with ``replay`` gives the client
+    the tool call the undisturbed stream gives: the new leader's parser reads the
+    answer so far first (its chunks are not sent), then the rest. Usage counts the
+    whole answer, against the original prompt."""
+    thread, _ = served
+    real = thread.engine
+    pulls, tap, ids = _tool_stream(served, ScriptedEngine(real, TOOL_CALL))
+    whole = events(pulls)
+    calls, finish, content = _tool_calls(whole)
+    assert calls == [("get_stock", json.dumps({"sku": "A1", "qty": 2}))] and finish == "tool_calls"
+    assert content == "" and whole[-1]["usage"]["completion_tokens"] == len(
+        ScriptedEngine(real, TOOL_CALL).ids
+    )
+    flat = [i for batch in ids for i in batch]
+    base = len(tap.prompt_token_ids)
+    for cut in range(1, len(pulls) - 1):
+        done = sum(len(batch) for batch in ids[:cut])
+        if not 0 < done < len(flat):
+            continue
+        head = [json.loads(p[len("data: ") :]) for p in "".join(pulls[:cut]).split("\n\n") if p]
+        resume = Resume(prompt_token_ids=tap.prompt_token_ids, output_token_ids=flat[:done],
+                        replay=True)  # fmt: skip
+        rest_pulls, _, rest_ids = _tool_stream(
+            served, ScriptedEngine(real, TOOL_CALL, base), resume
+        )
+        rest = [
+            c
+            for c in events(rest_pulls)
+            if not any("role" in (ch.get("delta") or {}) for ch in c["choices"])
+        ]  # the proxy drops it
+        assert [i for batch in rest_ids for i in batch] == flat[done:], cut
+        assert _tool_calls(head + rest) == (calls, "tool_calls", ""), (cut, head, rest)
+        usage = rest[-1]["usage"]
+        assert usage["prompt_tokens"] == base and usage["completion_tokens"] == len(flat), cut

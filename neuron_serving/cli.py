@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "models": "models",
     "simulate": "simulate",
+    "faults": "faults",
 }
 
 

@@ -132,7 +132,8 @@ def session_members(sid: int) -> list[psutil.Process]:
     return out
 
 
-def _signal(procs: list[psutil.Process], sig: int) -> None:
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to each of ``procs`` that is still the process it was."""
     for p in procs:
         try:
             p.send_signal(sig)  # psutil checks the create time: a reused pid is skipped
@@ -245,8 +246,8 @@ class ProcessTree:
                 len(leftovers),
                 [p.pid for p in leftovers],
             )
-            _signal(leftovers, signal.SIGTERM)
-            _signal(leftovers, signal.SIGCONT)
+            signal_all(leftovers, signal.SIGTERM)
+            signal_all(leftovers, signal.SIGCONT)
             _, still = psutil.wait_procs(leftovers, timeout=min(LEFTOVER_GRACE_S, kill_timeout_s))
             if [p for p in still if alive(p)] or self.members():
                 survivors = self.kill(kill_timeout_s)
@@ -263,7 +264,7 @@ class ProcessTree:
         self.popen.kill()
         while True:
             members = self.members()
-            _signal(members, signal.SIGKILL)
+            signal_all(members, signal.SIGKILL)
             seen.update((p.pid, p) for p in members)
             if not members or time.monotonic() >= deadline:
                 break

@@ -91,6 +91,7 @@ RULES = (
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("neuron_serving.cli", "neuron_serving.commands"),
     ("neuron_serving.bench",),
+    ("neuron_serving.faults",),
     ("neuron_serving.capacity",),
     ("neuron_serving.deploy",),
     ("neuron_serving.local",),

@@ -19,7 +19,8 @@ BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", 
 # batch backlog, alone / through the traffic classes / first come first served;
 # capacity: a compressed spike trace (--trace diurnal: the whole day) against autoscaled,
 # peak-sized and minimum-sized fleets of TP=1 units, one cluster after another).
-DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity")
+# soak: a cluster under mixed traffic and a fault schedule for 30 minutes (--quick 5).
+DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity", "soak")
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 
@@ -58,6 +59,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="routing: open loop, sessions arriving as a Poisson process at this rate "
         "(writes routing-open.json) instead of a fixed number at a time",
     )  # fmt: skip
+    p.add_argument(
+        "--faults", default=None, metavar="FILE",
+        help="soak: this fault schedule (`neuron-serving faults plan`) instead of the seed's",
+    )  # fmt: skip
+    p.add_argument("--duration", type=float, default=None, metavar="S", help="soak: its length")
+    p.add_argument("--seed", type=int, default=0, help="soak: clients' and faults' seed")
     p.add_argument(
         "--py-spy", default=None, metavar="DIR",
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
@@ -100,6 +107,11 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
         if args.resimulate:
             return capacity.resimulate(args.resimulate)
         return capacity.main(quick, model, emit_json, repeats, trace=args.trace or capacity.TRACE)
+    if name == "soak":
+        from neuron_serving.bench.soak import run as soak
+
+        return soak.main(quick, model, emit_json, repeats, duration_s=args.duration,
+                         seed=args.seed, faults_file=args.faults)  # fmt: skip
     if name == "routing":
         from neuron_serving.bench import routing
 
@@ -121,6 +133,17 @@ def run(args: argparse.Namespace) -> int:
     ):
         print("bench: --session-rate must be a finite number > 0", file=sys.stderr)
         return ExitCode.USAGE
+    if args.name != "soak" and (args.faults or args.duration is not None):
+        print("bench: --faults and --duration are bench soak's", file=sys.stderr)
+        return ExitCode.USAGE
+    if args.faults:
+        from neuron_serving.faults.schedule import load
+
+        try:
+            load(args.faults)
+        except (OSError, ValueError) as e:
+            print(f"bench: --faults: {e}", file=sys.stderr)
+            return ExitCode.USAGE
     if args.name != "classes" and (args.tp is not None or args.admission is not None):
         print("bench: --tp and --admission are bench classes'", file=sys.stderr)
         return ExitCode.USAGE

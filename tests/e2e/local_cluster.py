@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import time
 import urllib.request
@@ -22,6 +21,8 @@ import psutil
 import pytest
 import yaml
 
+from neuron_serving.faults.injector import Injector
+from neuron_serving.faults.schedule import Fault
 from neuron_serving.local.probe import get_json
 from tests.procs import Proc, up_ports, wait_for
 
@@ -107,6 +108,15 @@ class Cluster:
 
     def log_tail(self) -> str:
         return "\n".join(self.proc.stdout().splitlines()[-40:])
+
+    def inject(self, kind: str, target: str, duration_s: float = 0.0) -> int:
+        """Apply one fault now (``neuron_serving/faults``: the injector the soak uses)
+        to ``target`` (``unit-N/leader``, ``unit-N/follower-R``, ``proxy-J``); returns
+        the pid it hit."""
+        record = Injector(self.run_dir).apply(Fault(0.0, kind, target, duration_s))
+        assert record.error is None and record.pid is not None, record.error
+        self.seen_pids.add(record.pid)
+        return record.pid
 
     def leader_metrics(self, unit_id: str) -> str:
         """``unit_id``'s leader's Prometheus text (the merged Triton + vLLM + ours
@@ -285,7 +295,7 @@ def kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> None:
     results, threads = start_streams(c, STREAMS)
     wait_for(lambda: (c.proxy_unit(unit) or {}).get("in_flight", 0) > 0, 60,
              interval=0.05, what=f"streams on {unit}")  # fmt: skip
-    os.kill(pid, signal.SIGKILL)
+    assert c.inject("kill", f"{unit}/{victim}") == pid
     killed = time.monotonic()
     wait_for(lambda: not c.routable(unit), 30, interval=0.05, what=f"{unit} unhealthy")
     unhealthy_s = time.monotonic() - killed

@@ -15,7 +15,6 @@ within 3 s of the kill), asserted with tolerance and printed.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
@@ -174,7 +173,7 @@ def test_proxy_replicas_drain_together_and_one_sigkilled_loses_only_its_own(
         return status.get("admission", {}).get("active", 0) > 0
 
     wait_for(victim_busy, 60, interval=0.02, what="requests in flight on proxy-0")
-    os.kill(pid, signal.SIGKILL)
+    assert cluster.inject("kill", victim["replica_id"]) == pid
     killed = time.monotonic()
     done_at_kill = len(results)
 
@@ -243,7 +242,7 @@ def test_a_batch_survives_a_proxy_sigkill_with_every_line_exactly_once(
     wait_for(lambda: progress() >= 300, 600, interval=0.5, what="300 lines done")
     victim = cluster.replicas()[1]
     (pid,) = [p["pid"] for p in victim["processes"] if p["running"]]
-    os.kill(pid, signal.SIGKILL)
+    assert cluster.inject("kill", victim["replica_id"]) == pid
     done_at_kill = progress()
     print(f"{victim['replica_id']} SIGKILLed with {done_at_kill} of {n} lines done")
     wait_for(lambda: cluster.replicas()[1]["restarts"] > victim["restarts"], 60,

@@ -14,9 +14,7 @@ attempt run once. The demo model's cluster (test_local_cluster.py) covers the re
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import threading
 import time
 from pathlib import Path
@@ -190,7 +188,7 @@ def test_leader_sigkill_under_sampled_streams_leaves_every_stream_complete(
     in_flight = {u: (c.proxy_unit(u) or {}).get("in_flight", 0) for u in UNITS}
     victim = max(UNITS, key=lambda u: in_flight[u])
     survivor = next(u for u in UNITS if u != victim)
-    os.kill(c.pid_of(victim, "leader"), signal.SIGKILL)
+    c.inject("kill", f"{victim}/leader")
     print(f"leader of {victim} SIGKILLed with in-flight {in_flight}")
     for t in threads:
         t.join(300)

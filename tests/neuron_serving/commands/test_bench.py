@@ -34,3 +34,12 @@ def test_an_unknown_trace_is_a_usage_error(capsys) -> None:
 def test_session_rate_is_routings_and_positive(argv, said, capsys) -> None:
     assert main(argv) == ExitCode.USAGE
     assert said in capsys.readouterr().err
+
+
+def test_soaks_flags_and_its_fault_file_are_checked_first(tmp_path, capsys) -> None:
+    assert main(["bench", "cpu", "--duration", "60"]) == ExitCode.USAGE
+    assert "bench soak's" in capsys.readouterr().err
+    bad = tmp_path / "f.json"
+    bad.write_text('{"faults": [{"at_s": 0, "kind": "melt", "target": "unit-0/leader"}]}')
+    assert main(["bench", "soak", "--faults", str(bad)]) == ExitCode.USAGE
+    assert "kind" in capsys.readouterr().err

@@ -6,7 +6,11 @@
   from the proxy side even if the leader has not noticed yet.
 - follower: ``grpc.health.v1.Health/Check`` with service "" (the node).
 
-A node becomes unhealthy after ``unhealthy_threshold`` consecutive failed probes
+A probe that times out while the unit's leader reported its engine load over the
+OpenAI channel within ``VOUCHED_S`` counts neither way: slow is not dead, and a
+leader whose engine loop runs is alive (a hung rank makes it fail the unit, which the
+next probe sees as "not ready"; a dead process refuses the connection). A node
+becomes unhealthy after ``unhealthy_threshold`` consecutive failed probes
 and healthy again after ``healthy_threshold`` consecutive successes; a node that
 has never been healthy needs a single success (Envoy's start-up rule). Probes of
 one node never overlap: each node has one task that probes, then sleeps
@@ -30,6 +34,10 @@ from proxy.registry import NodeHealth, Registry, RegistryEvent, UnitState
 
 log = logging.getLogger(__name__)
 
+# A probe that times out while the unit's leader has reported its engine load within
+# this long is inconclusive (see _probe_loop): a 2-core box under load answers a probe
+# late without anything being wrong. Above the leaders' 2 s load refresh.
+VOUCHED_S = 3.0
 # Besides every unhealthy -> healthy transition, the version is re-read this often.
 VERSION_REFRESH_PROBES = 20
 
@@ -85,6 +93,7 @@ class HealthChecker:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rng = random.Random()
         self._running = False
+        self.inconclusive_total = 0  # probes that timed out while the unit vouched for itself
 
     def start(self) -> None:
         self._running = True
@@ -132,6 +141,15 @@ class HealthChecker:
                     ok, error = await probe()
             except TimeoutError:
                 ok, error = False, f"probe timed out after {self._cfg.timeout_s}s"
+                if unit.fresh_load(time.monotonic(), VOUCHED_S) is not None:
+                    # A slow answer, not a dead node: the unit's leader pushed its load
+                    # over the channel moments ago (it does so every 2 s while its
+                    # engine loop runs; a rank that hangs makes the leader fail the
+                    # unit within its heartbeat timeout, which a probe then sees as
+                    # "not ready"). Neither a failure nor a success.
+                    self.inconclusive_total += 1
+                    await asyncio.sleep(self._cfg.interval_s)
+                    continue
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # any failure to probe is a failed probe

@@ -572,11 +572,22 @@ class FakeTriton:
 _OWNER = web.AppKey("owner", FakeTriton)
 
 
+class _SlowHealth(HealthServicer):
+    """``delay_s``: how long each Check takes (a node too busy to answer in time)."""
+
+    delay_s = 0.0
+
+    async def Check(self, request, context):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await super().Check(request, context)
+
+
 class FakeFollower:
     """A grpc.health.v1 server whose service "" is the node."""
 
     def __init__(self) -> None:
-        self.health = HealthServicer()
+        self.health = _SlowHealth()
         self.server: grpc.aio.Server | None = None
         self.port = 0
 

@@ -62,3 +62,28 @@ async def test_leader_model_not_ready_and_dead_follower(fleet):
     await u.followers[0].stop()  # the process is gone: connection refused / timeout
     await wait_until(lambda: not unit.nodes[1].healthy)
     assert unit.nodes[1].consecutive_failures >= 2
+
+
+async def test_a_probe_timeout_is_inconclusive_while_the_leader_reports_its_load(fleet):
+    """Slow is not dead: a follower too busy to answer its probes in time stays healthy
+    while its unit's leader keeps pushing its engine load (as it does every 2 s over
+    the OpenAI channel); once the reports stop, the same timeouts mark it unhealthy."""
+    import asyncio
+    import time
+
+    from proxy.registry import EngineLoad
+
+    u = await fleet.unit("u0", followers=1)
+    proxy = await fleet.proxy([u])
+    unit = proxy.registry.get("u0")
+    await wait_until(unit.nodes_healthy)
+    u.followers[0].health.delay_s = 1.0  # every probe times out
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:  # the leader's reports, fresh throughout
+        unit.set_engine_load(EngineLoad(1, 0, 0.1, 16, time.monotonic()))
+        assert unit.nodes[1].healthy
+        await asyncio.sleep(0.05)
+    assert proxy.health.inconclusive_total > 0
+    unit.set_engine_load(None)  # the reports stop
+    await wait_until(lambda: not unit.nodes[1].healthy)
+    assert "timed out" in unit.nodes[1].last_error

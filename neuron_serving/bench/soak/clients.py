@@ -7,7 +7,8 @@ request ends in exactly one ``Outcome.status``:
 - ``completed``: the whole answer (a finish reason, every choice, the stream's end);
 - ``disconnected``: the client left on purpose (the disconnect kind);
 - ``retriable``: an error the proxy says may be retried (429/503, a stream's error
-  event saying so, a 502/504 while a fault is active);
+  event saying so), or a 502/504 or a broken connection while a fault is active or
+  recent (a proxy replica killed under its clients);
 - ``error_5xx``: any other server error (500, a 502 or 504 with no fault about);
 - ``error_4xx``: a 4xx the request did not ask for (the mix sends only valid ones);
 - ``lost``: no answer and no error within the client's bound: a hang. Must be 0.
@@ -38,6 +39,8 @@ MIX: dict[str, int] = {
 # A read that waits this long for its next byte is a lost request: far above the
 # proxy's silence budget (30 s) plus a migration.
 READ_TIMEOUT_S = 180.0
+# A client told to retry waits this long first (the proxy's Retry-After: 1 s).
+RETRY_AFTER_S = 1.0
 PRODUCTS = ("trail shoes", "a rain jacket", "a tent for two", "hiking poles", "a headlamp")
 TOOLS = [{"type": "function", "function": {
     "name": "get_stock", "description": "Units of an article in stock.",
@@ -71,6 +74,7 @@ class Clients:
     seed: int
     long_tokens: int
     fault_active: Callable[[], bool]
+    mix: dict[str, int] = field(default_factory=lambda: dict(MIX))  # kind -> weight
     outcomes: list[Outcome] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -89,7 +93,7 @@ class Clients:
         client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key,
                                timeout=openai.Timeout(READ_TIMEOUT_S, connect=10.0),
                                max_retries=0)  # fmt: skip
-        kinds, weights = list(MIX), list(MIX.values())
+        kinds, weights = list(self.mix), list(self.mix.values())
         n = 0
         while not stop.is_set():
             kind = rng.choices(kinds, weights)[0]
@@ -100,6 +104,9 @@ class Clients:
                 o.status, o.detail = "lost", repr(e)[:200]
             except openai.APIStatusError as e:
                 o.status, o.detail = self._classify(e.status_code, str(e.body)[:300])
+            except openai.APIConnectionError as e:  # the proxy replica went away (a fault)
+                o.status = "retriable" if self.fault_active() else "error_5xx"
+                o.detail = f"connection: {e!r}"[:300]
             except openai.APIError as e:  # an SSE error event, or a broken connection
                 body = str(getattr(e, "body", None) or e)[:300]
                 o.status = "retriable" if "retr" in body else "error_5xx"
@@ -110,6 +117,8 @@ class Clients:
             with self._lock:
                 self.outcomes.append(o)
             n += 1
+            if o.status == "retriable":
+                stop.wait(RETRY_AFTER_S)  # as the proxy's Retry-After asks
         client.close()
 
     def _classify(self, status: int, body: str) -> tuple[str, str]:
@@ -195,7 +204,7 @@ class Clients:
 
     def disconnect(self, client: Any, rng: random.Random, o: Outcome, tag: str) -> None:
         self._stream(client, o, leave_after=3, messages=self._messages(rng, tag),
-                     max_tokens=256, temperature=0.7)  # fmt: skip
+                     max_tokens=128, temperature=0.7)  # fmt: skip
 
     def slow_reader(self, client: Any, rng: random.Random, o: Outcome, tag: str) -> None:
         self._stream(client, o, slow_s=0.15, messages=self._messages(rng, tag), max_tokens=48,

@@ -128,6 +128,21 @@ class Watch:
                         "replica": rid, **e})  # fmt: skip
         self._sample_processes(state)
 
+    def whole(self) -> bool:
+        """Every unit is routable on every proxy replica (the fleet has recovered)."""
+        try:
+            replicas = self.state().get("proxies", [])
+        except (OSError, ValueError):
+            return False
+        for replica in replicas:
+            status = _get(f"{replica['admin_url']}/status", self.admin_token)
+            if status is None:
+                return False
+            states = {u["unit_id"]: u["state"] for u in json.loads(status).get("units", [])}
+            if any(states.get(u) != "routable" for u in self.units):
+                return False
+        return bool(replicas)
+
     def _sample_processes(self, state: dict[str, Any]) -> None:
         roots = [(g.get("unit_id") or g.get("replica_id"), p)
                  for g in [*state.get("units", []), *state.get("proxies", [])]

@@ -73,10 +73,11 @@ def test_kill_stop_and_throttle(cluster) -> None:
         leader = psutil.Process(procs["leader"].pid)
         child = leader.children()[0]
         inj.apply(Fault(0, "stop", "unit-0/leader", 0.6))
-        _wait(lambda: _status(leader.pid) == psutil.STATUS_STOPPED)
-        assert _status(child.pid) == psutil.STATUS_STOPPED  # the whole session
-        _wait(lambda: _status(leader.pid) != psutil.STATUS_STOPPED)
-        assert _status(child.pid) != psutil.STATUS_STOPPED
+        stopped = psutil.STATUS_STOPPED
+        _wait(
+            lambda: _status(leader.pid) == stopped and _status(child.pid) == stopped
+        )  # its session
+        _wait(lambda: _status(leader.pid) != stopped and _status(child.pid) != stopped)
 
         inj.apply(Fault(0, "throttle", "unit-0/follower-1", 1.0, duty=0.5, period_s=0.2))
         follower = procs["follower-1"].pid

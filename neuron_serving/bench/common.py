@@ -126,3 +126,16 @@ def publish(name: str, result: dict[str, Any], headline: tuple[str, ...], emit_j
     if emit_json:
         print(json.dumps(result))
     return path
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples in a Prometheus text exposition whose labels
+    include ``labels`` (every sample of it when none are given): the one reading of a
+    scrape that benchmarks and tests share."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -21,6 +21,7 @@ import psutil
 import pytest
 import yaml
 
+from neuron_serving.bench.common import metric_sum
 from neuron_serving.faults.injector import Injector
 from neuron_serving.faults.schedule import Fault
 from neuron_serving.local.probe import get_json
@@ -140,18 +141,6 @@ class Cluster:
             with urllib.request.urlopen(req, timeout=5) as r:
                 out.append(r.read().decode())
         return "\n".join(out)
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples in a Prometheus exposition whose labels include
-    ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def leader_requests(c: Cluster, unit_id: str) -> float:

@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from neuron_serving.bench.common import metric_sum
 from tests.e2e.leader_fixture import kill_leader, proxy_config, running_leader, running_proxy
 from tests.e2e.triton_leader_helpers import LeaderEndpoints
 from tests.procs import wait_for
@@ -194,14 +195,7 @@ def _metric(base: str, name: str, **labels: str) -> float:
     """Sum of the proxy's samples of ``name`` whose labels include ``labels``."""
     req = urllib.request.Request(base + "/metrics", headers=AUTH)
     with urllib.request.urlopen(req, timeout=5.0) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+        return metric_sum(r.read().decode(), name, **labels)
 
 
 def _leader_generate(leader: LeaderEndpoints, prompt: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from neuron_serving.bench.common import metric_sum
 from neuron_serving.bench.stack import http_get
 from neuron_serving.ports import free_port
 from tests.procs import Proc, free_port_block, unit_env
@@ -43,13 +44,7 @@ get = http_get  # one HTTP GET helper for tests and benchmarks
 
 def metric(metrics_addr: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in get(f"http://{metrics_addr}/metrics")[1].splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric_sum(get(f"http://{metrics_addr}/metrics")[1], name, **labels)
 
 
 def start_leader(

@@ -228,7 +228,8 @@ async def test_a_slow_call_with_progress_reports_is_not_cut_off(leader) -> None:
     up, _ = await upstream(port, silence_s=0.3)
     deltas = await collect(up, {"first_delay": 1.2, "tokens": 1, "delay": 1.2})
     assert deltas[-1].finish_reason == "stop" and not scripted.cancelled
-    assert scripted.progress.reports_total >= 20
+    # 2.4 s of silence but for the reports, each gap under the 0.3 s budget.
+    assert scripted.progress.reports_total >= 8
     await up.close()
 
 

@@ -29,6 +29,8 @@ from typing import Any
 import psutil
 import yaml
 
+from neuron_serving.bench.common import metric_sum
+
 INTERVAL_S = 2.0
 
 
@@ -41,16 +43,6 @@ def _get(url: str, token: str | None = None, timeout: float = 3.0) -> str | None
             return r.read().decode()
     except OSError:
         return None
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @dataclass

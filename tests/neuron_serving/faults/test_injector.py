@@ -5,6 +5,8 @@ stopped process continued at the end whatever happens."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -36,15 +38,12 @@ def cluster(tmp_path: Path):
     (tmp_path / "supervisor.json").write_text(json.dumps(state))
     time.sleep(0.3)  # the leader's child exists
     yield tmp_path, procs
-    for p in procs.values():
-        p.kill()
-        p.wait(10)
-    for p in psutil.process_iter():
+    for p in procs.values():  # each leads its own session: its child goes with it
         try:
-            if p.ppid() in [q.pid for q in procs.values()]:
-                p.kill()
-        except psutil.Error:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
+        p.wait(10)
 
 
 def _status(pid: int) -> str:

@@ -53,6 +53,18 @@ def test_a_bad_schedule_is_refused_with_the_reason(tmp_path: Path, faults, says)
         load(path)
 
 
+def test_an_oversized_or_malformed_file_is_refused_before_parsing(tmp_path: Path) -> None:
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (5 << 20))
+    with pytest.raises(ValueError, match="4 MiB"):
+        load(big)
+    for raw in (b"{", b"[]", b"\xff\xfe", b'{"faults": "kill everything"}'):
+        bad = tmp_path / "bad.json"
+        bad.write_bytes(raw)
+        with pytest.raises(ValueError):
+            load(bad)
+
+
 def test_generate_is_the_seeds_and_leaves_out_what_the_fleet_cannot_have() -> None:
     a = generate(7, 1800, units=2, tp=2, proxies=2)
     assert a == generate(7, 1800, units=2, tp=2, proxies=2) != generate(8, 1800, 2, 2, 2)

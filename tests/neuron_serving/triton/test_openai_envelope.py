@@ -70,3 +70,9 @@ def test_malformed_envelopes_are_request_errors(raw: str, fragment: str) -> None
 def test_the_envelope_asks_for_progress_reports():
     assert not parse_envelope(b'{"endpoint": "version"}').progress
     assert parse_envelope(b'{"endpoint": "version", "progress": true}').progress
+    for bad in (b'"yes"', b"1", b"null"):
+        with pytest.raises(RequestError, match="progress"):
+            parse_envelope(b'{"endpoint": "version", "progress": ' + bad + b"}")
+    with pytest.raises(RequestError, match="replay"):
+        parse_envelope(b'{"endpoint": "completions", "resume": {"prompt_token_ids": [1], '
+                       b'"output_token_ids": [], "replay": "x"}}')  # fmt: skip

@@ -77,9 +77,11 @@ def served(demo_model, engine_load):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
-def call(served, endpoint: str, body: dict, **envelope):
-    """(status, body bytes or the list of pulled response bodies, tap, ids per pull)."""
-    thread, serving = served
+def call(served, endpoint: str, body: dict, serving=None, **envelope):
+    """(status, body bytes or the list of pulled response bodies, tap, ids per pull);
+    ``serving``: another serving layer on the module's engine thread."""
+    thread, default = served
+    serving = serving or default
 
     async def run():
         result = await serving.handle(OpenAIEnvelope(endpoint, body, **envelope))
@@ -467,19 +469,9 @@ def _tool_stream(served, engine: ScriptedEngine, resume: Resume | None = None):
             "tools": [STOCK_TOOL], "stream": True, "max_tokens": 64, "temperature": 0.7,
             "stream_options": {"include_usage": True}}  # fmt: skip
 
-    async def run():
-        result = await serving.handle(OpenAIEnvelope("chat/completions", body, True, resume))
-        assert result.status == 200, result.body
-        puller, pulls, ids = SSEPuller(result.stream, result.tap), [], []
-        try:
-            while not puller.done:
-                pulls.append(await puller.pull())
-                ids.append(result.tap.take_token_ids())
-        finally:
-            await puller.aclose()
-        return pulls, result.tap, ids
-
-    pulls, tap, ids = thread.call(run(), TIMEOUT_S)
+    status, pulls, tap, ids = call(served, "chat/completions", body, serving, token_ids=True,
+                                   resume=resume)  # fmt: skip
+    assert status == 200, pulls
     return pulls, tap, ids
 
 

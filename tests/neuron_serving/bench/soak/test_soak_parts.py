@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from neuron_serving.bench.common import metric_sum
 from neuron_serving.bench.soak.clients import Clients, Outcome
 from neuron_serving.bench.soak.run import _false_ejections, _latency_windows
-from neuron_serving.bench.soak.watch import Counter, Watch, metric_sum
+from neuron_serving.bench.soak.watch import Counter, Watch
 
 
 def test_a_counter_keeps_what_rose_before_its_source_restarted() -> None:

@@ -88,8 +88,9 @@ class Channel:
         self._recv_key: bytes | None = None
         self._send_seq = 0
         self._recv_seq = 0
-        # Why this side broke the link (a failed send); None while it is usable.
-        self._broken: str | None = None
+        # Why the link broke on a send (the error the next send raises again);
+        # None while it is usable.
+        self._broken: ChannelClosed | None = None
 
     @property
     def sealed(self) -> bool:
@@ -104,7 +105,7 @@ class Channel:
         body = messages.encode(msg)
         with self._send_lock:  # seq order must be wire order
             if self._broken is not None:
-                raise LinkBroken(self._broken)
+                raise type(self._broken)(*self._broken.args)
             if self.sock.fileno() == -1:  # closed here on purpose (shutdown, a rejected frame)
                 raise ChannelClosed(f"connection to {self.peer} is closed")
             if self._send_key is None:
@@ -119,12 +120,17 @@ class Channel:
             except OSError as e:  # also EBADF: closed by another thread
                 # Part of the frame may be on the wire: end the stream here, so
                 # the peer reads EOF instead of a half frame and then the next one.
-                self._broken = (
-                    f"link to {self.peer} closed after a failed send "
-                    f"({str(e) or type(e).__name__}; timeout {timeout:g} s)"
-                )
+                if isinstance(e, (BrokenPipeError, ConnectionResetError)):
+                    # The peer closed its end (it exited or was killed): the same
+                    # event a reader sees as EOF, whichever thread meets it first.
+                    self._broken = ChannelClosed(f"{self.peer} closed the connection ({e})")
+                else:
+                    self._broken = LinkBroken(
+                        f"link to {self.peer} closed after a failed send "
+                        f"({str(e) or type(e).__name__}; timeout {timeout:g} s)"
+                    )
                 self.close()
-                raise LinkBroken(self._broken) from e
+                raise type(self._broken)(*self._broken.args) from e
 
     def recv(
         self,
@@ -208,7 +214,9 @@ class Channel:
 
     def _lost(self, what: str) -> ChannelClosed:
         # EOF or EBADF after this side broke the link is its own doing: say why.
-        return LinkBroken(self._broken) if self._broken is not None else ChannelClosed(what)
+        if self._broken is not None:
+            return type(self._broken)(*self._broken.args)
+        return ChannelClosed(what)
 
     def close(self) -> None:
         try:

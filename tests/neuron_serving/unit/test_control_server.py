@@ -9,10 +9,11 @@ import time
 
 import pytest
 
+from neuron_serving.unit.channel import Channel, ChannelClosed, LinkBroken
 from neuron_serving.unit.config import UnitConfig
 from neuron_serving.unit.control_server import ControlServer, UnitJoinError
 from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
-from neuron_serving.unit.messages import Start
+from neuron_serving.unit.messages import Heartbeat, Start
 from neuron_serving.versions import runtime_versions
 from tests.procs import TEST_TOKEN, free_port_block
 
@@ -185,6 +186,24 @@ def test_follower_disconnect_after_start_is_reported(leader):
     assert (
         "rank 1" in lead.failures[0][1] and "closed its control connection" in lead.failures[0][1]
     )
+
+
+def test_send_to_a_closed_peer_says_the_peer_closed_it():
+    # A peer that exits is met either by the reader (EOF) or by the heartbeat
+    # loop's next send (EPIPE), whichever comes first: both must say the same
+    # thing, not "stopped, hung or cut off" for a process that simply exited.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        a = socket.create_connection(listener.getsockname(), timeout=5)
+        b, _ = listener.accept()
+    chan = Channel(a, "rank 1")
+    b.close()
+    with pytest.raises(ChannelClosed, match="closed the connection") as err:
+        for _ in range(100):  # the first sends may land in the buffer
+            chan.send(Heartbeat("ready", 0), timeout=0.5)
+    assert not isinstance(err.value, LinkBroken)
+    with pytest.raises(ChannelClosed, match="closed the connection") as again:
+        chan.send(Heartbeat("ready", 0), timeout=0.5)
+    assert not isinstance(again.value, LinkBroken)
 
 
 def test_silent_follower_is_declared_hung(leader):

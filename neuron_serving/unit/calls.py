@@ -46,3 +46,13 @@ def method_name(method: str | bytes | Callable[..., Any]) -> str:
     if isinstance(method, bytes):
         return "<callable>"
     return getattr(method, "__name__", "<callable>")
+
+
+def runs_collective(name: str, args: tuple) -> bool:
+    """Whether the call is a model step whose forward makes every rank take part
+    in the tensor-parallel collectives: when it returns on one rank, each other
+    rank was running at some point after it started (a stopped or hung rank would
+    have blocked it). A step with no scheduled tokens runs no forward."""
+    if name != "execute_model" or not args:
+        return False
+    return getattr(args[0], "total_num_scheduled_tokens", 0) > 0

@@ -154,6 +154,8 @@ class ControlServer:
         self._closing = False
         self._failed = False
         self._listener: socket.socket | None = None
+        # Start time of the latest step every rank took part in (ranks_alive).
+        self.ranks_seen = 0.0
 
     # -- join ---------------------------------------------------------------
     def listen(self) -> None:
@@ -457,6 +459,12 @@ class ControlServer:
             self._failed = True
         self.on_failure(rank, reason)
 
+    def ranks_alive(self, since: float) -> None:
+        """Rank 0 finished a step, begun at ``since``, that every rank took part in
+        (calls.runs_collective): each was running after ``since``. Called by the
+        thread running steps; a float store is atomic under the GIL."""
+        self.ranks_seen = max(self.ranks_seen, since)
+
     def _heartbeat_loop(self) -> None:
         while not self._closing:
             beat = Heartbeat(state=self.leader_state(), steps=0)
@@ -483,7 +491,10 @@ class ControlServer:
             woke = now
             strict = self.leader_state() == "ready"
             for link in list(self.links.values()):
-                age = now - link.last_seen
+                # A step every rank took part in proves each of them alive as well
+                # as a beat does: under load a rank's heartbeat thread can be
+                # starved (CPU, GIL) while its steps go on.
+                age = now - max(link.last_seen, self.ranks_seen)
                 limit = (
                     self.unit.heartbeat_timeout_s
                     if strict and link.state == "ready"

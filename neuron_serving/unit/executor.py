@@ -50,7 +50,7 @@ from neuron_serving.unit.broadcast import (
     GroupAddress,
     open_control_broadcast,
 )
-from neuron_serving.unit.calls import decode_result, encode_call, method_name
+from neuron_serving.unit.calls import decode_result, encode_call, method_name, runs_collective
 from neuron_serving.unit.compile_lock import compile_lock, lock_path
 from neuron_serving.unit.config import UnitConfig, take_unit_config
 from neuron_serving.unit.control_server import ControlServer
@@ -268,8 +268,13 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
         return _done(out)
 
     def execute_model(self, scheduler_output, non_block: bool = False):  # type: ignore[override]
+        started = time.monotonic()
         out = self._leader_only("execute_model", (scheduler_output,), non_block)
         self.status.step_done()
+        # On CPU (and Neuron) the forward, with its collectives, has run by the time
+        # the call returns, even when its sampled output is handed over later.
+        if self.server is not None and runs_collective("execute_model", (scheduler_output,)):
+            self.server.ranks_alive(started)
         return out
 
     def sample_tokens(self, grammar_output, non_block: bool = False):  # type: ignore[override]

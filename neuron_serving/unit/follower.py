@@ -118,6 +118,8 @@ class Follower:
         self.welcome: Welcome | None = None
         self._starts: queue.Queue[Start] = queue.Queue()
         self._last_seen = time.monotonic()
+        # Start time of the latest step every rank took part in (ranks_alive).
+        self._ranks_seen = 0.0
         self._shutdown = threading.Event()
 
     def _exit(self, code: int, message: str) -> None:
@@ -334,7 +336,9 @@ class Follower:
                 time.sleep(5.0)
                 self._exit(ExitCode.OK, f"rank {self.cfg.rank}: shut down by the leader")
                 return
-            age = time.monotonic() - self._last_seen
+            # A step the leader took part in proves it alive as well as a beat
+            # does: under load its heartbeat thread can be starved while steps go on.
+            age = time.monotonic() - max(self._last_seen, self._ranks_seen)
             # Only leader-side heartbeats count; before Start the leader may be
             # waiting for other ranks, but it heartbeats from Start on.
             if self._started and age > timeout:
@@ -347,6 +351,12 @@ class Follower:
 
     _started = False
     _leader_state = "joining"
+
+    def ranks_alive(self, since: float) -> None:
+        """This rank finished a step, begun at ``since``, that every rank took part
+        in (calls.runs_collective), the leader among them. Called by the thread
+        running steps; a float store is atomic under the GIL."""
+        self._ranks_seen = max(self._ranks_seen, since)
 
     def wait_start(self) -> Start:
         try:

@@ -8,6 +8,7 @@ version mismatch) before paying for them.
 from __future__ import annotations
 
 import logging
+import time
 
 from neuron_serving.devices.base import DeviceBackend, RankPlacement
 from neuron_serving.exitcodes import ExitCode
@@ -19,7 +20,7 @@ from neuron_serving.unit.broadcast import (
     GroupAddress,
     open_control_broadcast,
 )
-from neuron_serving.unit.calls import decode_call, method_name
+from neuron_serving.unit.calls import decode_call, method_name, runs_collective
 from neuron_serving.unit.follower import Follower
 from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.local_worker import in_session, run_call
@@ -67,6 +68,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
         name = method_name(method)
         if name == "init_device":
             status.set_state(NodeState.LOADING)
+        started = time.monotonic()
         try:
             result = run_call(worker, method, args, kwargs, resolve=True)
         except Exception as e:
@@ -84,6 +86,8 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
             logger.info("%s", result.render())
         if name == "execute_model":
             status.step_done()
+            if runs_collective(name, args):
+                follower.ranks_alive(started)
         elif name == "compile_or_warm_up_model":
             # Started: what is alive now (the model, torch's and vLLM's objects) stays
             # alive, so it leaves the collector's view, as EngineCore's heap does on

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit.channel import Channel, ChannelClosed, LinkBroken
 from neuron_serving.unit.config import UnitConfig
 from neuron_serving.unit.control_server import ControlServer, UnitJoinError
@@ -218,3 +219,53 @@ def test_silent_follower_is_declared_hung(leader):
     while not lead.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lead.failures and "no heartbeat" in lead.failures[0][1]
+
+
+def _steps_for(seconds: float, proven) -> None:
+    """Steps every rank takes part in, finishing every 50 ms, for ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.monotonic()
+        time.sleep(0.05)
+        proven(started)
+
+
+def test_steps_every_rank_took_part_in_keep_a_starved_follower_alive(leader):
+    # Under load a follower's heartbeat thread can be starved (CPU, GIL) while its
+    # steps go on; a step rank 0 finished needed every rank, so it proves them
+    # alive. When the steps stop too (a stopped rank blocks them), the timeout
+    # applies as before.
+    lead = leader(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=0.6
+    )
+    f = lead.follower()
+    f.join()  # no heartbeat thread
+    lead.server.wait_for_followers(5)
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    _steps_for(2.0, lead.server.ranks_alive)  # 3x the timeout without a beat
+    assert not lead.failures
+    deadline = time.monotonic() + 5
+    while not lead.failures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lead.failures and "no heartbeat" in lead.failures[0][1]
+
+
+def test_steps_keep_a_starved_leader_alive_for_its_follower(leader, monkeypatch):
+    lead = leader(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=0.6
+    )
+    monkeypatch.setattr(lead.server, "_heartbeat_loop", lambda: None)  # a starved leader
+    f = lead.follower()
+    f.join()
+    lead.server.wait_for_followers(5)
+    f.start_background()
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    f.wait_start()
+    _steps_for(2.0, f.ranks_alive)
+    assert not lead.follower_exits
+    deadline = time.monotonic() + 5
+    while not lead.follower_exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lead.follower_exits, "the follower kept a silent leader with no steps"
+    code, msg = lead.follower_exits[0]
+    assert code == ExitCode.LEADER_LOST and "no heartbeat from the leader" in msg, msg

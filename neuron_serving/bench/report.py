@@ -30,7 +30,7 @@ README = RESULTS_DIR.parent.parent / "README.md"
 FAMILIES = ("executor", "serving", "proxy", "routing", "routing_open", "failover", "scaling",
             "load",
             "serving_mn", "failures", "cpu", "startup", "classes", "capacity",
-            "capacity_diurnal")  # fmt: skip
+            "capacity_diurnal", "soak")  # fmt: skip
 # A family run by a command other than `bench <family>`.
 COMMANDS = {"capacity_diurnal": "capacity --trace diurnal",
             "routing_open": "routing --session-rate 0.8"}  # fmt: skip
@@ -445,6 +445,56 @@ def _classes_targets(r: dict[str, Any]) -> list[Target]:
     ]  # fmt: skip
 
 
+SOAK_ZERO = {
+    "lost": "requests lost (no answer, no error)",
+    "duplicated_engine_work_total": "engine requests beyond the proxies' attempts",
+    "false_ejections": "units ejected / nodes unhealthy with no kill or stop on them",
+    "error_5xx": "5xx other than a fault's retriable ones",
+    "error_4xx": "4xx the requests did not ask for",
+    "batch_lines_failed": "batch lines failed",
+    "batch_lines_unfinished": "batch lines unfinished",
+    "rollouts_failed": "checkpoint rollouts failed or not run",
+}
+
+
+def _soak_targets(r: dict[str, Any]) -> list[Target]:
+    """bench soak: every count that must be 0, for the run as a whole."""
+    counts = r.get("zero_counts")
+    length = f"{num((r.get('duration_s') or 0) / 60, 0)}-min soak"
+    if counts is None:
+        return [Target("soak", f"{length}: all counts 0", "error: " + str(r.get("error")), None)]
+    return [Target("soak", f"{length}: {what} = 0", _compact(counts[key]), not counts[key])
+            for key, what in SOAK_ZERO.items() if key in counts]  # fmt: skip
+
+
+def _soak_section(r: dict[str, Any]) -> list[str]:
+    """The counts, each kind of request's outcomes, the faults and rollouts as applied,
+    the processes that grew most, and the latency plot."""
+    out = _table(["count (must be 0)", "value"],
+                 [[SOAK_ZERO.get(k, k), _compact(v)] for k, v in
+                  (r.get("zero_counts") or {}).items()])  # fmt: skip
+    kinds = r.get("by_kind") or {}
+    statuses = sorted({s for v in kinds.values() for s in v})
+    out += ["", *_table(["kind", *statuses],
+                        [[k, *(str(v.get(s, 0)) for s in statuses)] for k, v in kinds.items()])]  # fmt: skip
+    events = [[num(f.get("at_s"), 0), f.get("what", ""), f.get("error") or ""]
+              for f in r.get("faults", [])]  # fmt: skip
+    events += [[num(d.get("at_s"), 0), f"rollout to {d.get('version')} ({d.get('s')} s)",
+                "" if d.get("rc") == 0 else f"rc {d.get('rc')}"] for d in r.get("rollouts", [])]  # fmt: skip
+    out += [
+        "",
+        *_table(["at (s)", "fault or rollout", "error"], sorted(events, key=lambda e: float(e[0]))),
+    ]
+    grew = sorted(r.get("growth", []), key=lambda g: g["rss_mb"][-1] - g["rss_mb"][0], reverse=True)
+    out += ["", *_table(["process", "RSS MB first -> last", "open files first -> last"],
+                        [[f"{g['owner']} {g['name']}", " -> ".join(map(str, g["rss_mb"])),
+                          " -> ".join(map(str, g["fds"]))] for g in grew[:5]])]  # fmt: skip
+    if r.get("plot"):
+        # Written beside the result (bench/results/), the report one level up.
+        out += ["", f"![TTFT and ITL over the soak]({RESULTS_DIR.name}/{Path(r['plot']).name})"]
+    return out
+
+
 def _pct(x: Any) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
@@ -503,6 +553,7 @@ TARGETS: dict[str, Callable[[dict[str, Any]], list[Target]]] = {
     "classes": _classes_targets,
     "capacity": _capacity_targets,
     "capacity_diurnal": lambda r: _capacity_targets(r, "capacity_diurnal"),
+    "soak": _soak_targets,
 }
 _CAPACITY_NOT_MEASURED = [
     "autoscaled SLO attainment within 5 points of the peak-sized fleet, >= 30% fewer "
@@ -522,6 +573,7 @@ NOT_MEASURED = {
     "load": ["sharded vs full checkpoint load (bench load)"],
     "serving_mn": ["information: TP=2 unit behind Triton / vllm serve --nnodes 2"],
     "failures": ["a follower killed or frozen, or the leader killed: noticed <= 5 s"],
+    "soak": ["30-min soak under faults: nothing lost, run twice, failed or falsely ejected"],
     "cpu": [
         "proxy CPU per output token / vLLM API server's <= 0.5",
         "proxy CPU per request <= 500 us",
@@ -957,6 +1009,7 @@ SECTIONS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "classes": _generic_section,
     "capacity": _capacity_section,
     "capacity_diurnal": _capacity_section,
+    "soak": _soak_section,
 }
 TITLES = {
     "executor": "Executor: unit executor vs MultiprocExecutor (TP=2)",
@@ -974,6 +1027,7 @@ TITLES = {
     "classes": "Traffic classes: real-time beside a batch backlog",
     "capacity": "Capacity: autoscaled vs fixed fleets on a compressed spike trace (TP=1)",
     "capacity_diurnal": "Capacity: autoscaled vs fixed fleets on the compressed diurnal day (TP=1)",
+    "soak": "Soak: mixed traffic, faults and a rollout (2 units of TP=2, 2 proxy replicas)",
 }
 
 

@@ -51,6 +51,7 @@ from neuron_serving.unit.channel import (
     LinkBroken,
 )
 from neuron_serving.unit.config import UnitConfig
+from neuron_serving.unit.late_beats import LateBeats
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -156,6 +157,7 @@ class ControlServer:
         self._listener: socket.socket | None = None
         # Start time of the latest step every rank took part in (ranks_alive).
         self.ranks_seen = 0.0
+        self.late_beats = LateBeats(unit.heartbeat_interval_s, "leader", logger)
 
     # -- join ---------------------------------------------------------------
     def listen(self) -> None:
@@ -467,6 +469,7 @@ class ControlServer:
 
     def _heartbeat_loop(self) -> None:
         while not self._closing:
+            self.late_beats.sent()
             beat = Heartbeat(state=self.leader_state(), steps=0)
             for link in list(self.links.values()):
                 try:
@@ -501,10 +504,15 @@ class ControlServer:
                     else self.unit.startup_heartbeat_timeout_s
                 )
                 if age > limit and not stalled and not _unread(link.channel.sock):
+                    shared = (
+                        f"the last step all ranks took part in began {now - self.ranks_seen:.1f} s ago"
+                        if self.ranks_seen
+                        else "no step yet"
+                    )
                     self._fail(
                         link.rank,
-                        f"{link.describe()} sent no heartbeat for {age:.1f} s "
-                        "(hung, stopped, or cut off from the leader)",
+                        f"{link.describe()} sent no heartbeat for {now - link.last_seen:.1f} s "
+                        f"and {shared} (hung, stopped, or cut off from the leader)",
                     )
                     return
             time.sleep(tick)

@@ -39,6 +39,7 @@ from neuron_serving.unit.channel import (
     ChannelClosed,
     FrameRejected,
 )
+from neuron_serving.unit.late_beats import LateBeats
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -120,6 +121,7 @@ class Follower:
         self._last_seen = time.monotonic()
         # Start time of the latest step every rank took part in (ranks_alive).
         self._ranks_seen = 0.0
+        self.late_beats: LateBeats | None = None  # from the heartbeat thread's start
         self._shutdown = threading.Event()
 
     def _exit(self, code: int, message: str) -> None:
@@ -299,7 +301,11 @@ class Follower:
 
     def _heartbeat_loop(self) -> None:
         assert self.channel is not None and self.welcome is not None
+        self.late_beats = LateBeats(
+            self.welcome.heartbeat_interval_s, f"rank {self.cfg.rank}", logger
+        )
         while not self._shutdown.is_set():
+            self.late_beats.sent()
             try:
                 # A send that times out ends the link (channel.py), so allow as
                 # long as the leader would wait for a beat: the socket may still

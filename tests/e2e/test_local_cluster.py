@@ -24,6 +24,9 @@ import httpx
 import openai
 import pytest
 
+from neuron_serving.bench.soak.clients import MIX
+from neuron_serving.bench.soak.run import soak
+from neuron_serving.faults.schedule import Fault, FaultSchedule
 from neuron_serving.proxy_admin import AdminFanOut, Replica
 from tests.e2e.local_cluster import (
     STREAMS,
@@ -262,6 +265,34 @@ def test_a_batch_survives_a_proxy_sigkill_with_every_line_exactly_once(
     assert final.error_file_id is None
     for r in cluster.replicas():
         assert cluster.replica_status(r)["batches"]["active"] == []
+
+
+def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Cluster) -> None:
+    """The soak (`bench soak`'s function) on this cluster: its mixed clients (streams
+    greedy, sampled and with tools, structured, long, n, clients that leave or read
+    slowly, a batch) while one rank of each unit in turn is throttled, stopped and
+    continued five times a second for half a minute: slow, not dead. Nothing may be
+    lost, fail, run twice, or take a unit out of rotation."""
+    schedule = FaultSchedule(
+        faults=[
+            Fault(10.0, "throttle", "unit-0/follower-1", 35.0),
+            Fault(50.0, "throttle", "unit-1/leader", 30.0),
+        ]
+    )  # fmt: skip
+    restarts = {u: cluster.unit_state(u)["restarts"] for u in ("unit-0", "unit-1")}
+    # max-model-len 256 here: the long answers are 200 tokens.
+    result = soak(cluster.url, cluster.api_key, cluster.run_dir, cluster.model, schedule,
+                  duration=90.0, seed=1, clients=4, long_tokens=200)  # fmt: skip
+    print({k: result[k] for k in ("requests", "statuses", "by_kind", "fault_delays_s")})
+    assert [f["error"] for f in result["faults"]] == [None, None], result["faults"]
+    assert all(v == 0 for v in result["zero_counts"].values()), (
+        result["zero_counts"], result["false_ejections"], result["unexpected"][:5],
+    )  # fmt: skip
+    # Every kind of request was sent and completed at least once.
+    completed = {k for k, v in result["by_kind"].items() if v.get("completed")}
+    assert completed >= set(MIX) - {"disconnect"}, result["by_kind"]
+    # No unit was recreated: a slow rank is not a failed one.
+    assert {u: cluster.unit_state(u)["restarts"] for u in restarts} == restarts
 
 
 def test_shutdown_under_load_leaves_nothing(cluster: Cluster) -> None:

@@ -12,38 +12,48 @@ What it reports (``bench/results/soak.json``, ``soak-quick.json`` with ``--quick
 per kind of request, how many completed, were left on purpose, ended with a
 retriable error, with another 5xx or 4xx, and were **lost** (must be 0); engine
 requests beyond the proxies' attempts (**duplicated engine work**, must be 0);
-**false ejections** (a unit ejected or a node marked unhealthy with no fault on that
-unit then or in the ``RECOVERY_S`` before: must be 0); the faults as applied; the
+**false ejections** (a unit ejected or a node marked unhealthy with no kill or stop on
+that unit then or in the ``RECOVERY_S`` before, nor a rollout: a throttled rank is
+slow, not dead, and excuses nothing: must be 0); the faults as applied; the
 processes' growth; TTFT and ITL p50/p99 per window (and a plot, ``soak.png``).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import threading
 import time
 from collections import Counter as Tally
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.cluster import UpRun
 from neuron_serving.bench.common import RESULTS_DIR, percentile, publish
 from neuron_serving.bench.soak.clients import MIX, Clients, Outcome
+from neuron_serving.bench.soak.rollout import deploy, prepare_versions
 from neuron_serving.bench.soak.watch import Watch
 from neuron_serving.faults.injector import Injector
-from neuron_serving.faults.schedule import FaultSchedule, generate, load
+from neuron_serving.faults.schedule import Fault, FaultSchedule, generate, load
+from neuron_serving.local.cache import demo_model_dir
 
 DURATION_S = 1800.0
 QUICK_DURATION_S = 300.0
 CLIENTS = 6
 UNITS, TP, PROXIES = 2, 2, 2
 # After a fault on a unit ends, how long its ejection or unhealthy nodes are the
-# fault's doing (recreation and re-admission take well under this here).
-RECOVERY_S = 180.0
+# fault's doing, and how long the next fault waits for the fleet to be whole. A
+# unit recreated while the others serve shares their 2 cores here: its start took
+# over 3.5 min under the soak's load (62 s idle).
+RECOVERY_S = 300.0
 WINDOW_S = 30.0
 # A request still open this long after the clients were told to stop is lost.
 DRAIN_S = 240.0
 BATCH_LINES = 24
+# When the checkpoint rollout starts, as a fraction of the run.
+ROLLOUT_AT = 0.4
 
 
 def main(
@@ -54,8 +64,10 @@ def main(
     schedule = load(faults_file) if faults_file else generate(seed, duration, UNITS, TP, PROXIES)
     args = ["--units", str(UNITS), "--tp", str(TP), "--proxies", str(PROXIES),
             "--max-model-len", "2048", "--max-num-seqs", "16"]  # fmt: skip
-    if model:
-        args += ["--model", model]
+    # The cluster serves a sharded v1; v2 is rolled out mid-run (rollout.py).
+    versions = Path(tempfile.mkdtemp(prefix="ns-bench-soak-versions-"))
+    first = prepare_versions(model or str(demo_model_dir()), TP, versions)
+    args += ["--model", str(first)]
     run = UpRun("ns-bench-soak-", args)
     result: dict[str, Any] = {"command": " ".join(run.args[2:]), "log": str(run.log_path),
                               "duration_s": duration, "seed": seed, "quick": quick,
@@ -65,13 +77,16 @@ def main(
         result["ready_s"] = round(run.wait_ready(), 1)
         state = run.state()
         result.update(soak(run.url, run.api_key(), run.run_dir, state["served_model_name"],
-                           schedule, duration, seed))  # fmt: skip
+                           schedule, duration, seed,
+                           rollout=lambda: deploy(run.url, run.run_dir, versions),
+                           rollout_at_s=duration * ROLLOUT_AT))  # fmt: skip
         rc = 1 if any(result["zero_counts"].values()) else 0
     except Exception as e:  # noqa: BLE001 (reported in the result)
         result["error"] = f"{type(e).__name__}: {e}"
         rc = 1
     finally:
         result["leftover_processes"] = run.stop()
+        shutil.rmtree(versions, ignore_errors=True)
     name = "soak-quick" if quick else "soak"
     result["plot"] = _plot(result, RESULTS_DIR / f"{name}.png")
     publish(name, result, ("zero_counts",), emit_json)
@@ -81,11 +96,14 @@ def main(
 def soak(
     url: str, api_key: str, run_dir: Path, model: str, schedule: FaultSchedule,
     duration: float, seed: int, clients: int = CLIENTS, long_tokens: int = 1500,
-    mix: dict[str, int] | None = None,
+    mix: dict[str, int] | None = None, rollout: Callable[[], dict[str, Any]] | None = None,
+    rollout_at_s: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the clients, the batch and the schedule against the running cluster of
     ``run_dir`` (`up`'s) for ``duration`` seconds; the counts and figures (the module
-    docstring). The e2e soak calls this on a cluster the tests share."""
+    docstring). ``rollout``, if given, runs at ``rollout_at_s`` between two faults
+    (a deploy under traffic: it must fail nothing). The e2e soak calls this on a
+    cluster the tests share."""
     watch = Watch(run_dir, (run_dir / "admin-token").read_text().strip(),
                   [u["unit_id"] for u in json.loads((run_dir / "supervisor.json").read_text())
                    ["units"]])  # fmt: skip
@@ -93,6 +111,9 @@ def soak(
     injector = Injector(run_dir)
     t0 = time.monotonic()
     windows: list[tuple[str | None, float, float]] = []  # (unit or None: a proxy, start, end)
+    # Where units are drained and recreated on purpose: (None: any unit, start, end).
+    deploys: list[tuple[str | None, float, float]] = []
+    rolled: list[dict[str, Any]] = []
     delays: list[float] = []  # how long each fault waited for the fleet to recover
 
     def fault_active() -> bool:
@@ -107,11 +128,15 @@ def soak(
     threads = users.run(clients, stop)
     batch = _Batch(url, api_key, model)
     batch.submit()
+    events: list[tuple[float, Fault | None]] = [(f.at_s, f) for f in schedule.faults]
+    if rollout is not None:
+        events.append((rollout_at_s, None))  # None: the rollout
+    events.sort(key=lambda e: e[0])
     try:
-        for fault in schedule.faults:
-            if stop.wait(max(0.0, t0 + fault.at_s - time.monotonic())):
+        for at_s, fault in events:
+            if stop.wait(max(0.0, t0 + at_s - time.monotonic())):
                 break
-            if fault.at_s >= duration:
+            if at_s >= duration:
                 break
             # One fault at a time: the next waits for the fleet to be whole again, so a
             # schedule never turns into an outage of every unit (which would be the
@@ -125,7 +150,14 @@ def soak(
                 break  # recovery took the rest of the run: the fault is not applied
             watch.read()  # the counters right before the fault (a proxy kill loses none)
             now = time.monotonic() - t0
-            windows.append((fault.unit, now, now + fault.duration_s))
+            if fault is None:
+                assert rollout is not None
+                rolled.append({"at_s": round(now, 1), **rollout()})
+                deploys.append((None, now, time.monotonic() - t0))
+                continue
+            if fault.kind != "throttle":
+                # A throttled rank is slow, not dead: it excuses no ejection and no error.
+                windows.append((fault.unit, now, now + fault.duration_s))
             injector.apply(fault)
         stop.wait(max(0.0, t0 + duration - time.monotonic()))
     finally:
@@ -139,7 +171,7 @@ def soak(
     watch.read()
     outcomes = list(users.outcomes)
     totals = watch.totals()
-    false = _false_ejections(watch, windows, t0)
+    false = _false_ejections(watch, windows + deploys, t0)
     by_kind = {k: dict(Tally(o.status for o in outcomes if o.kind == k)) for k in users.mix}
     statuses = Tally(o.status for o in outcomes)
     return {
@@ -156,7 +188,10 @@ def soak(
             "batch_lines_failed": batch_result.get("failed") or 0,
             "batch_lines_unfinished": BATCH_LINES - (batch_result.get("completed") or 0)
             - (batch_result.get("failed") or 0),
+            # Asked for, and either not run (the run ended first) or not successful.
+            "rollouts_failed": (rollout is not None) * (1 - sum(r["rc"] == 0 for r in rolled)),
         },
+        "rollouts": rolled,
         "unexpected": [o.__dict__ | {"itl_s": None} for o in outcomes
                        if o.status in ("lost", "error_5xx", "error_4xx")][:50],  # fmt: skip
         "counters": totals,

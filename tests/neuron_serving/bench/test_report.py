@@ -359,3 +359,31 @@ def test_the_open_loop_is_reported_beside_the_closed_loop_for_information(tmp_pa
     _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
     (info,) = [t for t in ts if t.benchmark == "routing_open"]
     assert "hit-rate ceiling / approximate 1.18" in info.measured
+
+
+def test_soak_counts_are_targets_of_zero_and_its_section_lists_faults_and_growth(tmp_path):
+    zero = {k: 0 for k in report.SOAK_ZERO}
+    _write(tmp_path, "soak", {
+        "duration_s": 1800.0, "zero_counts": {**zero, "lost": 2},
+        "by_kind": {"chat_n": {"completed": 9, "retriable": 1}},
+        "faults": [{"at_s": 30.0, "what": "SIGKILL proxy-1", "error": None}],
+        "rollouts": [{"at_s": 720.0, "version": "v2", "s": 210.0, "rc": 0}],
+        "growth": [{"owner": "unit-0/leader", "name": "VLLM::EngineCore", "pid": 1,
+                    "rss_mb": [1000.0, 1010.0], "fds": [130, 130], "lived_s": 1800}],
+        "plot": "bench/results/soak.png",
+    })  # fmt: skip
+    path, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    text = path.read_text()
+    soak = {t.target: t for t in ts if t.benchmark == "soak"}
+    assert len(soak) == len(report.SOAK_ZERO)
+    lost = soak["30-min soak: requests lost (no answer, no error) = 0"]
+    assert lost.met is False and lost.measured == "2"
+    assert all(t.met for name, t in soak.items() if "lost" not in name)
+    assert "SIGKILL proxy-1" in text and "rollout to v2 (210.0 s)" in text
+    assert "unit-0/leader VLLM::EngineCore" in text and "1000.0 -> 1010.0" in text
+    assert "(results/soak.png)" in text
+    # A run that ended in an error has no counts: one unmet line saying so.
+    _write(tmp_path, "soak", {"duration_s": 300.0, "error": "RuntimeError: up did not start"})
+    _, ts = report.write_report(tmp_path, tmp_path / "R.md", tmp_path / "plots")
+    (only,) = [t for t in ts if t.benchmark == "soak"]
+    assert only.met is None and "up did not start" in only.measured

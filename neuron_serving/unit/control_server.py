@@ -51,7 +51,7 @@ from neuron_serving.unit.channel import (
     LinkBroken,
 )
 from neuron_serving.unit.config import UnitConfig
-from neuron_serving.unit.late_beats import LateBeats
+from neuron_serving.unit.late_beats import LateBeats, silence_limit
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -108,6 +108,11 @@ class FollowerLink:
     state: str = "joining"
     steps: int = 0
     replies: queue.Queue = field(default_factory=queue.Queue)
+    heartbeat_interval_s: float = 0.5
+    beats: LateBeats = field(init=False)  # the gaps between its beats as they arrive
+
+    def __post_init__(self) -> None:
+        self.beats = LateBeats(self.heartbeat_interval_s, self.describe(), None)
 
     def describe(self) -> str:
         return f"rank {self.rank} ({self.host}, pid {self.pid})"
@@ -261,7 +266,13 @@ class ControlServer:
                 return
             # Authenticated (the Hello's MAC verified): every frame from here on
             # is sealed with keys only the two ends of this connection hold.
-            link = FollowerLink(hello.rank, printable(hello.host, 64), hello.pid, ch)
+            link = FollowerLink(
+                hello.rank,
+                printable(hello.host, 64),
+                hello.pid,
+                ch,
+                heartbeat_interval_s=self.unit.heartbeat_interval_s,
+            )
             ch.seal(
                 send_key=auth.link_key(
                     self.token, nonce, hello.nonce, hello.rank, auth.LEADER_TO_FOLLOWER
@@ -436,6 +447,7 @@ class ControlServer:
             link.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
                 link.state, link.steps = msg.state, msg.steps
+                link.beats.beat(link.last_seen)
             elif isinstance(msg, Reply):
                 link.replies.put(msg)
             elif isinstance(msg, Failure):
@@ -469,7 +481,7 @@ class ControlServer:
 
     def _heartbeat_loop(self) -> None:
         while not self._closing:
-            self.late_beats.sent()
+            self.late_beats.beat()
             beat = Heartbeat(state=self.leader_state(), steps=0)
             for link in list(self.links.values()):
                 try:
@@ -499,7 +511,7 @@ class ControlServer:
                 # starved (CPU, GIL) while its steps go on.
                 age = now - max(link.last_seen, self.ranks_seen)
                 limit = (
-                    self.unit.heartbeat_timeout_s
+                    silence_limit(self.unit.heartbeat_timeout_s, now, self.late_beats, link.beats)
                     if strict and link.state == "ready"
                     else self.unit.startup_heartbeat_timeout_s
                 )
@@ -512,7 +524,8 @@ class ControlServer:
                     self._fail(
                         link.rank,
                         f"{link.describe()} sent no heartbeat for {now - link.last_seen:.1f} s "
-                        f"and {shared} (hung, stopped, or cut off from the leader)",
+                        f"and {shared} (limit {limit:g} s; hung, stopped, or cut off from "
+                        "the leader)",
                     )
                     return
             time.sleep(tick)

@@ -305,7 +305,7 @@ class Follower:
             self.welcome.heartbeat_interval_s, f"rank {self.cfg.rank}", logger
         )
         while not self._shutdown.is_set():
-            self.late_beats.sent()
+            self.late_beats.beat()
             try:
                 # A send that times out ends the link (channel.py), so allow as
                 # long as the leader would wait for a beat: the socket may still

@@ -1,11 +1,18 @@
-"""How late this process's own heartbeats go out: starvation seen from the inside.
+"""Late heartbeats: starvation seen from the inside, and the silence it excuses.
 
 A heartbeat thread sleeps one interval between beats. When the gap between two
-beats is well over that, this process did not run the thread in time: the host's
+beats is well over that, the process did not run the thread in time: the host's
 CPUs were saturated, or another thread held the GIL in one long call. The peer
-sees the same gap as silence, and past its timeout fails the unit, so a late beat
-is logged with where the main thread was when the beat finally went out, which
-names the long call if there is one. Counted for the node's metrics.
+sees the same gap as silence, and past its timeout fails the unit. So:
+
+- a sender's own late beat is logged with where its main thread was when the beat
+  finally went out (which names the long call if there is one), and counted;
+- the same record kept for a peer's beats as they arrive shows gaps on its side;
+- after a late beat on either side, silence is judged ``SATURATED_FACTOR`` times
+  more leniently for ``SATURATED_WINDOW_S`` (``silence_limit``): a rank stopped on
+  a calm host is still found on the strict timeout, while a saturated host, where
+  beats were seen 3 s late from a healthy leader on 2 cores, is not taken for a
+  dead one.
 """
 
 from __future__ import annotations
@@ -20,25 +27,34 @@ from neuron_serving.logsafe import RateLimitedLog
 
 # A beat this many intervals after the previous one is late.
 LATE_FACTOR = 2.0
+SATURATED_FACTOR = 3.0
+SATURATED_WINDOW_S = 120.0
 
 
 class LateBeats:
-    def __init__(self, interval_s: float, who: str, logger: logging.Logger) -> None:
+    """The gaps between one side's beats: sent by this process (``logger`` given: a
+    late one is logged) or arriving from a peer (``logger`` None)."""
+
+    def __init__(self, interval_s: float, who: str, logger: logging.Logger | None) -> None:
         self.interval_s = interval_s
         self.who = who
         self.late = 0
         self.max_gap_s = 0.0
+        self.last_late_at = float("-inf")
         self._last: float | None = None
-        self._log = RateLimitedLog(logger, burst=3, interval_s=60.0)
+        self._log = RateLimitedLog(logger, burst=3, interval_s=60.0) if logger else None
 
-    def sent(self, now: float | None = None) -> float:
-        """Record a beat sent at ``now``; returns the gap since the previous one."""
+    def beat(self, now: float | None = None) -> float:
+        """Record a beat at ``now``; returns the gap since the previous one."""
         now = time.monotonic() if now is None else now
         gap = 0.0 if self._last is None else now - self._last
         self._last = now
         self.max_gap_s = max(self.max_gap_s, gap)
         if gap > LATE_FACTOR * self.interval_s:
             self.late += 1
+            self.last_late_at = now
+            if self._log is None:
+                return gap
             self._log.warning(
                 "%s: heartbeat %.1f s after the previous one (interval %.1f s): this "
                 "process was starved (CPU or GIL); main thread at %s",
@@ -48,6 +64,14 @@ class LateBeats:
                 main_thread_at(),
             )
         return gap
+
+
+def silence_limit(timeout_s: float, now: float, *beats: LateBeats) -> float:
+    """How long a peer may be silent: ``timeout_s``, or ``SATURATED_FACTOR`` times it
+    while any of ``beats`` was late within ``SATURATED_WINDOW_S``."""
+    if any(now - b.last_late_at < SATURATED_WINDOW_S for b in beats):
+        return SATURATED_FACTOR * timeout_s
+    return timeout_s
 
 
 def main_thread_at(depth: int = 4) -> str:

@@ -14,6 +14,7 @@ from neuron_serving.unit.channel import Channel, ChannelClosed, LinkBroken
 from neuron_serving.unit.config import UnitConfig
 from neuron_serving.unit.control_server import ControlServer, UnitJoinError
 from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
+from neuron_serving.unit.late_beats import SATURATED_FACTOR
 from neuron_serving.unit.messages import Heartbeat, Start
 from neuron_serving.versions import runtime_versions
 from tests.procs import TEST_TOKEN, free_port_block
@@ -269,3 +270,27 @@ def test_steps_keep_a_starved_leader_alive_for_its_follower(leader, monkeypatch)
     assert lead.follower_exits, "the follower kept a silent leader with no steps"
     code, msg = lead.follower_exits[0]
     assert code == ExitCode.LEADER_LOST and "no heartbeat from the leader" in msg, msg
+
+
+def test_a_follower_whose_beats_came_late_gets_more_silence(leader):
+    # Beats that arrived late say the follower's host is saturated: its silence is
+    # judged SATURATED_FACTOR times more leniently for a while.
+    lead = leader(
+        heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=0.6
+    )
+    f = lead.follower()
+    f.join()  # beats sent by hand below
+    lead.server.wait_for_followers(5)
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    f.channel.send(Heartbeat("ready", 0))
+    time.sleep(0.3)  # 3 intervals: late, and under the 0.5 s timeout
+    f.channel.send(Heartbeat("ready", 0))
+    last = time.monotonic()
+    time.sleep(1.0)  # twice the strict timeout
+    assert not lead.failures, lead.failures
+    deadline = time.monotonic() + 5
+    while not lead.failures and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lead.failures, "a silent follower was never declared hung"
+    assert time.monotonic() - last >= SATURATED_FACTOR * 0.5
+    assert "limit 1.5 s" in lead.failures[0][1], lead.failures[0][1]

@@ -41,6 +41,10 @@ MIX: dict[str, int] = {
 READ_TIMEOUT_S = 180.0
 # A client told to retry waits this long first (the proxy's Retry-After: 1 s).
 RETRY_AFTER_S = 1.0
+# Mean of a client's pause between two requests (exponential). Users read what they
+# got before they ask again; back to back, six loops keep a 2-core host saturated,
+# and a unit recreated beside the others took over 6 min to start (62 s idle).
+THINK_S = 2.0
 PRODUCTS = ("trail shoes", "a rain jacket", "a tent for two", "hiking poles", "a headlamp")
 TOOLS = [{"type": "function", "function": {
     "name": "get_stock", "description": "Units of an article in stock.",
@@ -75,6 +79,7 @@ class Clients:
     long_tokens: int
     fault_active: Callable[[], bool]
     mix: dict[str, int] = field(default_factory=lambda: dict(MIX))  # kind -> weight
+    think_s: float = THINK_S
     outcomes: list[Outcome] = field(default_factory=list)
     t0: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -119,6 +124,8 @@ class Clients:
             n += 1
             if o.status == "retriable":
                 stop.wait(RETRY_AFTER_S)  # as the proxy's Retry-After asks
+            elif self.think_s > 0:
+                stop.wait(rng.expovariate(1.0 / self.think_s))
         client.close()
 
     def _classify(self, status: int, body: str) -> tuple[str, str]:

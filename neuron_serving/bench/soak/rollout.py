@@ -67,4 +67,9 @@ def deploy(url: str, run_dir: Path, root: Path, version: str = NEXT) -> dict[str
                               "s": round(time.monotonic() - t0, 1), "report": report}  # fmt: skip
     if proc.returncode != 0:
         result["log_tail"] = proc.stderr[-3000:]
+    # The deploy replays the version's canaries on each unit it recreates, straight to
+    # its leader: engine requests no proxy attempt accounts for.
+    canaries = len(Manifest.read(root / version).canaries)
+    result["canary_requests"] = {u["unit_id"]: canaries for u in (report or {}).get("units", [])
+                                 if u.get("result") != "skipped"}  # fmt: skip
     return result

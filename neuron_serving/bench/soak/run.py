@@ -32,7 +32,7 @@ from typing import Any
 
 from neuron_serving.bench.cluster import UpRun
 from neuron_serving.bench.common import RESULTS_DIR, percentile, publish
-from neuron_serving.bench.soak.clients import MIX, Clients, Outcome
+from neuron_serving.bench.soak.clients import MIX, THINK_S, Clients, Outcome
 from neuron_serving.bench.soak.rollout import deploy, prepare_versions
 from neuron_serving.bench.soak.watch import Watch
 from neuron_serving.faults.injector import Injector
@@ -97,7 +97,7 @@ def soak(
     url: str, api_key: str, run_dir: Path, model: str, schedule: FaultSchedule,
     duration: float, seed: int, clients: int = CLIENTS, long_tokens: int = 1500,
     mix: dict[str, int] | None = None, rollout: Callable[[], dict[str, Any]] | None = None,
-    rollout_at_s: float = 0.0,
+    rollout_at_s: float = 0.0, think_s: float = THINK_S,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the clients, the batch and the schedule against the running cluster of
     ``run_dir`` (`up`'s) for ``duration`` seconds; the counts and figures (the module
@@ -120,7 +120,7 @@ def soak(
         now = time.monotonic() - t0
         return any(s - 5 <= now <= e + RECOVERY_S for _, s, e in windows)
 
-    users = Clients(url, api_key, model, seed, long_tokens=long_tokens,
+    users = Clients(url, api_key, model, seed, long_tokens=long_tokens, think_s=think_s,
                     fault_active=fault_active, mix=dict(mix or MIX), t0=t0)  # fmt: skip
     watch.read()
     watcher = threading.Thread(target=watch.run, args=(stop,), daemon=True)
@@ -170,7 +170,10 @@ def soak(
     batch_result = batch.wait(120.0)
     watch.read()
     outcomes = list(users.outcomes)
-    totals = watch.totals()
+    direct = Tally[str]()
+    for r in rolled:
+        direct.update(r.get("canary_requests", {}))
+    totals = watch.totals(dict(direct))
     false = _false_ejections(watch, windows + deploys, t0)
     by_kind = {k: dict(Tally(o.status for o in outcomes if o.kind == k)) for k in users.mix}
     statuses = Tally(o.status for o in outcomes)

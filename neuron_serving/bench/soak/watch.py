@@ -159,17 +159,22 @@ class Watch:
 
     # ---- figures ----------------------------------------------------------------------
 
-    def totals(self) -> dict[str, Any]:
+    def totals(self, direct: dict[str, float] | None = None) -> dict[str, Any]:
+        """The counters over the run; ``direct``: engine requests sent to a unit's leader
+        on purpose, not through a proxy (a rollout's canaries)."""
         attempts = {u: sum(c.total for k, c in self.attempts.items() if k.endswith(f"/{u}"))
                     for u in self.units}  # fmt: skip
-        leader = {u: self.leader_requests.get(u, Counter()).total for u in self.units}
+        direct = direct or {}
+        leader = {u: self.leader_requests.get(u, Counter()).total - direct.get(u, 0.0)
+                  for u in self.units}  # fmt: skip
 
         def proxy(name: str, label: str = "") -> float:
             return sum(c.total for k, c in self.proxy_counters.items()
                        if k.split("/", 1)[1] == f"{name}/{label}")  # fmt: skip
 
         return {
-            "leader_requests": leader,
+            "leader_requests": leader,  # less the direct ones
+            "direct_requests": direct,
             "proxy_attempts": attempts,
             # Engine requests no proxy attempt accounts for: run twice (must be 0).
             "duplicated_engine_work": {u: max(0.0, leader[u] - attempts[u]) for u in self.units},

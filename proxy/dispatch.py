@@ -44,7 +44,7 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -253,7 +253,7 @@ class Dispatcher:
         remaining = deadline - asyncio.get_running_loop().time()
         await asyncio.sleep(max(0.0, min(delay, remaining)))
 
-    def run(self, job: GenerationJob | OpenAIJob) -> AsyncIterator[GenerationDelta]:
+    def run(self, job: GenerationJob | OpenAIJob) -> AsyncGenerator[GenerationDelta, None]:
         """The job's responses across units, until (and including) the final one. An
         OpenAI call's first response has ``status`` (when it is not 200 it is the only
         one) and each ``body`` is what the client gets, resumed attempts' already fixed
@@ -265,7 +265,7 @@ class Dispatcher:
 
     async def _attempts(
         self, job: GenerationJob | OpenAIJob, kind: _Kind
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """The one attempt loop of every request (module docstring): attempts until one
         answers, each on a unit the job has not failed on if there is one. An attempt
         ends only when it answers or fails (the connection to its leader broke, the
@@ -458,7 +458,7 @@ class _Kind(Protocol):
 
     def open(
         self, upstream: Upstream, unit: UnitSpec, deadline: float, timing: AttemptTiming
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """The attempt's upstream call: the request, or its continuation."""
         ...
 
@@ -493,7 +493,7 @@ class _TextRequest:
 
     def open(
         self, upstream: Upstream, unit: UnitSpec, deadline: float, timing: AttemptTiming
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         job = self.job
         sampling = dict(job.sampling, max_tokens=job.max_tokens - self.tokens_done)
         return upstream.generate(
@@ -566,7 +566,7 @@ class _OpenAICall:
 
     def open(
         self, upstream: Upstream, unit: UnitSpec, deadline: float, timing: AttemptTiming
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         return upstream.openai(unit, self.envelope, deadline, timing)
 
     def accept(self, d: GenerationDelta) -> GenerationDelta | None:

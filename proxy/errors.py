@@ -14,7 +14,7 @@ class APIError(Exception):
         message: str,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,  # int: as vLLM's own answers have it
         headers: dict[str, str] | None = None,
         close: bool = False,
     ) -> None:

@@ -75,6 +75,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from proxy.config import AdmissionConfig, ClassConfig
 from proxy.metrics import ProxyMetrics
@@ -97,7 +98,7 @@ class Overloaded(Exception):
         self.code = code or "rate_limit_exceeded"
 
 
-class FlowJob:
+class FlowJob(Protocol):
     """What flow control needs of a job (``dispatch.Job``): its class, tenant and cost
     (the sequences it puts in a unit's engine)."""
 
@@ -106,15 +107,19 @@ class FlowJob:
     cost: int
 
 
+# The jobs of one FlowController: the placer and release_unit get back the jobs that
+# slot() was given.
+_JobT = TypeVar("_JobT", bound=FlowJob)
+
 # Picks a unit with room for the job (``room`` filters the eligible units) and
 # counts the job's first attempt on it; None when no eligible unit has room. Raises
 # NoRoutableUnit when the job's model has no eligible unit at all.
-Placer = Callable[[object, Callable[[UnitState], bool]], UnitState | None]
+Placer = Callable[[_JobT, Callable[[UnitState], bool]], UnitState | None]
 
 
 @dataclass(slots=True, eq=False)
-class _Waiter:
-    job: FlowJob
+class _Waiter(Generic[_JobT]):
+    job: _JobT
     cls: TrafficClass
     tenant: str
     since: float  # loop.time() it arrived
@@ -123,11 +128,11 @@ class _Waiter:
 
 
 @dataclass(slots=True)
-class _Tenant:
-    queue: deque[_Waiter] = field(default_factory=deque)
+class _Tenant(Generic[_JobT]):
+    queue: deque[_Waiter[_JobT]] = field(default_factory=deque)
     pass_: float = 0.0
 
-    def head(self) -> _Waiter | None:
+    def head(self) -> _Waiter[_JobT] | None:
         q = self.queue
         # A waiter whose client left has a cancelled future before its own cleanup
         # (_forget) runs: never placed or shed, it would raise InvalidStateError.
@@ -135,7 +140,7 @@ class _Tenant:
             q.popleft()
         return q[0] if q else None
 
-    def tail(self) -> _Waiter | None:
+    def tail(self) -> _Waiter[_JobT] | None:
         q = self.queue
         while q and (q[-1].gone or q[-1].future.done()):
             q.pop()
@@ -143,9 +148,9 @@ class _Tenant:
 
 
 @dataclass(slots=True)
-class _ClassQueue:
+class _ClassQueue(Generic[_JobT]):
     cfg: ClassConfig
-    tenants: dict[str, _Tenant] = field(default_factory=dict)
+    tenants: dict[str, _Tenant[_JobT]] = field(default_factory=dict)
     waiting: int = 0
     vtime: float = 0.0  # the pass of the last dispatch: where an idle tenant rejoins
     active: int = 0
@@ -155,7 +160,7 @@ class _ClassQueue:
     refused: int = 0
 
 
-class FlowController:
+class FlowController(Generic[_JobT]):
     def __init__(
         self,
         cfg: AdmissionConfig,
@@ -165,9 +170,11 @@ class FlowController:
         self.cfg = cfg
         self.metrics = metrics
         self.weight_of = weight_of or (lambda _tenant: 1.0)
-        self.place: Placer | None = None  # set by the server (the dispatcher's placer)
-        self.release_unit: Callable[[object], None] | None = None
-        self._classes = {c: _ClassQueue(cfg.class_config(c.label)) for c in CLASSES}
+        self.place: Placer[_JobT] | None = None  # set by the server (the dispatcher's placer)
+        self.release_unit: Callable[[_JobT], None] | None = None
+        self._classes: dict[TrafficClass, _ClassQueue[_JobT]] = {
+            c: _ClassQueue(cfg.class_config(c.label)) for c in CLASSES
+        }
         self.active = 0
         self._ticker: asyncio.Task[None] | None = None
         self._pump_scheduled = False
@@ -196,7 +203,7 @@ class FlowController:
         }
 
     @staticmethod
-    def _oldest_wait(q: _ClassQueue) -> float:
+    def _oldest_wait(q: _ClassQueue[_JobT]) -> float:
         heads = [w for t in q.tenants.values() if (w := t.head()) is not None] if q.waiting else []
         if not heads:
             return 0.0
@@ -233,7 +240,7 @@ class FlowController:
     # ---- admission ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def slot(self, job: FlowJob) -> AsyncIterator[None]:
+    async def slot(self, job: _JobT) -> AsyncIterator[None]:
         """Wait for the job's turn and a unit with room; the job's first attempt is
         then counted on that unit (the dispatcher starts there). Raises Overloaded."""
         cls, tenant = job.traffic_class, job.tenant
@@ -262,7 +269,7 @@ class FlowController:
         if self.metrics is not None:
             self.metrics.child(self.metrics.flow_dispatched, cls.label).inc()
 
-    def _finished(self, job: object, cls: TrafficClass) -> None:
+    def _finished(self, job: _JobT, cls: TrafficClass) -> None:
         self.active -= 1
         self._classes[cls].active -= 1
         if self.release_unit is not None:
@@ -272,12 +279,12 @@ class FlowController:
     def _waiting_at_or_above(self, cls: TrafficClass) -> bool:
         return any(self._classes[c].waiting for c in CLASSES if c <= cls)
 
-    def _try_place(self, job: FlowJob, cls: TrafficClass) -> UnitState | None:
+    def _try_place(self, job: _JobT, cls: TrafficClass) -> UnitState | None:
         assert self.place is not None, "no placer"
         cost = job.cost
         return self.place(job, lambda u: self.has_room(u, cls, cost))
 
-    async def _wait(self, job: FlowJob, cls: TrafficClass, tenant: str, start: float) -> UnitState:
+    async def _wait(self, job: _JobT, cls: TrafficClass, tenant: str, start: float) -> UnitState:
         q = self._classes[cls]
         cfg = q.cfg
         if q.waiting >= cfg.queue_size:
@@ -323,7 +330,7 @@ class FlowController:
             self._forget(w)
             raise
 
-    def _forget(self, w: _Waiter) -> None:
+    def _forget(self, w: _Waiter[_JobT]) -> None:
         if not w.gone:
             w.gone = True
             self._classes[w.cls].waiting -= 1

@@ -29,7 +29,7 @@ import asyncio
 import math
 import struct
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -235,7 +235,7 @@ class TritonUpstream:
         timing: AttemptTiming | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """Yield deltas until (and including) the one with a finish reason.
 
         ``deadline`` is on the ``loop.time()`` clock. Raises ``UpstreamError``.
@@ -249,7 +249,7 @@ class TritonUpstream:
 
     def openai(
         self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """As ``generate``, for an OpenAI call (``upstream.Upstream.openai``)."""
         request = build_openai_request(unit.triton_model, uuid.uuid4().hex, envelope)
         return self._stream(unit, request, deadline, timing)
@@ -260,7 +260,7 @@ class TritonUpstream:
         request: service_pb2.ModelInferRequest,
         deadline: float,
         timing: AttemptTiming | None,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         loop = asyncio.get_running_loop()
         remaining = deadline - loop.time()
         if remaining <= 0:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
@@ -246,19 +246,19 @@ class TritonHttpUpstream:
         timing: AttemptTiming | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """As ``TritonUpstream.generate``; needs ``unit.leader_http``."""
         return self._stream(unit, build_body(prompt, sampling, priority), deadline, timing)
 
     def openai(
         self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """As ``TritonUpstream.openai``; needs ``unit.leader_http``."""
         return self._stream(unit, build_openai_body(envelope), deadline, timing)
 
     async def _stream(
         self, unit: UnitSpec, body: bytes, deadline: float, timing: AttemptTiming | None
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         loop = asyncio.get_running_loop()
         if deadline - loop.time() <= 0:
             raise DeadlineExceeded()

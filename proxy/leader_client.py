@@ -142,7 +142,7 @@ class LeaderClient:
         )
 
     def stream_infer_one(
-        self, request: service_pb2.ModelInferRequest, timeout: float
+        self, request: service_pb2.ModelInferRequest, timeout: float | None
     ) -> grpc.aio.UnaryStreamCall:
         """``ModelStreamInfer`` with one request, sent and half-closed in one operation;
         ``await call.read()`` gives ``ModelStreamInferResponse``s, then ``grpc.aio.EOF``."""

@@ -9,7 +9,7 @@ registry at scrape time rather than on every probe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -211,7 +211,7 @@ class ProxyMetrics:
         queued: int,
         active: int,
         upstream_of: Callable[[UnitSpec], str] | None = None,
-        classes: dict[str, dict[str, int]] | None = None,
+        classes: Mapping[str, Mapping[str, int | float]] | None = None,
     ) -> None:
         # Units come and go: rebuild the per-unit series so removed units disappear.
         for g in (

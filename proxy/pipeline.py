@@ -72,7 +72,7 @@ class FrontEndDeps:
 
     config: ProxyConfig
     registry: Registry
-    admission: FlowController
+    admission: FlowController[GenerationJob | OpenAIJob]
     dispatcher: Dispatcher
     metrics: ProxyMetrics
 
@@ -213,7 +213,8 @@ class Pipeline:
         async with deps.admission.slot(job):
             gen = deps.dispatcher.run(job)
             async with contextlib.aclosing(gen):
-                status, parts = 200, []
+                status = 200
+                parts: list[bytes] = []
                 async for d in gen:
                     if not parts and d.status is not None:
                         status = d.status

@@ -41,7 +41,7 @@ import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from tokenizers import AddedToken, Tokenizer
 
@@ -73,7 +73,7 @@ class TokenizerUnavailable(Exception):
     """The model's tokenization cannot be reproduced in the proxy (the reason)."""
 
 
-def _is_ids(value: Any) -> bool:
+def _is_ids(value: Any) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
         and bool(value)

@@ -93,7 +93,7 @@ def request_model(body: dict[str, Any], served: list[str]) -> str:
         # vLLM's own answer for a model it does not serve: its message, type and
         # (integer) code, so a client sees what `vllm serve` would have said.
         message = f"The model `{model}` does not exist."
-        raise APIError(404, message, "NotFoundError", "model", 404)  # type: ignore[arg-type]
+        raise APIError(404, message, "NotFoundError", "model", 404)
     return model
 
 

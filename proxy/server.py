@@ -39,7 +39,7 @@ from proxy.batch.store import BatchDB
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import ProxyConfig
 from proxy.dashboard import routes as dashboard_routes
-from proxy.dispatch import Dispatcher
+from proxy.dispatch import Dispatcher, GenerationJob, OpenAIJob
 from proxy.errors import APIError
 from proxy.flow_control import FlowController
 from proxy.grpc_upstream import TritonUpstream
@@ -144,7 +144,9 @@ class ProxyServer:
         envs_key = envs.NEURON_SERVING_API_KEY
         # Loaded here, not at start: a bad keys file fails construction, before any port.
         self.api_keys: ApiKeys = load_api_keys(config.api_keys_file, config.api_key or envs_key)
-        self.admission = FlowController(config.admission, self.metrics, self.api_keys.weight_of)
+        self.admission: FlowController[GenerationJob | OpenAIJob] = FlowController(
+            config.admission, self.metrics, self.api_keys.weight_of
+        )
         self.admission.place = self.dispatcher.place
         self.admission.release_unit = self.dispatcher.release_first
         self._admin_token: str | None = None
@@ -214,7 +216,9 @@ class ProxyServer:
         """A leader's model config, read by a probe: where its OpenAI channel is."""
         raw = parameters.get(CHANNEL_PARAMETER, "")
         port = int(raw) if raw.isdigit() and 0 < int(raw) < 65536 else None
-        self.transport.channel.announce(unit.spec, port)
+        channel = self.transport.channel
+        assert channel is not None  # registered only with a channel (__init__)
+        channel.announce(unit.spec, port)
 
     def _on_registry_change(self, event: RegistryEvent, unit: UnitState) -> None:
         if event == "removed":

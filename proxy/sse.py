@@ -26,7 +26,8 @@ class TextTemplate:
     def __init__(self, render: Callable[[str], bytes]) -> None:
         head, mark, tail = render(_MARK).partition(_MARK_JSON)
         if not mark or _MARK_JSON in tail:  # the marker must occur exactly once
-            self._head = self._tail = None
+            self._head: bytes | None = None
+            self._tail = b""
         else:
             self._head, self._tail = head, tail
         self._render = render

@@ -16,7 +16,7 @@ retries, migration, cancellation and the metrics do not depend on the choice.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from proxy.channel_upstream import ChannelUpstream
@@ -37,7 +37,7 @@ class UnitTransport:
 
     def generate(
         self, unit: UnitSpec, *args: Any, priority: int = 0
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """``Upstream.generate`` on the unit's channel, else its transport. It returns
         the chosen transport's own generator, not a wrapper around it: every layer of
         async generators costs a resumption per token."""
@@ -47,7 +47,7 @@ class UnitTransport:
                 return self.channel.generate(addr, unit, *args, priority=priority)
         return self._for(unit).generate(unit, *args, priority=priority)
 
-    def openai(self, unit: UnitSpec, *args: Any) -> AsyncIterator[GenerationDelta]:
+    def openai(self, unit: UnitSpec, *args: Any) -> AsyncGenerator[GenerationDelta, None]:
         """``Upstream.openai`` on the unit's channel, else its transport (the same way)."""
         if self.channel is not None:
             addr = self.channel.address(unit)

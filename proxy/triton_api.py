@@ -76,15 +76,17 @@ def parse_generate(body: Any) -> tuple[str, dict[str, Any], int | None, bool]:
     params: dict[str, Any] = {}
     raw = body.get("sampling_parameters")
     if raw is not None:
+        decoded: Any
         try:
             # msgspec, as for the body: bounded nesting, no lone surrogates or huge ints.
-            params = msgspec.json.decode(raw) if isinstance(raw, str) else None
+            decoded = msgspec.json.decode(raw) if isinstance(raw, str) else None
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            params = None
-        if not isinstance(params, dict):
+            decoded = None
+        if not isinstance(decoded, dict):
             raise invalid(
                 "'sampling_parameters' must be a JSON object in a string", "sampling_parameters"
             )
+        params = decoded
     extra = body.get("parameters") or {}
     if not isinstance(extra, dict):
         raise invalid("'parameters' must be an object", "parameters")

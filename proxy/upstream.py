@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -265,7 +265,7 @@ class Upstream(Protocol):
         timing: AttemptTiming | None = None,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """One text request (Triton's generate route). ``priority``: vLLM's request
         priority, the job's traffic class (the leader's ``priority`` input; sent only
         when nonzero, so the request is the same as before for real-time)."""
@@ -273,7 +273,7 @@ class Upstream(Protocol):
 
     def openai(
         self, unit: UnitSpec, envelope: bytes, deadline: float, timing: AttemptTiming | None = None
-    ) -> AsyncIterator[GenerationDelta]:
+    ) -> AsyncGenerator[GenerationDelta, None]:
         """One OpenAI call (the ``openai_request`` envelope, UTF-8 JSON): the leader's
         responses until (and including) the final one (``GenerationDelta.final``)."""
         ...

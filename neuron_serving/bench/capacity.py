@@ -64,7 +64,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import numpy as np
@@ -481,15 +481,16 @@ class Client:
 
 
 async def probe(client: Client, quick: bool) -> dict[str, Any]:
-    levels = []
+    levels: list[dict[str, Any]] = []
     for c in PROBE_LEVELS:
         rs = await client.closed_loop(c, PROBE_S[quick], warm_s=2.0)
         ok = [r for r in rs if r.error is None and r.ttft is not None]
+        ttft = [r.ttft for r in ok if r.ttft is not None]  # ok has a ttft each: drops none
         streams = len(ok) / PROBE_S[quick]
         levels.append({"concurrency": c, "streams_per_s": round(streams, 2),
                        "output_tok_s": round(streams * RT_MAX_TOKENS, 1),
-                       "ttft_p50_s": _q([r.ttft for r in ok], 50),
-                       "ttft_p99_s": _q([r.ttft for r in ok], 99),
+                       "ttft_p50_s": _q(ttft, 50),
+                       "ttft_p99_s": _q(ttft, 99),
                        "itl_p99_s": _q([r.itl for r in ok if r.itl is not None], 99),
                        "errors": len(rs) - len(ok)})  # fmt: skip
         print(f"probe c={c}: {levels[-1]}", file=sys.stderr, flush=True)
@@ -503,7 +504,10 @@ def unit_model(probe_result: dict[str, Any], startup_s: float) -> Any:
     from neuron_serving.capacity.calibration import UnitModel
 
     lv = [x for x in probe_result["levels"] if x["concurrency"] <= MAX_NUM_SEQS]
-    tok, p50, p99, itl = [], [], [], []
+    tok: list[float] = []
+    p50: list[float] = []
+    p99: list[float] = []
+    itl: list[float] = []
     for x in lv:
         t = max(float(x["output_tok_s"]), 1.0)
         tok.append(max(t, tok[-1] * 1.01) if tok else t)
@@ -518,6 +522,10 @@ def unit_model(probe_result: dict[str, Any], startup_s: float) -> Any:
                      source="bench capacity probe")  # fmt: skip
 
 
+class _Target(TypedDict, total=False):
+    target_utilization: float
+
+
 def policy_for(capacity: dict[str, Any] | None) -> tuple[Any, str]:
     """The controller's policy: `up --autoscale` without --autoscale-config runs
     PolicyConfig's defaults with `up`'s unit curve (calibration.UP_UNIT_CURVE) and its
@@ -528,8 +536,8 @@ def policy_for(capacity: dict[str, Any] | None) -> tuple[Any, str]:
 
     cap = capacity or {}
     curve = cap.get("unit_curve", () if cap else UP_UNIT_CURVE)
-    target = {"target_utilization": float(cap["target_utilization"])
-              } if cap.get("target_utilization") is not None else {}  # fmt: skip
+    target: _Target = {"target_utilization": float(cap["target_utilization"])
+                       } if cap.get("target_utilization") is not None else {}  # fmt: skip
     try:
         return PolicyConfig(min_units=int(cap["min_units"]), max_units=int(cap["max_units"]),
                             tick_s=float(cap["tick_s"]), max_num_seqs=MAX_NUM_SEQS,

@@ -321,7 +321,8 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
         # latter, and leaves (1 - its share) of C to batch work.
         async def saturated(chat: bool) -> float:
             await load.all_routable()
-            stop, done = asyncio.Event(), []
+            stop = asyncio.Event()
+            done: list[tuple[float, int]] = []
             # Twice the fleet's running batch: a request spends part of its life outside
             # its engine (in the client, in the proxy, relaying its answer), so a loop
             # only as deep as units x max_num_seqs leaves every engine short of full.
@@ -370,7 +371,8 @@ async def _run(run: UpRun, quick: bool, repeats: int) -> dict[str, Any]:
             print(f"rep {rep} (b) {summary}", file=sys.stderr, flush=True)
             await load.all_routable()
             # (c) naive: the batch work as ordinary requests, first come first served
-            stop, done = asyncio.Event(), []
+            stop = asyncio.Event()
+            done: list[tuple[float, int]] = []
             loop_task = asyncio.create_task(load.closed_loop(64, stop, done))
             await asyncio.sleep(5.0)
             t0, cpu = time.monotonic(), HostCpu()

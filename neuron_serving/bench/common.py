@@ -46,7 +46,8 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 def cpu_info() -> dict[str, Any]:
     """The CPU model name and which of ``ISA_FLAGS`` it has (Linux /proc/cpuinfo)."""
-    model, flags = "", set()
+    model = ""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

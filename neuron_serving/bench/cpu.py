@@ -319,7 +319,11 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         try:
             wait_ready([leader, vllm])
             ldr, srv = leader.process.popen.pid, vllm.process.popen.pid
-            servers = {"triton": (ldr,), "triton_http": (ldr,), "vllm": (srv,)}
+            servers: dict[str, tuple[int, ...]] = {
+                "triton": (ldr,),
+                "triton_http": (ldr,),
+                "vllm": (srv,),
+            }
             arm_list = arms(leader, vllm.base)
             for protocol, channel, name, loop in PROXY_ARMS:
                 cfg = proxy_config([leader], model_dir, ENGINE["max_model_len"],

@@ -125,7 +125,7 @@ def _multinode_trial(args: argparse.Namespace) -> int:
         result = _measure(llm, args, None)
         _shutdown(llm)
         # Does the headless node notice that node 0 is gone? Reported, then stopped.
-        exits = []
+        exits: list[int | None] = []
         for node in nodes:
             try:
                 exits.append(node.popen.wait(timeout=HEADLESS_EXIT_WAIT_S))

@@ -151,7 +151,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     cache.mkdir(parents=True, exist_ok=True)
     hf, sharded = _prepare(model, cache)
     separate = _can_unshare()
-    copies = {"full": None, "sharded": None}
+    copies: dict[str, Path | None] = {"full": None, "sharded": None}
     if separate:
         copies = {"full": _host_copy(hf, cache), "sharded": _host_copy(sharded, cache)}
     dirs = {"full": hf, "sharded": sharded}

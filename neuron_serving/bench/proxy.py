@@ -139,9 +139,9 @@ async def _run(
             run: dict[str, Any] = {}
             for arm in order:
                 if arm in proxies:
-                    timings, hop = await _proxy_batch(s, urls[arm], proxies[arm], STREAMS,
-                                                      max_tokens, ids)  # fmt: skip
-                    run[arm] = {**_summary(timings), **hop}
+                    timings, figures = await _proxy_batch(s, urls[arm], proxies[arm], STREAMS,
+                                                          max_tokens, ids)  # fmt: skip
+                    run[arm] = {**_summary(timings), **figures}
                 else:
                     run[arm] = _summary(await _batch(s, urls[arm], STREAMS, max_tokens, ids))
             runs.append(run)

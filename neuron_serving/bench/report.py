@@ -109,7 +109,9 @@ class Target:
 
 def straddles(s: dict[str, Any] | None, limit: float) -> bool:
     """min and max of a spread on both sides of ``limit``: the verdict is noise-bound."""
-    return bool(s) and s.get("n", 1) > 1 and s["min"] < limit < s["max"]
+    if not s:
+        return False
+    return s.get("n", 1) > 1 and s["min"] < limit < s["max"]
 
 
 # ---- targets -------------------------------------------------------------------------

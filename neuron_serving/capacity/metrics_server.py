@@ -87,7 +87,9 @@ class CapacityMetricsServer:
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        host = f"[{host}]" if ":" in str(host) else host
+        # server_bind() stored getsockname()'s address: an AF_INET(6) socket's host is a str.
+        assert isinstance(host, str)
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{port}"
 
     def start(self) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -152,7 +152,7 @@ def _float(v: Any) -> float:
     return float(v) if isinstance(v, int | float) and math.isfinite(v) else 0.0
 
 
-def merge_classes(statuses: list[Mapping[str, Any]]) -> tuple[ClassSignals, ...]:
+def merge_classes(statuses: Sequence[Mapping[str, Any]]) -> tuple[ClassSignals, ...]:
     """Per class over the replicas: queued and active added, the oldest wait the largest."""
     acc: dict[str, list[float]] = {}
     for status in statuses:
@@ -170,7 +170,7 @@ def merge_classes(statuses: list[Mapping[str, Any]]) -> tuple[ClassSignals, ...]
     )
 
 
-def freshest_loads(statuses: list[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+def freshest_loads(statuses: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
     """unit id -> its engine load as the replica with the freshest report has it."""
     best: dict[str, Mapping[str, Any]] = {}
     for status in statuses:
@@ -207,7 +207,7 @@ def with_load(units: list[UnitSignals], loads: Mapping[str, Mapping[str, Any]]) 
     return tuple(out)
 
 
-def batch_backlog(statuses: list[Mapping[str, Any]]) -> int:
+def batch_backlog(statuses: Sequence[Mapping[str, Any]]) -> int:
     """Open lines of the unfinished batches (the store is shared: each batch once, as
     the replica that read it last saw it) less the lines in flight on any replica."""
     open_lines: dict[str, int] = {}

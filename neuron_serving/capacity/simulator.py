@@ -193,11 +193,11 @@ class _Unit:
 
 class _Latency:
     """TTFT of served cohorts: the probability of meeting the SLO and the histogram
-    mass, cached per (concurrency in quarters, wait in steps)."""
+    mass, cached per (concurrency in quarters, wait in steps, slowdown in hundredths)."""
 
     def __init__(self, model: UnitModel, slo_s: float, dt_s: float) -> None:
         self.model, self.slo_s, self.dt_s = model, slo_s, dt_s
-        self._cache: dict[tuple[int, int], tuple[float, np.ndarray]] = {}
+        self._cache: dict[tuple[int, int, int], tuple[float, np.ndarray]] = {}
 
     def __call__(self, c: float, wait_steps: int, slow: float = 1.0) -> tuple[float, np.ndarray]:
         """``slow``: the unit runs that many times slower than calibrated (host_cpus)."""

@@ -92,7 +92,8 @@ def is_tokenizer_file(name: str) -> bool:
 def companion_files(model_dir: Path) -> tuple[list[str], list[str]]:
     """(config files, tokenizer files) of a Hugging Face directory: every top-level
     regular file that is not a weight file, the manifest or hidden."""
-    config, tokenizer = [], []
+    config: list[str] = []
+    tokenizer: list[str] = []
     for p in sorted(model_dir.iterdir()):
         name = p.name
         if not p.is_file() or name.startswith(".") or is_weight_file(name):

@@ -363,7 +363,7 @@ class S3Store:
                 )
             ranks = [rank]
         wanted = set(manifest.files)
-        if ranks is not None:
+        if rank is not None:  # ranks == [rank]
             wanted = set(manifest.rank_files[rank]) | set(manifest.config_files)
             wanted |= set(manifest.tokenizer_files)
         result = TransferResult("fetch", str(loc), manifest.version)

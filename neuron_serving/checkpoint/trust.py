@@ -112,10 +112,10 @@ def verify_files(model_dir: Path, manifest: Manifest, names: list[str]) -> int:
 
     with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(names)))) as pool:
         for name, got in pool.map(digest, names):
-            want = manifest.files[name].sha256
-            if got != want:
+            want_sha = manifest.files[name].sha256
+            if got != want_sha:
                 raise CheckpointUntrusted(
-                    f"{model_dir / name}: sha256 {got}, the manifest says {want}: the file "
+                    f"{model_dir / name}: sha256 {got}, the manifest says {want_sha}: the file "
                     "was modified or corrupted; refusing to load it"
                 )
     return sum(manifest.files[n].size for n in names)

@@ -308,7 +308,7 @@ def run_list(c: openai.OpenAI, args: argparse.Namespace) -> int:
     more = True
     while more and (want is None or len(got) < want):
         n = PAGE if want is None else min(PAGE, want - len(got))
-        page = c.batches.list(limit=n, **({"after": after} if after else {}))
+        page = c.batches.list(limit=n, after=after) if after else c.batches.list(limit=n)
         got += page.data
         more = bool(page.has_more) and bool(page.data)
         after = page.data[-1].id if page.data else None
@@ -441,9 +441,11 @@ def run_submit(c: openai.OpenAI, args: argparse.Namespace) -> int:
         uploaded = writer.files.create(file=(path.name, f), purpose="batch")
     try:
         b = writer.batches.create(
-            input_file_id=uploaded.id, endpoint=args.endpoint,  # type: ignore[arg-type]
-            completion_window=args.completion_window,  # type: ignore[arg-type]
-            metadata=metadata or openai.NOT_GIVEN,
+            input_file_id=uploaded.id, endpoint=args.endpoint,
+            completion_window=args.completion_window,
+            # openai 2.x types the absent value as Omit; it still drops NOT_GIVEN, which
+            # the openai 1.x this package allows needs.
+            metadata=metadata or openai.NOT_GIVEN,  # type: ignore[arg-type]
         )  # fmt: skip
     except openai.OpenAIError:
         try:  # no batch: the upload is of no use to anyone

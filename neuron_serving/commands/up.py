@@ -264,6 +264,7 @@ def _start_autoscaler(
             )
 
     controller = CapacityController(reader, actuator, cfg, log_line=log_line)
+    server: CapacityMetricsServer | None
     try:
         server = CapacityMetricsServer(
             spec.host, metrics_port, cluster.admin_token, controller.render_metrics,

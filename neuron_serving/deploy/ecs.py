@@ -57,6 +57,7 @@ from neuron_serving.deploy.recreator import (
 from neuron_serving.deploy.source import Release
 from neuron_serving.ecs import fleet
 from neuron_serving.ecs.controller import UnitController, UnitFailed
+from neuron_serving.ecs.fleet import NodeTask, UnitView
 from neuron_serving.ecs.launch import MID_DEPLOY_TAG
 from neuron_serving.ecs.registrar import (
     NullRegistrar,
@@ -98,10 +99,11 @@ class _KeepDrained:
         pass
 
 
-def _aws_errors() -> tuple[type[Exception], ...]:
+def _aws_errors(*also: type[Exception]) -> tuple[type[Exception], ...]:
+    """botocore's errors, and ``also``: one tuple for an ``except`` clause."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    return (BotoCoreError, ClientError)
+    return (BotoCoreError, ClientError, *also)
 
 
 class EcsRecreator:
@@ -177,7 +179,7 @@ class EcsRecreator:
         except RegistrarError:
             return ids
 
-    def _state(self, unit_id: str, view: fleet.UnitView | None) -> UnitState:
+    def _state(self, unit_id: str, view: UnitView | None) -> UnitState:
         if view is None:
             return UnitState(unit_id, "absent", 0, "", "")
         phase = READY if view.ready else "failed" if view.failed else "starting"
@@ -191,7 +193,7 @@ class EcsRecreator:
             f"http://{ip}:{TRITON_HTTP_PORT}" if ip else "",
         )
 
-    def _location(self, leader: fleet.NodeTask | None) -> str:
+    def _location(self, leader: NodeTask | None) -> str:
         if leader is None or not leader.task_definition:
             return ""
         arn = leader.task_definition
@@ -214,7 +216,6 @@ class EcsRecreator:
             ctl = self._controller(self.spec_for(release))
         except SpecError as e:
             raise RecreateError(f"{unit_id}: no unit spec for {release.version}: {e}") from None
-        aws = _aws_errors()
         try:
             # One batch recreates several units in parallel on the same release: its task
             # definitions are registered once, not once per thread.
@@ -225,12 +226,12 @@ class EcsRecreator:
                 raise RecreateError(f"ECS has no unit {unit_id} in {ctl.spec.cluster}")
             if view is not None:
                 ctl.retire(view, f"deploy: recreating on {release.version}")
-        except (*aws, SchemaError) as e:
+        except _aws_errors(SchemaError) as e:
             raise RecreateError(f"{unit_id}: {type(e).__name__}: {e}") from None
         try:
             ctl.launch_unit(unit_id, tds, tags={MID_DEPLOY_TAG: str(int(time.time()))})
             new = fleet.units(ctl.ecs, ctl.spec).get(unit_id)
-        except (UnitFailed, *aws) as e:
+        except _aws_errors(UnitFailed) as e:
             raise StartupFailed(f"launch on {release.version} failed: {e}") from None
         with self._lock:
             self._pending[unit_id] = ctl
@@ -250,7 +251,7 @@ class EcsRecreator:
             raise StartupFailed(failed[unit_id])
         try:
             ctl.end_deploy(unit_id)
-        except (*_aws_errors(), SchemaError) as e:
+        except _aws_errors(SchemaError) as e:
             # Not a reason to roll a ready unit back: left on, the tag only keeps an
             # autoscaler off the unit until it is stale (capacity/ecs_actuator.py).
             log.warning("%s: mid-deploy tag not removed: %s", unit_id, e)
@@ -283,7 +284,7 @@ class EcsRecreator:
             store = S3Store.from_env(endpoint_url=self.endpoint_url)
             raw, manifest = store.read_manifest(parse_s3_url(location))
             found: tuple[Manifest, str] | None = (manifest, sha256_bytes(raw))
-        except (StoreError, ValueError, *_aws_errors()):
+        except _aws_errors(StoreError, ValueError):
             found = None
         with self._lock:
             self._manifests[location] = found

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from neuron_serving import envs
 from neuron_serving.devices.base import DeviceBackend, DeviceUnavailable, RankPlacement
@@ -115,11 +116,12 @@ class CpuBackend(DeviceBackend):
         original = getattr(shm.make_group_name, "_neuron_serving_original", shm.make_group_name)
         suffix = _group_suffix(placement)
 
-        def make_group_name(communicator):
+        def make_group_name(communicator: Any) -> str:
             return f"{original(communicator)}{suffix}"
 
-        make_group_name._neuron_serving_original = original
-        shm.make_group_name = staticmethod(make_group_name)
+        # A function attribute and a patched vLLM staticmethod: neither is typed.
+        make_group_name._neuron_serving_original = original  # type: ignore[attr-defined]
+        shm.make_group_name = staticmethod(make_group_name)  # type: ignore[method-assign]
 
     def release(self, placement: RankPlacement) -> None:
         # Whichever rank survives removes the session's segments, including those

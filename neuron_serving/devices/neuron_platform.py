@@ -46,7 +46,7 @@ def is_custom_executor(backend: Any) -> bool:
 def keep_custom_executor(base: type) -> type:
     """``base`` (a vLLM platform class) whose config check keeps a custom executor."""
 
-    class UnitNeuronPlatform(base):  # type: ignore[valid-type, misc]
+    class UnitNeuronPlatform(base):
         @classmethod
         def check_and_update_config(cls, vllm_config: Any) -> None:
             parallel = vllm_config.parallel_config

@@ -30,7 +30,7 @@ WORKER_QUALNAME = f"{__name__}.UnitNeuronWorker"
 def make_unit_worker(base: type) -> type:
     """``base`` (vllm-neuron's ``NeuronWorker``) as one node of a unit."""
 
-    class UnitNeuronWorker(base):  # type: ignore[valid-type, misc]
+    class UnitNeuronWorker(base):
         def __init__(
             self,
             vllm_config: Any,

@@ -257,7 +257,7 @@ class GroupSupervisor:
                 failure = self._watch()
                 if failure is None:
                     break  # stop requested
-                if failure is _RECREATE:
+                if isinstance(failure, _Recreate):  # _RECREATE, its only instance
                     self._replace()
                     continue
                 up_for = time.time() - (self.ready_at or time.time())
@@ -427,6 +427,7 @@ class GroupSupervisor:
                 break
             time.sleep(_KILL_POLL_S)
         for p in procs:
+            assert p.popen is not None  # procs are the launched ones
             try:  # our own children: reap them (their trees are dead or reported below)
                 p.popen.wait(max(_KILL_POLL_S, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

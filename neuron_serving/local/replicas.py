@@ -22,6 +22,7 @@ every registered unit's spec, drained when the supervisor is removing it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,7 @@ class ProxyReplicas:
                     replica.replica_id,
                     [_process(config)],
                     spec.run_dir / "logs" / replica.replica_id,
-                    ready=lambda j=j: self._ready(j),
+                    ready=functools.partial(self._ready, j),
                     ready_timeout_s=READY_TIMEOUT_S,
                     stop_timeout_s=spec.stop_timeout_s,
                     backoff=RestartBackoff(spec.backoff_base_s, spec.backoff_max_s, spec.stable_s),

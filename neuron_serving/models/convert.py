@@ -52,7 +52,8 @@ def convert_gguf(
     # The marker would make vLLM treat the directory as a GGUF checkpoint.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model.hf_quantizer = None
+    # torch types Module.__setattr__ for tensors and modules; any value is stored.
+    model.hf_quantizer = None  # type: ignore[assignment]
     # The GGUF's general.name, a training-run label ("Smollm2 135M 8k Lc100K Mix1 Ep2").
     if hasattr(config, "_model_name_or_path"):
         del config._model_name_or_path

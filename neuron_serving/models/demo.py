@@ -216,7 +216,9 @@ def _write_weights(out: Path, config, seed: int, unprintable_ids: list[int]) -> 
     # fork_rng: seeding must not leak into the caller's global RNG state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        # transformers wraps Module.to with functools.wraps, which typeshed types as an
+        # unbound function: the dtype is taken for ``self``.
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     # A zero lm_head row gives logit 0, far below the top logits (std ~3), so greedy
     # and typical sampling never pick these ids: random-weight output then streams as
     # visible text instead of empty strings and U+FFFD that flake text assertions.

@@ -125,7 +125,7 @@ def _remove_dead_partials(root: Path, name: str) -> None:
 def _provenance(entry: CatalogEntry) -> str:
     import importlib.metadata as md
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for dist in ("transformers", "gguf", "torch"):
         try:
             versions[dist] = md.version(dist)

@@ -183,10 +183,12 @@ def _run_unit(cfg: ShardConfig, dtype: str, staging: Path) -> tuple[list[Canary]
                 temperature=0.0, max_tokens=cfg.canary_max_tokens, ignore_eos=True, seed=0
             )
             outputs = llm.generate(list(cfg.canary_prompts), params, use_tqdm=False)
-            canaries = [
-                Canary(o.prompt, list(o.outputs[0].token_ids), cfg.canary_max_tokens)
-                for o in outputs
-            ]
+            canaries = []
+            for o in outputs:
+                assert o.prompt is not None  # vLLM reports a text prompt's text
+                canaries.append(
+                    Canary(o.prompt, list(o.outputs[0].token_ids), cfg.canary_max_tokens)
+                )
     except FollowerFailed as e:
         raise ShardError(str(e)) from e
     return canaries, {
@@ -210,11 +212,12 @@ def _finish(
     from neuron_serving.checkpoint.layout import nxdi_shard_files
 
     rank_files: dict[int, list[str]] = {r: [] for r in range(cfg.tp)}
+    part_of: dict[str, int] = {}  # file name -> its part number within its rank
     for p in sorted(staging.iterdir()):
         parsed = parse_vllm_shard_name(p.name)
         if parsed is None:
             raise ShardError(f"unexpected file {p.name} written by vLLM")
-        rank, _ = parsed
+        rank, part_of[p.name] = parsed
         if rank >= cfg.tp:
             raise ShardError(f"vLLM wrote a shard for rank {rank} of tp {cfg.tp}")
         rank_files[rank].append(p.name)
@@ -222,7 +225,7 @@ def _finish(
     if missing:
         raise ShardError(f"no shard written by rank(s) {missing}")
     for r in rank_files:
-        rank_files[r].sort(key=lambda n: parse_vllm_shard_name(n)[1])  # type: ignore[index]
+        rank_files[r].sort(key=part_of.__getitem__)
     config_files, tokenizer_files = companion_files(cfg.model_dir)
     for fname in config_files + tokenizer_files:
         shutil.copy2(cfg.model_dir / fname, staging / fname)

@@ -353,6 +353,8 @@ class LLMBackend:
         self._begin(out)
         puller = None
         try:
+            # OpenAI calls are admitted only with it (_parse, _start_channel).
+            assert self.openai is not None
             result = await self.openai.handle(env)
             tap = result.tap
             if result.stream is None:

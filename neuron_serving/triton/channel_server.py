@@ -177,6 +177,7 @@ class _Connection(asyncio.Protocol):
                 proof = bytes(self.handshake[:PROOF_BYTES])
                 rest = bytes(self.handshake[PROOF_BYTES:])
                 self.handshake = bytearray()
+                assert self.transport is not None  # connection_made precedes data_received
                 self.transport.write(check_proof(self.token, self.nonce, proof))
                 self.authenticated = True
                 self._cancel_timer()
@@ -358,6 +359,7 @@ class ChannelServer:
         if self._load_push is not None:
             return  # the scheduled push will send the latest
         loop = self._loop
+        assert loop is not None  # subscribed by start(), which set the loop
         delay = self._load_pushed_at + LOAD_INTERVAL_S - loop.time()
         if delay <= 0:
             self._load_push = loop.call_soon(self._push_load)
@@ -366,6 +368,8 @@ class ChannelServer:
 
     def _push_load(self) -> None:
         self._load_push = None
+        # Scheduled only by _load_changed, subscribed by start() with a tracker.
+        assert self._loop is not None and self._load is not None
         snapshot = self._load.snapshot()
         if snapshot is None:
             return
@@ -378,6 +382,8 @@ class ChannelServer:
         """Every ``LOAD_REFRESH_S / 2``: the load again to connections without a
         recent one."""
         loop = self._loop
+        # Scheduled only by start(), with a tracker, and by itself.
+        assert loop is not None and self._load is not None
         self._load_refresh = loop.call_later(LOAD_REFRESH_S / 2, self._refresh_load)
         snapshot = self._load.snapshot()
         if snapshot is None:

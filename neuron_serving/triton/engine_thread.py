@@ -33,7 +33,7 @@ class EngineThread:
         self._engine_kwargs = engine_kwargs
         self._stat_loggers = stat_loggers
         self._start_timeout_s = start_timeout_s
-        self._started = concurrent.futures.Future()
+        self._started: concurrent.futures.Future[Any] = concurrent.futures.Future()  # AsyncLLM
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None

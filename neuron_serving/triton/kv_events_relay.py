@@ -299,6 +299,7 @@ class KvEventsRelay:
 
     async def _replays(self) -> None:
         queue = self._replay_queue
+        assert queue is not None  # start() made it before this task
         while True:
             peer = await queue.get()
             peer.queued = False
@@ -325,7 +326,7 @@ class KvEventsRelay:
         if self.source.replay_endpoint is None:
             peer.miss(from_seq, -1)
             return
-        items, answered, complete = await self._fetch(from_seq)
+        items, answered, complete = await self._fetch(self.source.replay_endpoint, from_seq)
         if peer.closed:
             return
         if not answered:
@@ -345,16 +346,17 @@ class KvEventsRelay:
         for message in items:
             peer._emit(message)
 
-    async def _fetch(self, from_seq: int) -> tuple[list[KvMessage], bool, bool]:
-        """vLLM's buffered batches from ``from_seq`` -> (batches in seq order, any
-        answer at all, the end marker seen). Oversize batches become ``KvReplayMiss``."""
+    async def _fetch(self, endpoint: str, from_seq: int) -> tuple[list[KvMessage], bool, bool]:
+        """vLLM's buffered batches at ``endpoint`` from ``from_seq`` -> (batches in seq
+        order, any answer at all, the end marker seen). Oversize batches become
+        ``KvReplayMiss``."""
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # The whole buffer must fit, or the ROUTER drops what does not (silently).
         sock.setsockopt(zmq.RCVHWM, self.source.buffer_steps + 16)
         sock.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FRAME)
-        sock.connect(self.source.replay_endpoint)
+        sock.connect(endpoint)
         items: list[KvMessage] = []
         answered = False
         held = 0

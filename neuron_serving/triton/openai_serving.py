@@ -40,14 +40,15 @@ import contextlib
 import importlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import pydantic
 from pydantic import TypeAdapter
+from vllm.engine.protocol import EngineClient
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
@@ -64,6 +65,7 @@ from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
 from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, TokenizeRequest
 from vllm.entrypoints.serve.tokenize.serving import ServingTokenization
 from vllm.exceptions import VLLMClientError, VLLMValidationError
+from vllm.renderers.chat_utils import ChatTemplateContentFormatOption
 from vllm.renderers.online_renderer import OnlineRenderer
 from vllm.sampling_params import RequestOutputKind
 from vllm.version import __version__ as VLLM_VERSION
@@ -91,7 +93,9 @@ def validation_error(e: pydantic.ValidationError) -> ErrorResponse:
     """vLLM's ``validation_exception_handler`` (serve/exception_handling/handlers/
     validation.py), for a body validated outside FastAPI: locations get the
     ``body`` prefix FastAPI would have added."""
-    errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+    errors: list[dict[str, Any]] = [
+        {**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)
+    ]
     param = None
     for err in errors:
         ctx = err.get("ctx") or {}
@@ -219,16 +223,21 @@ class TeeEngineClient:
                 sampling_params.min_tokens = max(0, sampling_params.min_tokens - skip)
             outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
         try:
-            replay = tap is not None and tap.resume is not None and tap.resume.replay
-            if replay:
+            # The resume whose answer so far is replayed before the continuation.
+            replay = (
+                tap.resume
+                if tap is not None and tap.resume is not None and tap.resume.replay
+                else None
+            )
+            if tap is not None and replay is not None:
                 # The serving layer's parser reads the answer so far first (see
                 # ``replayed_output``); what it makes of it is not sent (``replaying``).
                 tap.replaying = True
-                yield self.replayed_output(request_id, tap.resume, sampling_params)
+                yield self.replayed_output(request_id, replay, sampling_params)
                 tap.replaying = False
             async for out in outputs:
-                if replay:  # usage counts the original prompt, as the client's does
-                    out.prompt_token_ids = list(tap.resume.prompt_token_ids)
+                if replay is not None:  # usage counts the original prompt, as the client's does
+                    out.prompt_token_ids = list(replay.prompt_token_ids)
                 if tap is not None:
                     tap.observe(out, sampling_params.output_kind)
                 if any(seq.finish_reason == "error" for seq in out.outputs):
@@ -359,6 +368,21 @@ def resumed_prompt(prompt: Any, resume: Resume) -> dict[str, Any]:
     return out
 
 
+class _TemplateOptions(TypedDict):
+    chat_template: str | None
+    chat_template_content_format: ChatTemplateContentFormatOption
+
+
+class _ToolOptions(TypedDict):
+    enable_auto_tools: bool
+    tool_parser: str | None
+    reasoning_parser: str
+
+
+# A route's body model and the serving method that answers it.
+_Route = tuple[TypeAdapter[Any], Callable[[Any, Any], Awaitable[Any]]]
+
+
 @dataclass(slots=True)
 class OpenAIResult:
     """``status`` with the whole ``body``, or 200 with an SSE ``stream``."""
@@ -380,17 +404,23 @@ class OpenAIServing:
         and on whole responses). "" keeps vLLM's default ("full": version and config
         hash), as `vllm serve` does."""
         self.engine = TeeEngineClient(engine)
+        # TeeEngineClient is an EngineClient by delegation (``__getattr__``), not by
+        # inheritance: the ABC's methods would shadow the delegation.
+        client = cast(EngineClient, self.engine)
         self.models = OpenAIServingModels(
-            engine_client=self.engine,
+            engine_client=client,
             base_model_paths=[BaseModelPath(name=served_model_name, model_path=model_path)],
         )
         # As `vllm serve --enable-auto-tool-choice --tool-call-parser P`; "" = neither.
-        tools = {
+        tools: _ToolOptions = {
             "enable_auto_tools": bool(tool_call_parser),
             "tool_parser": tool_call_parser or None,
             "reasoning_parser": "",
         }
-        template = {"chat_template": None, "chat_template_content_format": "auto"}
+        template: _TemplateOptions = {
+            "chat_template": None,
+            "chat_template_content_format": "auto",
+        }
         self.renderer = OnlineRenderer(
             model_config=self.engine.model_config,
             renderer=self.engine.renderer,
@@ -400,7 +430,7 @@ class OpenAIServing:
         )
         self.renderer.warmup()
         self.chat = OpenAIServingChat(
-            self.engine,
+            client,
             self.models,
             "assistant",
             online_renderer=self.renderer,
@@ -409,7 +439,7 @@ class OpenAIServing:
             **tools,
         )
         self.completion = OpenAIServingCompletion(
-            self.engine, self.models, online_renderer=self.renderer, request_logger=None
+            client, self.models, online_renderer=self.renderer, request_logger=None
         )
         if fingerprint:
             for serving in (self.chat, self.completion):
@@ -417,7 +447,7 @@ class OpenAIServing:
         self.tokenization = ServingTokenization(
             self.models, self.renderer, request_logger=None, **template
         )
-        self._routes = {
+        self._routes: dict[str, _Route] = {
             "chat/completions": (
                 TypeAdapter(ChatCompletionRequest),
                 self.chat.create_chat_completion,

@@ -112,7 +112,7 @@ class ResponseThread:
                     break
                 batch.append(item)
             self.entries_total += len(batch)
-            waiters = []
+            waiters: list[Any] = []
             for entry in batch:
                 if entry is None:
                     self._resolve(waiters)

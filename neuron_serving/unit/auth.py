@@ -63,7 +63,8 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def mac(key: bytes, *parts: bytes) -> bytes:
+def mac(key: bytes, *parts: bytes | memoryview) -> bytes:
+    """A memoryview part must be of bytes (format "B"): its length is the prefix."""
     h = hmac.new(key, digestmod=hashlib.sha256)
     for part in parts:
         # Length-prefix every part so that ("ab","c") and ("a","bc") differ.
@@ -72,7 +73,7 @@ def mac(key: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
-def verify(key: bytes, tag: bytes, *parts: bytes) -> bool:
+def verify(key: bytes, tag: bytes, *parts: bytes | memoryview) -> bool:
     return hmac.compare_digest(mac(key, *parts), tag)
 
 

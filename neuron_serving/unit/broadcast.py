@@ -92,7 +92,8 @@ def make_group(
         timeout=timedelta(seconds=timeout_s),
     )
     prefixed = dist.PrefixStore("neuron-serving/control", store)
-    opts = dist.ProcessGroupGloo._Options()
+    # torch's stubs lack the pybind class _Options (Options is Backend.Options there).
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = timedelta(seconds=timeout_s)
     # Bind Gloo to the address this rank reaches the leader from, so a unit on
     # loopback stays on loopback and a multi-host unit uses the routed interface.
@@ -142,7 +143,8 @@ class ControlBroadcast:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
-        self.group.broadcast([tensor], opts).wait()
+        # torch's stubs omit Backend.broadcast, which the pybind class has.
+        self.group.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]
 
     def send(self, kind: int, payload: bytes = b"") -> int:
         """Rank 0 only. Returns the message's seq."""

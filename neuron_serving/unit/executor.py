@@ -213,6 +213,7 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
         try:
             if self.broadcast is not None:
                 seq = self.broadcast.send(KIND_CALL, encode_call(method, args, kwargs, gather))
+            assert self.driver_worker is not None  # set by _init_workers, before any call
             result = run_call(self.driver_worker, method, args, kwargs, resolve=resolve_async)
         except Exception as e:
             if self.server is None:
@@ -240,7 +241,7 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
             results.append(decode_result(reply.payload))
         return results
 
-    def collective_rpc(  # type: ignore[override]
+    def collective_rpc(
         self,
         method: Any,
         timeout: float | None = None,
@@ -269,7 +270,7 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
             return _AsyncOutputFuture(out)
         return _done(out)
 
-    def execute_model(self, scheduler_output, non_block: bool = False):  # type: ignore[override]
+    def execute_model(self, scheduler_output, non_block: bool = False):
         started = time.monotonic()
         out = self._leader_only("execute_model", (scheduler_output,), non_block)
         self.status.step_done()
@@ -279,7 +280,7 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
             self.server.ranks_alive(started)
         return out
 
-    def sample_tokens(self, grammar_output, non_block: bool = False):  # type: ignore[override]
+    def sample_tokens(self, grammar_output, non_block: bool = False):
         return self._leader_only("sample_tokens", (grammar_output,), non_block)
 
     def execute_dummy_batch(self) -> None:

@@ -29,6 +29,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from neuron_serving.exitcodes import ExitCode
 from neuron_serving.logsafe import printable
@@ -56,6 +57,9 @@ from neuron_serving.unit.messages import (
 )
 from neuron_serving.unit.node_status import NodeState, NodeStatus
 from neuron_serving.versions import runtime_versions
+
+if TYPE_CHECKING:  # an annotation only: worker_loop makes the broadcast
+    from neuron_serving.unit.broadcast import ControlBroadcast
 
 logger = logging.getLogger("neuron_serving.follower")
 
@@ -115,7 +119,8 @@ class Follower:
         self.token = auth.resolve_token(cfg.token_file)
         self.status = status or NodeStatus("?", cfg.rank, 0)
         self.channel: Channel | None = None
-        self.broadcast = None  # set by worker_loop once the Gloo group exists
+        # Set by worker_loop once the Gloo group exists.
+        self.broadcast: ControlBroadcast | None = None
         self.welcome: Welcome | None = None
         self._starts: queue.Queue[Start] = queue.Queue()
         self._last_seen = time.monotonic()

@@ -250,9 +250,12 @@ def _handler(
         # Socket timeout of each read and write; the whole request's deadline is
         # the server's (BoundedHTTPServer.service_actions).
         timeout = 5.0
+        server: BoundedHTTPServer  # the server _handler's class is made for
 
         def setup(self) -> None:
-            self.timeout = self.server.limits.http_request_timeout_s
+            # Per instance, as StreamRequestHandler.setup reads it; typeshed declares
+            # the attribute a ClassVar.
+            self.timeout = self.server.limits.http_request_timeout_s  # type: ignore[misc]
             super().setup()
 
         def version_string(self) -> str:

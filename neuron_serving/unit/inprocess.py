@@ -179,7 +179,11 @@ class InProcessUnit:
         """Rank 0's ``UnitExecutor`` (engine core in-process)."""
         if self.llm is None:
             raise RuntimeError("the unit is not running")
-        return self.llm.llm_engine.engine_core.engine_core.model_executor
+        from vllm.v1.engine.core_client import InprocClient
+
+        client = self.llm.llm_engine.engine_core
+        assert isinstance(client, InprocClient)  # VLLM_ENABLE_V1_MULTIPROCESSING=0 (__enter__)
+        return client.engine_core.model_executor
 
     def __enter__(self) -> InProcessUnit:
         cfg, unit = self.cfg, self.cfg.unit

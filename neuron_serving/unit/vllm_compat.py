@@ -44,7 +44,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import vllm
 from vllm.platforms import current_platform
@@ -133,7 +133,11 @@ def resolve(
 
 API = resolve()
 run_method = API.run_method
-WorkerWrapperBase = API.worker_wrapper_cls
+if TYPE_CHECKING:
+    # As a type: the installed vLLM's class (0.32), which mypy checks against.
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+else:
+    WorkerWrapperBase = API.worker_wrapper_cls
 
 # model_config None: 0.11.0's WorkerWrapperBase then skips init_cached_hf_modules,
 # which only trust_remote_code models need (vllm/worker/worker_base.py).
@@ -143,8 +147,8 @@ _NO_MODEL = SimpleNamespace(model_config=None)
 def new_worker_wrapper(rpc_rank: int, vllm_config: Any = None) -> Any:
     """vLLM's ``WorkerWrapperBase`` for this rank. A follower has no ``VllmConfig``
     until ``init_worker`` brings it; 0.32 never needs one here."""
-    if API.wrapper_takes_vllm_config:
-        return WorkerWrapperBase(vllm_config=vllm_config or _NO_MODEL, rpc_rank=rpc_rank)
+    if API.wrapper_takes_vllm_config:  # 0.11.0's signature, unknown to the type checker
+        return API.worker_wrapper_cls(vllm_config=vllm_config or _NO_MODEL, rpc_rank=rpc_rank)
     return WorkerWrapperBase(rpc_rank=rpc_rank)
 
 

@@ -211,7 +211,7 @@ class BatchAPI:
                 chunk = await asyncio.to_thread(next, chunks, b"")
         finally:
             with contextlib.suppress(Exception):
-                chunks.close()  # type: ignore[attr-defined]
+                chunks.close()
         await resp.write_eof()
         return resp
 

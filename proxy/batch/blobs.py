@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,7 +29,7 @@ class Blobs(Protocol):
         """Copy the object to the local file ``dest``."""
         ...
 
-    def chunks(self, key: str) -> Iterator[bytes]:
+    def chunks(self, key: str) -> Generator[bytes, None, None]:
         """The object's bytes, in chunks (for a download)."""
         ...
 
@@ -54,7 +54,7 @@ class LocalBlobs:
     def fetch(self, key: str, dest: Path) -> None:
         shutil.copyfile(self._path(key), dest)
 
-    def chunks(self, key: str) -> Iterator[bytes]:
+    def chunks(self, key: str) -> Generator[bytes, None, None]:
         with open(self._path(key), "rb") as f:
             while chunk := f.read(CHUNK):
                 yield chunk
@@ -88,7 +88,7 @@ class S3Blobs:
     def fetch(self, key: str, dest: Path) -> None:
         self.client.download_file(self.bucket, self._key(key), str(dest))
 
-    def chunks(self, key: str) -> Iterator[bytes]:
+    def chunks(self, key: str) -> Generator[bytes, None, None]:
         body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
         try:
             yield from body.iter_chunks(CHUNK)

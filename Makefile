@@ -67,7 +67,8 @@ serve: $(STAMP)
 serve-demo: $(STAMP)
 	$(BIN)/neuron-serving up
 
-test: $(STAMP)
+# Lint and types first: a minute, and a failure there fails CI before the suite runs.
+test: $(STAMP) lint typecheck
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 # Every benchmark at its --quick sizes (about 20 minutes on 2 cores; `bench all --full`

@@ -320,8 +320,7 @@ class RoutingConfig:
     # bench/README.md, result files and script runs) measured 1.02-1.25x
     # prefix_cache_aware's hit rate and 0.79-0.90x its TTFT p90 in a closed loop (8
     # runs); in an open loop, p90 0.37-0.39x below saturation
-    # and 1.15x at it (bounded homes, home_load_factor below, were tried for that and
-    # did not hold up: off).
+    # and 1.15x at it.
     policy: str = "prefix_cache_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index
@@ -342,21 +341,11 @@ class RoutingConfig:
     # times their prefill again (proxy/routing/kv_aware.py, "Home units"). 0: off.
     home_prefix_tokens: int = 512
     home_weight: float = 1.0
-    # kv_aware: 0 (off) or >= 1 (c): a home unit whose sequences + 1 exceed
-    # ceil(c x (the candidates' sequences + 1) / units) passes the prompt to the next
-    # unit in its rendezvous order (bounded loads; proxy/routing/kv_aware.py, "Bounded
-    # homes").
-    home_load_factor: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.policy in POLICIES, f"routing.policy must be one of {POLICIES}")
         _check(self.home_prefix_tokens >= 0, "routing.home_prefix_tokens must be >= 0")
         _check(self.home_weight >= 0, "routing.home_weight must be >= 0")
-        _check(
-            self.home_load_factor == 0
-            or (math.isfinite(self.home_load_factor) and self.home_load_factor >= 1),
-            "routing.home_load_factor must be 0 (off) or >= 1",
-        )
         _check(self.prefill_tokens_per_seq > 0, "routing.prefill_tokens_per_seq must be > 0")
         _check(0 <= self.kv_usage_high < 1, "routing.kv_usage_high must be in [0, 1)")
         _check(self.block_chars >= 1, "routing.block_chars must be >= 1")
@@ -514,7 +503,12 @@ _SILENCE = (
     "leaders report progress while a request has nothing to send, so one budget "
     "(timeouts.silence_s) bounds every silence, before the first token and after it"
 )
-_REPLACED = {"timeouts.first_token_s": _SILENCE, "timeouts.inter_token_s": _SILENCE}
+_REPLACED = {
+    "timeouts.first_token_s": _SILENCE,
+    "timeouts.inter_token_s": _SILENCE,
+    "routing.home_load_factor": "bounded homes were removed (they did not hold up in "
+    "bench routing, bench/README.md); home_weight alone moves a prompt off a busy home",
+}
 
 _SECTIONS = {
     "health": HealthCheckConfig,

@@ -100,27 +100,6 @@ computes the same home without talking to the others, and removing a unit moves 
 the prefixes it was home to. A prompt shorter than ``home_prefix_tokens`` is its own
 key (unique short prompts get uniformly random homes, and their ``home_u`` is small).
 
-Bounded homes (``routing.home_load_factor``, 0: off; opt-in). Hashing does not know
-how popular a prefix is: in ``bench routing`` 3 of the 8 tenants, 57% of the
-sessions, hash home to one unit. Near the fleet's capacity that unit's queue grows
-and the cost's spill (home's load beyond the other unit's by the prefix's prefill and
-``home_u``, about 5 sequences for a 768-token system prompt) comes late. With a factor
-c >= 1 the home is the first unit in the prompt's rendezvous order whose sequences + 1
-are at most ``ceil(c x (the candidates' sequences + 1) / units)`` (Mirrokni et al.'s
-bound). The sequences are ``unit_load``'s: the engines' reports moved by this proxy's
-own starts and ends since, so replicas agree about as closely as their loads do. The
-bound applies only when every candidate has a fresh report (a unit counted by one
-proxy's in-flight requests alone would look light against the others' engine counts),
-it counts sequences, not each unit's share of its ``max_num_seqs`` (units alike), and
-it acts at any load: with 2 units and c 1.25 a prefix leaves a home 2 sequences busier
-than the other unit (3 when the home holds it), against about 5 by the cost alone.
-One run at 1.0 sessions/s (open loop, saturated; a script's run, not a file in
-``bench/results``): c 1.25 gave a hit rate of 0.714 and a TTFT p90 of 1203 ms, against
-0.665 and 1522 ms off, and 0.725 and 1325 ms for the approximate index. Below
-saturation it did worse (0.9 sessions/s: 0.687 and 1683 ms, against 0.770 and 874 ms
-off), and in the closed loop it changed little (c 1.25: 0.619 and 1620 ms; c 1.1: 0.640
-and 1620 ms; off: 0.627 and 1632 ms), one run each. So it is not the default.
-
 The session header is not used: a conversation's own blocks lead its next turn to the
 unit that holds them (``session_affinity`` still pins sessions by the header).
 
@@ -136,7 +115,6 @@ its load outweighed it), ``no_overlap`` (no unit held any: load decided).
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 import time
 from collections.abc import Sequence
@@ -177,16 +155,11 @@ def kv_wait(need_blocks: int, report: EngineLoad) -> float:
 
 def home_unit(
     token_ids: Sequence[int], cache_salt: str | None, prefix_tokens: int,
-    candidates: Sequence[UnitState], loads: Sequence[float] | None = None,
-    load_factor: float = 0.0,
+    candidates: Sequence[UnitState],
 ) -> str | None:  # fmt: skip
     """The prompt's home among ``candidates``: rendezvous hashing of its first
     ``prefix_tokens`` token ids and its cache salt (``base.rendezvous_order``); None
-    when off or for an empty prompt. With ``load_factor`` (>= 1) and the candidates'
-    ``loads`` (sequences, in their order), bounded loads (Mirrokni et al. 2018): the
-    first unit in that order whose load + 1 is at most ``ceil(load_factor x (total
-    load + 1) / units)``; one always is for whole-number loads (the least loaded one),
-    else the first in order."""
+    when off or for an empty prompt."""
     if prefix_tokens <= 0 or not token_ids or not candidates:
         return None
     # Decimal text, not array("Q"): a completions prompt's ids are the client's, and a
@@ -194,13 +167,7 @@ def home_unit(
     text = ",".join(map(str, token_ids[:prefix_tokens]))
     key = hashlib.blake2b(text.encode(), digest_size=16)
     key.update((cache_salt or "").encode())
-    order = rendezvous_order(key.digest(), candidates)
-    if load_factor < 1.0 or loads is None:
-        return order[0].unit_id
-    load = {u.unit_id: x for u, x in zip(candidates, loads, strict=True)}
-    # Less a hair: 1.1 x 100 / 2 is 55.00000000000001 in floats, and its ceil 56.
-    cap = math.ceil(load_factor * (sum(loads) + 1) / len(candidates) - 1e-9)
-    return next((u.unit_id for u in order if load[u.unit_id] + 1 <= cap), order[0].unit_id)
+    return rendezvous_order(key.digest(), candidates)[0].unit_id
 
 
 def unit_load(unit: UnitState, now: float, max_age_s: float) -> tuple[float, EngineLoad | None]:
@@ -248,11 +215,7 @@ class KvAwarePolicy:
         now = time.monotonic()
         per_seq = self.cfg.prefill_tokens_per_seq
         loads = [unit_load(u, now, self.load_max_age_s) for u in candidates]
-        # Bounded homes only on engine counts everywhere ("Bounded homes" above).
-        reported = all(report is not None for _, report in loads)
-        home = home_unit(ids, tokens.cache_salt, self.cfg.home_prefix_tokens, candidates,
-                         [seqs for seqs, _ in loads] if reported else None,
-                         self.cfg.home_load_factor)  # fmt: skip
+        home = home_unit(ids, tokens.cache_salt, self.cfg.home_prefix_tokens, candidates)
         home_tokens = min(n, self.cfg.home_prefix_tokens)
         scored = []  # (cost, cached tokens, exact prediction or None, from the exact index)
         for u, (seqs, report) in zip(candidates, loads, strict=True):

@@ -49,6 +49,8 @@ def test_json_is_accepted(tmp_path):
         ({"outlier": {"base_ejection_s": 10, "max_ejection_s": 5}}, "max_ejection_s"),
         ({"outlier": {"panic_threshold_pct": 120}}, "panic_threshold_pct"),
         ({"routing": {"policy": "fastest"}}, "routing.policy"),
+        # Removed options say so, and what to use instead.
+        ({"routing": {"home_load_factor": 1.25}}, "routing.home_load_factor was replaced"),
         ({"units": [{"unit_id": "a", "leader_grpc": "nohost"}]}, "HOST:PORT"),
         ({"units": [{"unit_id": "a", "leader_grpc": "h:1", "followers": "h:2"}]}, "followers"),
         (

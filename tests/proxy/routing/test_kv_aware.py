@@ -280,55 +280,6 @@ def test_home_gives_way_to_load_beyond_the_home_prefixs_prefill() -> None:
         assert d.unit.unit_id == expect
 
 
-def test_home_with_bounded_loads_passes_to_the_next_unit_in_its_order() -> None:
-    """routing.home_load_factor c: a home whose sequences + 1 exceed ceil(c x (total
-    sequences + 1) / units) gives the prompt to the next unit in the prompt's
-    rendezvous order; every proxy with the same loads picks the same."""
-    a, b, c = units("a", "b", "c")
-    first = home_unit(PROMPT, None, HOME, [a, b, c])
-    second = home_unit(PROMPT, None, HOME, [u for u in (a, b, c) if u.unit_id != first])
-    loads = {"a": 0.0, "b": 0.0, "c": 0.0}
-    assert home_unit(PROMPT, None, HOME, [a, b, c], list(loads.values()), 1.25) == first
-    # Total 6: cap ceil(1.25 x 7 / 3) = 3, so a home at 3 is full (3 + 1 > 3).
-    loads = {u: (3.0 if u == first else 1.5) for u in "abc"}
-    assert home_unit(PROMPT, None, HOME, [a, b, c], list(loads.values()), 1.25) == second
-    # Off (0): the rendezvous home whatever the loads.
-    assert home_unit(PROMPT, None, HOME, [a, b, c], list(loads.values()), 0.0) == first
-    # Every unit over the bound cannot happen (one is at most the mean), but a factor
-    # of 1 on equal loads still finds the first unit under ceil(mean + 1/n).
-    assert home_unit(PROMPT, None, HOME, [a, b, c], [2.0, 2.0, 2.0], 1.0) == first
-
-
-def test_bounded_homes_need_every_candidates_engine_report(monkeypatch) -> None:
-    """Without a fresh report a unit's load is this proxy's in-flight count alone,
-    which would look light against the others' engine counts: the policy then asks
-    for the plain hashed home (no loads)."""
-    from proxy.routing import kv_aware
-
-    seen = []
-
-    def spy(*args, **kwargs):
-        seen.append(args[4])
-        return home_unit(*args, **kwargs)
-
-    monkeypatch.setattr(kv_aware, "home_unit", spy)
-    cfg = RoutingConfig("kv_aware", block_chars=16, home_prefix_tokens=HOME, home_load_factor=1.0)
-    a, b = units("a", "b", running=2)
-    KvAwarePolicy(cfg, fleet_with(a=0, b=0), seed=0).choose(req(), [a, b])
-    b.engine_load = None
-    b.in_flight = 1
-    KvAwarePolicy(cfg, fleet_with(a=0, b=0), seed=0).choose(req(), [a, b])
-    assert seen == [[2.0, 2.0], None]
-
-
-def test_home_load_factor_is_checked() -> None:
-    import pytest
-
-    for bad in (0.5, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="home_load_factor"):
-            RoutingConfig("kv_aware", home_load_factor=bad)
-
-
 def test_home_a_prefix_cached_away_from_home_is_used_there() -> None:
     a, b = units("a", "b")
     home = home_unit(PROMPT, None, HOME, [a, b])

@@ -53,9 +53,8 @@ context the running sequences hold, which ``seqs_u`` already counts. Counted in 
 (``+ kv_usage_u``, an earlier version) it swamped the rest on a small cache: with 18
 blocks of 128 tokens a unit running one 900-token conversation is 39% full, 6
 sequences' worth at ``max_num_seqs`` 16, while a cached 768-token system prompt is
-worth 3, so ``bench routing``'s exact arm spread every tenant's sessions over both
-units by KV usage and got the prefix-cache hit rate of round-robin (0.52 against
-0.50; the approximate index 0.73). When the blocks do not fit, the request waits in
+worth 3, so every tenant's sessions spread over both units by KV usage and the hit
+rate fell to round-robin's (``bench/README.md``, "routing"). When the blocks do not fit, the request waits in
 vLLM's queue until running sequences end (or vLLM preempts one): that wait is what
 ``wait_u`` counts, in sequences, like the rest.
 
@@ -81,9 +80,9 @@ Home units (``routing.home_prefix_tokens``, 512; ``routing.home_weight``, 1). Un
 cache pressure the exact index forgets a prefix once vLLM evicts it, and a prefix
 no unit holds went by load alone, to either unit at random: every tenant's system
 prompt then came and went in every unit's cache, and the fleet cached no more than
-one unit could. ``bench routing`` measured exactly that: the exact index's hit rate
-was no better than the approximate index's (0.57-0.61 against 0.52-0.65), whose
-stale memory of where it sent a prefix kept each tenant on one unit by accident.
+one unit could; the exact index's hit rate was then no better than the approximate
+index's, whose stale memory of where it sent a prefix kept each tenant on one unit by
+accident (``bench/README.md``, "routing").
 So each prompt has a home, picked by rendezvous hashing (highest random weight,
 Thaler and Ravishankar 1996) of its first ``home_prefix_tokens`` token ids (and its
 cache salt) over the candidates' unit ids, and another unit pays for the copy of

@@ -316,11 +316,8 @@ class RoutingConfig:
     # kv_aware (exact where the leaders' KV events allow, else prefix_cache_aware) is
     # opt-in. As the default it sent every stream of the local cluster's failover test
     # to one unit (a stale load report; fixed by UnitState.load_now, checked with the
-    # real policy, not yet by that e2e test under kv_aware). `bench routing` (SmolLM2,
-    # bench/README.md, result files and script runs) measured 1.02-1.25x
-    # prefix_cache_aware's hit rate and 0.79-0.90x its TTFT p90 in a closed loop (8
-    # runs); in an open loop, p90 0.37-0.39x below saturation
-    # and 1.15x at it.
+    # real policy, not yet by that e2e test under kv_aware); `bench routing` measures
+    # it against prefix_cache_aware (bench/README.md, "routing").
     policy: str = "prefix_cache_aware"
     block_chars: int = 64  # prefix-index block size, in prompt characters
     max_blocks_per_unit: int = 65536  # LRU bound of the approximate prefix index

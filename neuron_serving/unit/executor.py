@@ -274,8 +274,10 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
         started = time.monotonic()
         out = self._leader_only("execute_model", (scheduler_output,), non_block)
         self.status.step_done()
-        # On CPU (and Neuron) the forward, with its collectives, has run by the time
-        # the call returns, even when its sampled output is handed over later.
+        # vLLM's CPU runner is synchronous: the forward, with its collectives, has run
+        # by the time the call returns, even when its sampled output is handed over
+        # later. (Not checked on Neuron: a runner that returned before its collectives
+        # finished would make this proof early and a stopped rank slower to find.)
         if self.server is not None and runs_collective("execute_model", (scheduler_output,)):
             self.server.ranks_alive(started)
         return out

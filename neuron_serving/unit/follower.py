@@ -362,8 +362,9 @@ class Follower:
             if self._started and age > timeout:
                 self._exit(
                     ExitCode.LEADER_LOST,
-                    f"rank {self.cfg.rank}: no heartbeat from the leader for {age:.1f} s "
-                    f"(limit {timeout:g} s; leader hung or unreachable); exiting",
+                    f"rank {self.cfg.rank}: no heartbeat from the leader for "
+                    f"{time.monotonic() - self._last_seen:.1f} s and no step shared with it "
+                    f"for {age:.1f} s (limit {timeout:g} s; leader hung or unreachable); exiting",
                 )
                 return
 
@@ -420,8 +421,8 @@ def leader_silence_timeout(
 ) -> float:
     """How long a follower waits without a beat from the leader before giving it up:
     while serving (``strict``), LEADER_SILENCE_FACTOR x the heartbeat timeout, and
-    SATURATED_FACTOR x more after ``late`` beats on either side (late_beats.py: a leader on
-    a saturated 2-core host went 6.1 s without a beat while its engine was idle);
+    SATURATED_FACTOR x more after ``late`` beats on either side (late_beats.py: on a
+    saturated host an idle leader's beats can stop for longer than the strict limit);
     while either side starts, the start-up timeout."""
     if not strict:
         return startup_s

@@ -10,9 +10,9 @@ sees the same gap as silence, and past its timeout fails the unit. So:
 - the same record kept for a peer's beats as they arrive shows gaps on its side;
 - after a late beat on either side, silence is judged ``SATURATED_FACTOR`` times
   more leniently for ``SATURATED_WINDOW_S`` (``silence_limit``): a rank stopped on
-  a calm host is still found on the strict timeout, while a saturated host, where
-  beats were seen 3 s late from a healthy leader on 2 cores, is not taken for a
-  dead one.
+  a calm host is still found on the strict timeout, while a saturated host, where a
+  healthy leader's beats go out seconds late (bench/README.md, "soak"), is not
+  taken for a dead one.
 """
 
 from __future__ import annotations

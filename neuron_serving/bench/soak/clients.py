@@ -42,8 +42,8 @@ READ_TIMEOUT_S = 180.0
 # A client told to retry waits this long first (the proxy's Retry-After: 1 s).
 RETRY_AFTER_S = 1.0
 # Mean of a client's pause between two requests (exponential). Users read what they
-# got before they ask again; back to back, six loops keep a 2-core host saturated,
-# and a unit recreated beside the others took over 6 min to start (62 s idle).
+# got before they ask again; back to back, six loops keep a 2-core host saturated and
+# a recreated unit cannot start beside the others (bench/README.md, "soak").
 THINK_S = 2.0
 PRODUCTS = ("trail shoes", "a rain jacket", "a tent for two", "hiking poles", "a headlamp")
 TOOLS = [{"type": "function", "function": {

@@ -33,8 +33,7 @@ def prepare_versions(model: str, tp: int, root: Path) -> Path:
     cmd = [sys.executable, "-m", "neuron_serving.cli", "checkpoint", "shard", "--model", model,
            "--tp", str(tp), "--out", str(first), "--version", FIRST, "--dtype", "float32",
            "--log-dir", str(root / "shard-logs")]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SHARD_TIMEOUT_S,
-                          env=dict(os.environ))  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SHARD_TIMEOUT_S)
     if proc.returncode != 0:
         raise RuntimeError(
             f"checkpoint shard failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}"

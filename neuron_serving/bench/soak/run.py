@@ -45,8 +45,8 @@ CLIENTS = 6
 UNITS, TP, PROXIES = 2, 2, 2
 # After a fault on a unit ends, how long its ejection or unhealthy nodes are the
 # fault's doing, and how long the next fault waits for the fleet to be whole. A
-# unit recreated while the others serve shares their 2 cores here: its start took
-# over 3.5 min under the soak's load (62 s idle).
+# unit recreated while the others serve shares their 2 cores here and starts several
+# times slower than on an idle host (bench/README.md, "soak").
 RECOVERY_S = 300.0
 WINDOW_S = 30.0
 # A request still open this long after the clients were told to stop is lost.
@@ -192,7 +192,7 @@ def soak(
             "batch_lines_unfinished": BATCH_LINES - (batch_result.get("completed") or 0)
             - (batch_result.get("failed") or 0),
             # Asked for, and either not run (the run ended first) or not successful.
-            "rollouts_failed": (rollout is not None) * (1 - sum(r["rc"] == 0 for r in rolled)),
+            "rollouts_failed": int(rollout is not None and not any(r["rc"] == 0 for r in rolled)),
         },
         "rollouts": rolled,
         "unexpected": [o.__dict__ | {"itl_s": None} for o in outcomes

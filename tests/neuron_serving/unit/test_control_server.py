@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import threading
@@ -286,15 +287,14 @@ def test_a_follower_whose_beats_came_late_gets_more_silence(leader):
     f.channel.send(Heartbeat("ready", 0))
     time.sleep(0.3)  # 3 intervals: late, and under the 0.5 s timeout
     f.channel.send(Heartbeat("ready", 0))
-    last = time.monotonic()
-    time.sleep(1.0)  # twice the strict timeout
-    assert not lead.failures, lead.failures
     deadline = time.monotonic() + 5
     while not lead.failures and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lead.failures, "a silent follower was never declared hung"
-    assert time.monotonic() - last >= SATURATED_FACTOR * 0.5 - 0.1  # arrival may precede `last`
-    assert "limit 1.5 s" in lead.failures[0][1], lead.failures[0][1]
+    reason = lead.failures[0][1]
+    # The silence the leader itself measured, not this thread's clock.
+    silent = float(re.search(r"sent no heartbeat for ([0-9.]+) s", reason).group(1))
+    assert "limit 1.5 s" in reason and silent >= SATURATED_FACTOR * 0.5, reason
 
 
 def test_a_leader_whose_beats_came_late_gets_more_silence_from_its_follower(leader, monkeypatch):
@@ -317,13 +317,12 @@ def test_a_leader_whose_beats_came_late_gets_more_silence_from_its_follower(lead
     lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
     f.wait_start()
     assert sent.wait(5)
-    last = time.monotonic()
-    time.sleep(2.5)  # over the calm limit (1.5 s), under the late one (4.5 s)
-    assert not lead.follower_exits, lead.follower_exits
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 15
     while not lead.follower_exits and time.monotonic() < deadline:
         time.sleep(0.05)
     assert lead.follower_exits, "the follower kept a silent leader"
-    assert time.monotonic() - last >= 4.3  # the beat arrived just before `last`
     code, msg = lead.follower_exits[0]
     assert code == ExitCode.LEADER_LOST and "limit 4.5 s" in msg, msg
+    # The silence the follower itself measured: past the relaxed limit, not the calm 1.5 s.
+    silent = float(re.search(r"no heartbeat from the leader for ([0-9.]+) s", msg).group(1))
+    assert silent >= 4.5, msg

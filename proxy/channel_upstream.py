@@ -88,6 +88,7 @@ from proxy.upstream import (
     DeadlineExceeded,
     GenerationDelta,
     ReadWatchdog,
+    Upstream,
     UpstreamError,
 )
 
@@ -354,7 +355,7 @@ def classify_event_error(event: Event) -> UpstreamError:
 
 class ChannelUpstream:
     """``openai``/``generate`` over the channel for units whose leader's channel is
-    connected; everything else goes to ``fallback(unit)``'s transport.
+    connected; everything else goes to ``fallback``, Triton's gRPC transport.
 
     A request never waits for a connection: ``address`` answers from what is
     connected now and, for a unit whose channel is announced but not connected, starts
@@ -372,7 +373,7 @@ class ChannelUpstream:
         self,
         token: bytes,
         timeouts: TimeoutConfig,
-        fallback: Callable[[UnitSpec], Any],
+        fallback: Upstream,
         on_fallback: Callable[[], None] | None = None,
         connect_timeout_s: float = 5.0,
         registry: Registry | None = None,
@@ -598,7 +599,7 @@ class ChannelUpstream:
             self.fallbacks_total += 1
             if self._on_fallback is not None:
                 self._on_fallback()
-            async for delta in over_triton(self._fallback(unit)):
+            async for delta in over_triton(self._fallback):
                 yield delta
             return
         call_id, call = channel.open(request)

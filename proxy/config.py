@@ -431,13 +431,10 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False)  # --api-key; tenant "default"
     allow_unauthenticated: bool = False
     max_body_bytes: int = 1 << 20
-    # How generations reach a leader: "grpc" (ModelStreamInfer) or "http"
-    # (generate_stream, for units with leader_http); probes use gRPC either way.
-    upstream_protocol: str = "grpc"
     # OpenAI calls over each leader's OpenAI channel when it announces one (one
     # multiplexed connection per leader; proxy/channel_upstream.py); false = always
-    # upstream_protocol. Needs the channel token (NEURON_SERVING_CHANNEL_TOKEN or its
-    # file, the same as the leaders'); without it the proxy uses upstream_protocol.
+    # Triton's gRPC. Needs the channel token (NEURON_SERVING_CHANNEL_TOKEN or its
+    # file, the same as the leaders'); without it the proxy uses gRPC.
     openai_channel: bool = True
     health: HealthCheckConfig = field(default_factory=HealthCheckConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
@@ -463,10 +460,6 @@ class ProxyConfig:
             isinstance(self.allow_unauthenticated, bool), "allow_unauthenticated must be a boolean"
         )
         _check(isinstance(self.reuse_port, bool), "reuse_port must be a boolean")
-        _check(
-            self.upstream_protocol in ("grpc", "http"),
-            f"upstream_protocol must be 'grpc' or 'http', got {self.upstream_protocol!r}",
-        )
         ids = [u.unit_id for u in self.units]
         _check(len(ids) == len(set(ids)), "unit ids must be unique")
         names = [m.name for m in self.models]
@@ -503,6 +496,8 @@ _SILENCE = (
 _REPLACED = {
     "timeouts.first_token_s": _SILENCE,
     "timeouts.inter_token_s": _SILENCE,
+    "proxy config.upstream_protocol": "Triton's HTTP transport was removed; the fallback "
+    "to the OpenAI channel is always gRPC (proxy/transport.py says why)",
     "routing.home_load_factor": "bounded homes were removed (they did not hold up in "
     "bench routing, bench/README.md); home_weight alone moves a prompt off a busy home",
 }

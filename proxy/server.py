@@ -53,7 +53,6 @@ from proxy.http_guard import (
     GuardedAppRunner,
     access_log,
 )
-from proxy.http_upstream import TritonHttpUpstream
 from proxy.kv_events_sink import InOrderKvSink
 from proxy.kv_index_sink import KvIndexSink
 from proxy.kv_metrics import KvIndexCollector
@@ -118,10 +117,7 @@ class ProxyServer:
         self.metrics = ProxyMetrics()
         self.clients = TritonClientPool()
         self.outlier = OutlierDetector(config.outlier)
-        self.transport = UnitTransport(
-            TritonUpstream(self.clients, config.timeouts),
-            TritonHttpUpstream(config.timeouts) if config.upstream_protocol == "http" else None,
-        )
+        triton = TritonUpstream(self.clients, config.timeouts)
         # The exact KV view kv_aware reads, fed by the leaders' KV events (with the
         # OpenAI channel: _openai_channel); the other policies do not read it.
         self.kv_fleet: KvFleet | None = None
@@ -133,6 +129,11 @@ class ProxyServer:
             kv=self.kv_fleet,
             load_max_age_s=config.admission.load_max_age_s,
         )
+        # The KV event streams into kv_fleet, in order (set with the OpenAI channel).
+        self.kv_index: KvIndexSink | None = None
+        self._kv_order: InOrderKvSink | None = None
+        channel = self._openai_channel(config, triton)
+        self.transport = UnitTransport(triton, channel)
         self.dispatcher = Dispatcher(
             self.registry,
             self.outlier,
@@ -156,12 +157,6 @@ class ProxyServer:
             config.limits.max_buffered_body_bytes,
             config.limits.body_timeout_s,
         )
-        # The KV event streams into kv_fleet, in order (set with the OpenAI channel).
-        self.kv_index: KvIndexSink | None = None
-        self._kv_order: InOrderKvSink | None = None
-        channel = self._openai_channel(config)
-        if channel is not None:
-            self.transport.use_channel(channel)
         self.health = HealthChecker(
             self.registry,
             config.health,
@@ -184,7 +179,9 @@ class ProxyServer:
         for spec in config.units:
             self.registry.add(spec)
 
-    def _openai_channel(self, config: ProxyConfig) -> ChannelUpstream | None:
+    def _openai_channel(
+        self, config: ProxyConfig, triton: TritonUpstream
+    ) -> ChannelUpstream | None:
         if not config.openai_channel:
             return None
         try:
@@ -203,7 +200,7 @@ class ProxyServer:
         upstream = ChannelUpstream(
             token,
             config.timeouts,
-            self.transport.triton,
+            triton,
             self.metrics.channel_fallbacks.inc,
             registry=self.registry,
             kv_sink=self._kv_order,

@@ -1,17 +1,24 @@
-"""Which transport carries a unit's generations.
+"""Which transport carries a unit's generations, and why each exists.
 
-OpenAI calls and the Triton generate route's text requests go over the leader's
-OpenAI channel (``channel_upstream.py``: one multiplexed connection per leader, one
-frame per engine step) when the unit announces one and the proxy holds the channel
-token (``openai_channel: true``, the default); otherwise over the config's
-``upstream_protocol``:
+The leader's OpenAI channel (``channel_upstream.ChannelUpstream``: one multiplexed
+connection per leader) carries OpenAI calls and the Triton generate route's text
+requests when the unit announces one and the proxy holds the channel token
+(``openai_channel: true``, the default). It stays because it costs the proxy the
+least CPU per streamed token of the transports measured (``bench cpu``, figures in
+bench/README.md, "cpu"), and because it alone brings the units' engine load and KV
+cache events, which flow control and ``kv_aware`` routing read.
 
-``grpc`` (default): Triton's ``ModelStreamInfer`` (``grpc_upstream.TritonUpstream``).
-``http``: Triton's ``generate_stream`` (``http_upstream.TritonHttpUpstream``) for
-every unit that has a ``leader_http`` address; a unit without one (e.g. added over
-the admin API without it) keeps gRPC. Probes use gRPC either way (``health_checker.py``).
-Both yield the same ``GenerationDelta``s and raise the same ``UpstreamError``s, so
-retries, migration, cancellation and the metrics do not depend on the choice.
+Triton's gRPC ``ModelStreamInfer`` (``grpc_upstream.TritonUpstream``) carries the rest:
+a unit whose channel is not connected yet (the first requests after a leader
+starts), one without a channel, a proxy without the token. It stays because a unit
+must be servable before and without the channel, and because the probes speak gRPC
+(``health_checker.py``). Both yield the same ``GenerationDelta``s and raise the same
+``UpstreamError``s, so retries, migration, cancellation and the metrics do not
+depend on the choice.
+
+A third, Triton's HTTP ``generate_stream``, was removed (measured in the same
+section): cheaper than gRPC per token but dearer than the channel, no better at a
+burst, unable to carry the checkpoint version, and only ever a second fallback.
 """
 
 from __future__ import annotations
@@ -22,54 +29,40 @@ from typing import Any
 from proxy.channel_upstream import ChannelUpstream
 from proxy.config import UnitSpec
 from proxy.grpc_upstream import TritonUpstream
-from proxy.http_upstream import TritonHttpUpstream
 from proxy.upstream import GenerationDelta
 
 
 class UnitTransport:
-    def __init__(self, grpc: TritonUpstream, http: TritonHttpUpstream | None) -> None:
+    def __init__(self, grpc: TritonUpstream, channel: ChannelUpstream | None = None) -> None:
         self.grpc = grpc
-        self.http = http
-        self.channel: ChannelUpstream | None = None  # set by the server (use_channel)
-
-    def use_channel(self, channel: ChannelUpstream) -> None:
         self.channel = channel
 
     def generate(
         self, unit: UnitSpec, *args: Any, priority: int = 0
     ) -> AsyncGenerator[GenerationDelta, None]:
-        """``Upstream.generate`` on the unit's channel, else its transport. It returns
-        the chosen transport's own generator, not a wrapper around it: every layer of
-        async generators costs a resumption per token."""
+        """``Upstream.generate`` on the unit's channel, else gRPC. It returns the chosen
+        transport's own generator, not a wrapper around it: every layer of async
+        generators costs a resumption per token."""
         if self.channel is not None:
             addr = self.channel.address(unit)
             if addr is not None:
                 return self.channel.generate(addr, unit, *args, priority=priority)
-        return self._for(unit).generate(unit, *args, priority=priority)
+        return self.grpc.generate(unit, *args, priority=priority)
 
     def openai(self, unit: UnitSpec, *args: Any) -> AsyncGenerator[GenerationDelta, None]:
-        """``Upstream.openai`` on the unit's channel, else its transport (the same way)."""
+        """``Upstream.openai`` on the unit's channel, else gRPC (the same way)."""
         if self.channel is not None:
             addr = self.channel.address(unit)
             if addr is not None:
                 return self.channel.openai(addr, unit, *args)
-        return self._for(unit).openai(unit, *args)
+        return self.grpc.openai(unit, *args)
 
     def name_for(self, unit: UnitSpec) -> str:
-        """What carries the unit's OpenAI calls now: channel, grpc or http (status, metrics)."""
+        """What carries the unit's calls now: channel or grpc (status, metrics)."""
         if self.channel is not None and self.channel.address(unit) is not None:
             return "channel"
-        return "http" if self._for(unit) is self.http else "grpc"
-
-    def triton(self, unit: UnitSpec) -> TritonUpstream | TritonHttpUpstream:
-        """The unit's Triton transport (the channel's fallback)."""
-        return self._for(unit)
-
-    def _for(self, unit: UnitSpec) -> TritonUpstream | TritonHttpUpstream:
-        return self.http if self.http is not None and unit.leader_http else self.grpc
+        return "grpc"
 
     async def close(self) -> None:
         if self.channel is not None:
             await self.channel.close()
-        if self.http is not None:
-            await self.http.close()

@@ -1,5 +1,6 @@
 """The upstream contract: what the dispatcher needs of a transport to a unit's leader,
-whichever carries it (gRPC in ``grpc_upstream.py``, HTTP in ``http_upstream.py``).
+whichever carries it (the leader's OpenAI channel in ``channel_upstream.py``, Triton's
+gRPC in ``grpc_upstream.py``).
 
 A transport's ``generate`` (a text request) and ``openai`` (an OpenAI call in the
 ``openai_request`` envelope) are async iterators of ``GenerationDelta`` that end
@@ -254,7 +255,7 @@ class ReadWatchdog:
 
 class Upstream(Protocol):
     """What the dispatcher needs of a transport (``grpc_upstream.TritonUpstream``,
-    ``http_upstream.TritonHttpUpstream``)."""
+    ``transport.UnitTransport``)."""
 
     def generate(
         self,

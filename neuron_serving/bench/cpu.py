@@ -13,8 +13,11 @@ tokens the run produced. Arms alternate, order flipped every repeat.
 Proxy arms: OpenAI ``/v1/completions`` through ``neuron-serving proxy`` to the same
 leader, whose OpenAI layer is vLLM's own (the proxy relays its bytes).
 ``proxy_openai`` is the proxy as deployed (the leader's OpenAI channel, uvloop);
-``proxy_openai_asyncio`` the same on asyncio's loop; ``proxy_openai_grpc`` and
-``proxy_openai_http`` with the channel off, over Triton's gRPC and HTTP front ends. The
+``proxy_openai_asyncio`` the same on asyncio's loop; ``proxy_openai_grpc`` with the
+channel off, over Triton's gRPC front end; with ``--baseline DIR``,
+``proxy_openai_baseline``: the proxy as deployed, run from another checkout of the
+code (a ``git worktree`` of an older commit), so a change's cost is measured old
+against new in one run, on the same leader and load. The
 proxy's CPU per token (label ``neuron-serving proxy``) set against ``vllm serve``'s
 API server (``vllm api server``) on the same load. A second, short pass measures CPU
 per *request* (``PER_REQUEST_REQUESTS`` requests of one output token each) for the
@@ -124,17 +127,19 @@ PER_REQUEST_REQUESTS = 384
 # requests per second a unit serves here, they were ~150 us of "per request".) The
 # idle rates are reported too (``idle_cpu_ms_per_s``).
 IDLE_S = 3.0
-# (upstream_protocol, openai_channel, arm, event loop): the proxy as deployed (the
-# OpenAI channel, uvloop), the same on asyncio's own loop (the uvloop decision), and
-# with the channel off over Triton's gRPC and HTTP front ends (the channel decision),
-# side by side.
+# (openai_channel, arm, event loop): the proxy as deployed (the OpenAI channel,
+# uvloop), the same on asyncio's own loop (the uvloop decision), and with the channel
+# off over Triton's gRPC (the channel decision), side by side.
 PROXY_ARMS = (
-    ("grpc", True, "proxy_openai", "uvloop"),
-    ("grpc", True, "proxy_openai_asyncio", "asyncio"),
-    ("grpc", False, "proxy_openai_grpc", "uvloop"),
-    ("http", False, "proxy_openai_http", "uvloop"),
+    (True, "proxy_openai", "uvloop"),
+    (True, "proxy_openai_asyncio", "asyncio"),
+    (False, "proxy_openai_grpc", "uvloop"),
 )
-PER_REQUEST_ARMS = (*(arm for _, _, arm, _ in PROXY_ARMS), "vllm")
+BASELINE_ARM = "proxy_openai_baseline"
+
+
+def _per_request_arm(name: str) -> bool:
+    return name.startswith("proxy_openai") or name == "vllm"
 
 
 def _check_upstream(proxy: Any, arm: str, wanted: str, timeout_s: float = 15.0) -> None:
@@ -215,7 +220,7 @@ async def _per_request(arms: list[Any], servers: dict[str, tuple[int, ...]],
     """CPU microseconds per request by process label, one-token requests."""
     ids = itertools.count(10_000_000)
     extra = {"temperature": 0.0}
-    chosen = [a for a in arms if a.name in PER_REQUEST_ARMS]
+    chosen = [a for a in arms if _per_request_arm(a.name)]
     out: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
     raw: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
     idle: dict[str, list[dict[str, float]]] = {a.name: [] for a in chosen}
@@ -293,7 +298,7 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any],
             "proxy_us_per_request": med(per_request.get(arm, {}).get(PROXY_LABEL)),
         } for key, arm in (("channel_asyncio", "proxy_openai_asyncio"),
                            ("grpc_upstream", "proxy_openai_grpc"),
-                           ("http_upstream", "proxy_openai_http"))},
+                           ("baseline", BASELINE_ARM)) if arm in agg},
         "targets": {"per_token_ratio": TARGET_PROXY_PER_TOKEN_RATIO,
                     "proxy_us_per_request": TARGET_PROXY_US_PER_REQUEST},
         "met": {"per_token_ratio": ratio <= TARGET_PROXY_PER_TOKEN_RATIO,
@@ -301,8 +306,29 @@ def proxy_vs_api_server(agg: dict[str, Any], per_request: dict[str, Any],
     }  # fmt: skip
 
 
+def _proxy_arms(baseline: str | None) -> list[tuple[bool, str, str, dict[str, str]]]:
+    """(openai_channel, arm, event loop, extra environment) per proxy arm. The
+    baseline's proxy imports its own checkout's code: PYTHONPATH comes before the
+    editable install's path entry."""
+    out: list[tuple[bool, str, str, dict[str, str]]] = [
+        (channel, name, loop, {}) for channel, name, loop in PROXY_ARMS
+    ]
+    if baseline is not None:
+        root = str(Path(baseline).resolve())
+        if not (Path(root) / "proxy" / "__init__.py").exists():
+            raise SystemExit(f"--baseline {baseline}: not a checkout of this project")
+        out.append((True, BASELINE_ARM, "uvloop", {"PYTHONPATH": root}))
+    return out
+
+
+def _commit(checkout: str) -> str:
+    done = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, timeout=10)  # fmt: skip
+    return done.stdout.strip() or "?"
+
+
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
-         profile_dir: str | None = None) -> int:  # fmt: skip
+         profile_dir: str | None = None, baseline: str | None = None) -> int:  # fmt: skip
     from neuron_serving.bench.stack import proxy_config, start_proxy, wait_ready
     from neuron_serving.bench.workload import proxy_arm
     from neuron_serving.models.demo import build_demo_model
@@ -325,12 +351,12 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                 "vllm": (srv,),
             }
             arm_list = arms(leader, vllm.base)
-            for protocol, channel, name, loop in PROXY_ARMS:
+            for channel, name, loop, extra_env in _proxy_arms(baseline):
                 cfg = proxy_config([leader], model_dir, ENGINE["max_model_len"],
-                                   upstream_protocol=protocol, openai_channel=channel)  # fmt: skip
-                env = {"NEURON_SERVING_PROXY_EVENT_LOOP": loop}
+                                   openai_channel=channel)  # fmt: skip
+                env = {"NEURON_SERVING_PROXY_EVENT_LOOP": loop, **extra_env}
                 proxies.append(start_proxy(cfg, work, name=name, env=env))
-                _check_upstream(proxies[-1], name, "channel" if channel else protocol)
+                _check_upstream(proxies[-1], name, "channel" if channel else "grpc")
                 arm_list.append(proxy_arm(proxies[-1].base, name))
                 servers[name] = (ldr, proxies[-1].process.popen.pid)
             pdir = Path(profile_dir) if profile_dir else None
@@ -348,6 +374,8 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     result = {
         "workload": {"requests": requests, "max_tokens": max_tokens, "repeats": repeats,
                      "concurrency": 16, "engine": ENGINE, "cpu_bind": CPU_BIND,
+                     "baseline": None if baseline is None else
+                     {"checkout": baseline, "commit": _commit(baseline)},
                      "cpu": "user+system seconds per process tree (psutil), per output token; "
                             "client = this load driver's own process"},  # fmt: skip
         "machine_load": {"load_avg_1m_start": load_before[0], "load_avg_1m_end": os.getloadavg()[0]},

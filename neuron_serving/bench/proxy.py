@@ -2,8 +2,8 @@
 
 One real TP=1 unit (`neuron-serving leader`: tritonserver + vLLM, demo model) and
 two `neuron-serving proxy` processes in front of it, one per upstream transport:
-"proxy" reaches the leader over gRPC ``ModelStreamInfer`` (the default
-``upstream_protocol``), "proxy_http" over Triton's HTTP ``generate_stream``. Every
+"proxy" reaches the leader over its OpenAI channel (the default), "proxy_grpc" over
+Triton's gRPC ``ModelStreamInfer`` (``openai_channel: false``). Every
 arm uses the same client and protocol, Triton's HTTP ``generate_stream`` (the proxy
 serves it too, through its admission, routing and upstream), so the difference to
 "direct" is the proxy hop alone. Per repeat: 64 concurrent streams per arm, arms
@@ -18,8 +18,8 @@ p50 and p99; targets: p50 <= 1 ms, p99 <= 5 ms.
 
 Throughput pass: ``THROUGHPUT_STREAMS`` (16) streams in flight, the serving
 benchmark's load driver (``workload.run_load``), arms ``direct`` (the leader's
-generate_stream), ``proxy`` (the same through the gRPC proxy) and ``proxy_openai``
-(OpenAI ``/v1/completions`` through the gRPC proxy: vLLM's OpenAI layer on the leader,
+generate_stream), ``proxy`` (the same through the default proxy) and ``proxy_openai``
+(OpenAI ``/v1/completions`` through the same proxy: vLLM's OpenAI layer on the leader,
 bytes relayed), rotating order per repeat; ratio proxy / direct output tok/s
 (target >= 0.95) and, for information, proxy_openai / direct.
 
@@ -31,7 +31,7 @@ time from request written to first response read; Envoy's downstream minus
 upstream time), p50/p99 from the histogram's buckets as PromQL's
 ``histogram_quantile`` would give them, and the proxy process's CPU (user +
 system, all threads) per streamed token. The top-level figures are the default
-(gRPC) upstream's; ``http_upstream`` holds the same figures for the HTTP one.
+(channel) upstream's; ``grpc_upstream`` holds the same figures for the gRPC one.
 """
 
 from __future__ import annotations

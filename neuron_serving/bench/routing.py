@@ -496,7 +496,7 @@ def _arm_run(
     try:
         for j in range(replicas):
             cfg = proxy_config(leaders, model_dir, MAX_MODEL_LEN, routing=routing,
-                               openai_channel=True, upstream_protocol="grpc")  # fmt: skip
+                               openai_channel=True)  # fmt: skip
             cfg["port"] = free_port()
             cfg["admin_port"] = free_port(exclude={cfg["port"]})
             proxies.append(start_proxy(cfg, work, name=f"{arm}-proxy-{j}"))

@@ -69,6 +69,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--py-spy", default=None, metavar="DIR",
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
     )  # fmt: skip
+    p.add_argument(
+        "--baseline", default=None, metavar="DIR",
+        help="cpu: also run the proxy from another checkout (a git worktree of an older "
+        "commit) as arm proxy_openai_baseline, old against new in one run",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -94,7 +99,9 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
     if name == "cpu":
         from neuron_serving.bench import cpu
 
-        return cpu.main(quick, model, emit_json, repeats, profile_dir=args.py_spy)
+        return cpu.main(
+            quick, model, emit_json, repeats, profile_dir=args.py_spy, baseline=args.baseline
+        )
     if name == "classes":
         from neuron_serving.bench import classes
 

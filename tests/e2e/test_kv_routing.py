@@ -107,7 +107,7 @@ def words(client) -> int:
 def _proxy_config(leaders: list[LeaderEndpoints], model: Path, keys: Path) -> dict:
     return proxy_config(
         leaders, model, api_keys_file=str(keys), openai_channel=True,
-        upstream_protocol="grpc", routing={"policy": "kv_aware"},
+        routing={"policy": "kv_aware"},
     )  # fmt: skip
 
 

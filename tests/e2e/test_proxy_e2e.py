@@ -58,7 +58,6 @@ def stack(
     channel = request.param == "channel"
     config = proxy_config(
         [leader], demo_model, api_keys_file=str(keys), openai_channel=channel,
-        upstream_protocol="grpc" if channel else request.param,
         timeouts={"silence_s": SILENCE_S},
     )  # fmt: skip
     with running_proxy(config, tmp, name=f"proxy-{request.param}") as base:

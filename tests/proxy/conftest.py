@@ -47,8 +47,7 @@ class FakeUnit:
 @dataclass
 class Fleet:
     tmp_path: Any
-    # The proxies' upstream: "grpc" or "http" (upstream_protocol; the fakes serve
-    # both), or "channel" (the fakes also serve the leader's OpenAI channel, which the
+    # The proxies' upstream: "grpc" (Triton's gRPC), or "channel" (the fakes also serve the leader's OpenAI channel, which the
     # proxy then uses for every call; gRPC stays its fallback).
     protocol: str = "grpc"
     units: list[FakeUnit] = field(default_factory=list)
@@ -83,7 +82,6 @@ class Fleet:
             "timeouts": {"request_s": 10.0, "silence_s": 3.0},
             "models": [{"name": "llm", "model_dir": self.model_dir()}],
             "units": [],
-            "upstream_protocol": "grpc" if self.protocol == "channel" else self.protocol,
             "batch": {"data_dir": str(self.tmp_path / "proxy-data"), "poll_s": 0.05},
         }  # fmt: skip
         for key, value in overrides.items():
@@ -143,7 +141,7 @@ class Fleet:
 @pytest.fixture
 async def fleet(tmp_path, request):
     """Fake units and proxies; gRPC upstream unless a module parametrizes it
-    (``pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)``)."""
+    (``pytest.mark.parametrize("fleet", ["grpc", "channel"], indirect=True)``)."""
     f = Fleet(tmp_path, getattr(request, "param", "grpc"))
     yield f
     await f.close()

@@ -103,7 +103,7 @@ async def upstream(
     """An upstream whose unit announced the channel at ``port``; returns once the
     background connection has succeeded or failed."""
     fallback = FallbackTransport()
-    up = ChannelUpstream(token, TimeoutConfig(**timeouts), lambda unit: fallback, registry=registry)
+    up = ChannelUpstream(token, TimeoutConfig(**timeouts), fallback, registry=registry)
     up.announce(UNIT, port)
     async with asyncio.timeout(5):
         while up._connecting:

@@ -51,6 +51,7 @@ def test_json_is_accepted(tmp_path):
         ({"routing": {"policy": "fastest"}}, "routing.policy"),
         # Removed options say so, and what to use instead.
         ({"routing": {"home_load_factor": 1.25}}, "routing.home_load_factor was replaced"),
+        ({"upstream_protocol": "http"}, "upstream_protocol was replaced: Triton's HTTP"),
         ({"units": [{"unit_id": "a", "leader_grpc": "nohost"}]}, "HOST:PORT"),
         ({"units": [{"unit_id": "a", "leader_grpc": "h:1", "followers": "h:2"}]}, "followers"),
         (

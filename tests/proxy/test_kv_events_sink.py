@@ -167,7 +167,7 @@ async def test_each_unit_at_a_channel_gets_the_stream(leader) -> None:
     scripted, port = leader
     u0, u1 = UnitSpec("u0", "127.0.0.1:1"), UnitSpec("u1", "127.0.0.1:1")
     rec = Recorder()
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), lambda unit: None, kv_sink=rec)
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=rec)
     up.announce(u0, port)
     await until(lambda: rec.calls == [("info", "u0", 9)])  # KvInfo came with the handshake
     scripted.send(oc.KvEvents(10, b"batch-10"))
@@ -197,7 +197,7 @@ async def test_the_proxys_in_order_sink_recovers_a_gap_from_the_leader(leader) -
     unit = UnitSpec("u0", "127.0.0.1:1")
     counts = KvIndexSink(KvFleet(64))
     sink = InOrderKvSink(counts, history=False)
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), lambda u: None, kv_sink=sink)
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=sink)
     sink.bind(up.kv_replay)
     up.announce(unit, port)
     await until(lambda: "u0" in counts.units)
@@ -222,7 +222,7 @@ async def test_a_failing_sink_loses_the_message_not_the_channel(leader) -> None:
                 raise RuntimeError("an index bug")
             rec.on_kv_events(unit_id, seq, payload)
 
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), lambda u: None, kv_sink=Fragile())
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=Fragile())
     up.announce(unit, port)
     await until(lambda: up.address(unit) is not None)
     scripted.send(oc.KvEvents(10, b"x"), oc.KvEvents(11, b"y"))

@@ -11,7 +11,6 @@ from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from proxy.grpc_upstream import decode_response
-from proxy.http_upstream import build_body
 from proxy.leader_client import build_openai_request, build_request
 from tests.proxy.fake_openai import FakeOpenAIResponse
 from tests.proxy.fakes import _inputs, _openai_response, _response
@@ -141,16 +140,13 @@ def test_build_request_is_what_vllm_backend_reads():
 
 def test_the_priority_input_only_when_nonzero():
     """The traffic class as the leader's INT32 ``priority`` input; real-time (0) is the
-    input's default and is not sent, over gRPC as over HTTP."""
+    input's default and is not sent."""
     assert "priority" not in [t.name for t in build_request("llm", "r", "x", {}).inputs]
     req = build_request("llm", "r", "x", {}, priority=2)
     assert (req.inputs[-2].name, req.inputs[-2].datatype, list(req.inputs[-2].shape)) == (
         "priority", "INT32", [1])  # fmt: skip
     values = _inputs(service_pb2.ModelInferRequest.FromString(req.SerializeToString()))
     assert values["priority"] == 2
-    assert "priority" not in json.loads(build_body("x", {}))
-    body = json.loads(build_body("x", {"max_tokens": 3}, priority=1))
-    assert body["priority"] == 1 and json.loads(body["sampling_parameters"]) == {"max_tokens": 3}
 
 
 def test_openai_request_and_response_encoding():

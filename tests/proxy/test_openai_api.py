@@ -13,7 +13,7 @@ from tests.proxy.fake_openai import WORD_ID, WORDS, render_chat
 from tests.proxy.fakes import reference_completion, wait_until
 from tests.proxy.test_protocol import above_max
 
-pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)
+pytestmark = pytest.mark.parametrize("fleet", ["grpc", "channel"], indirect=True)
 
 RR = {"routing": {"policy": "round_robin"}}  # u0 first: tests know where a request lands
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "red shoes?"}]

@@ -8,7 +8,7 @@ from tests.proxy.fake_openai import BadRequest
 from tests.proxy.fakes import reference_completion, wait_until
 
 # Every test runs over both upstream transports (the fake leader serves both).
-pytestmark = pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)
+pytestmark = pytest.mark.parametrize("fleet", ["grpc", "channel"], indirect=True)
 
 
 async def test_completion_non_stream(fleet):

@@ -99,7 +99,7 @@ async def test_prompt_length_is_checked_as_the_leader_counts(fleet, tmp_path):
     assert u.behavior.prompts == [fits["text_input"]]
 
 
-@pytest.mark.parametrize("fleet", ["grpc", "http", "channel"], indirect=True)
+@pytest.mark.parametrize("fleet", ["grpc", "channel"], indirect=True)
 async def test_the_class_reaches_the_leader_as_the_priority_input(fleet):
     """The generate route's traffic class is what the leader gets as its ``priority``
     input (vLLM's request priority), over each transport; a client's own ``priority``

@@ -1,19 +1,16 @@
-"""Both transports of a generation (gRPC ModelStreamInfer and HTTP generate_stream)
-against the fake leader, which serves both with the same model and knobs."""
+"""Triton's gRPC transport of a generation (ModelStreamInfer), through the unit's
+transport as the dispatcher uses it, against the fake leader."""
 
 import asyncio
 import contextlib
-import json
 
 import pytest
 
 from proxy.config import TimeoutConfig, UnitSpec
 from proxy.grpc_upstream import TritonUpstream, is_progress
-from proxy.http_upstream import TritonHttpUpstream, decode_event
 from proxy.leader_client import TritonClientPool
 from proxy.transport import UnitTransport
 from proxy.upstream import DeadlineExceeded, UpstreamError, openai_envelope
-from tests.aiohttp_site import serve_app
 from tests.proxy.fake_openai import render_chat
 from tests.proxy.fakes import Behavior, FakeTriton, reference_completion, wait_until
 
@@ -25,20 +22,18 @@ async def triton():
     await server.stop()
 
 
-@pytest.fixture(params=["grpc", "http"])
-async def make(request):
-    """``make(timeouts)``: an upstream over the parametrized protocol, closed at the end."""
+@pytest.fixture
+async def make():
+    """``make(timeouts)``: the unit's transport (no channel: gRPC), closed at the end."""
     made = []
 
     def factory(timeouts=None):
         timeouts = timeouts or TimeoutConfig(silence_s=1.0)
         pool = TritonClientPool()
-        http = TritonHttpUpstream(timeouts) if request.param == "http" else None
-        up = UnitTransport(TritonUpstream(pool, timeouts), http)
+        up = UnitTransport(TritonUpstream(pool, timeouts))
         made.append((up, pool))
         return up
 
-    factory.protocol = request.param
     yield factory
     for up, pool in made:
         await up.close()
@@ -195,69 +190,10 @@ async def test_the_first_response_carries_the_model_version_over_grpc(triton, ma
     the probes (model config parameter) tell the proxy the version instead."""
     triton.behavior.model_version = "2026-12-01"
     deltas = await collect(make(), triton, "v", {"max_tokens": 3, "ignore_eos": True})
-    first = "2026-12-01" if make.protocol == "grpc" else None
-    assert [d.model_version for d in deltas] == [first, None, None]
+    assert [d.model_version for d in deltas] == ["2026-12-01", None, None]
 
 
-async def test_finished_streams_reuse_one_connection(triton, make):
-    """HTTP: a stream that ended normally returns its connection to the pool; one that
-    was left early closes it (which is how Triton learns to cancel)."""
-    if make.protocol != "http":
-        pytest.skip("connection reuse is an HTTP/1.1 matter; gRPC multiplexes one channel")
-    up = make()
-    for _ in range(3):
-        await collect(up, triton, "r", {"max_tokens": 2, "ignore_eos": True})
-    assert len(set(triton.behavior.http_peers)) == 1, triton.behavior.http_peers
-    triton.behavior.token_delay_s = 0.05
-    gen = up.generate(spec(triton), "r", {"max_tokens": 50, "ignore_eos": True},
-                      asyncio.get_running_loop().time() + 5)  # fmt: skip
-    async with contextlib.aclosing(gen):
-        async for _ in gen:
-            break
-    await wait_until(lambda: triton.behavior.cancelled == 1)
-    await collect(up, triton, "r", {"max_tokens": 1, "ignore_eos": True})
-    assert len(set(triton.behavior.http_peers)) == 2  # the closed one was not reused
-
-
-@pytest.mark.parametrize(
-    "status, body, unit_fault, retriable, client_status",
-    [
-        (503, b'{"error": "server is shutting down"}', True, True, 503),
-        (400, b'{"error": "Request for unknown model: \'llm\' is not found"}', True, True, 502),
-        (400, b'{"error": "invalid sampling parameters: top_p"}', False, False, 400),
-        (429, b'{"error": "too many requests"}', False, True, 503),
-        (500, b"not json", True, True, 502),
-    ],
-)
-def test_http_error_answers_are_classified(status, body, unit_fault, retriable, client_status):
-    from proxy.http_upstream import classify_http_error
-
-    e = classify_http_error(status, body)
-    assert (e.unit_fault, e.retriable, e.status) == (unit_fault, retriable, client_status)
-
-
-def _j(obj: object) -> bytes:
-    return json.dumps(obj).encode()
-
-
-def test_decode_event_refuses_what_breaks_the_contract():
-    for payload in (b"[1]", b"{", b'{"token_ids": "x"}', b'{"openai_status": 2.5}'):
-        with pytest.raises(ValueError):
-            decode_event(payload)
-    with pytest.raises(UpstreamError, match="model .* is not ready|boom"):
-        decode_event(b'{"error": "boom"}')
-
-
-def test_decode_event_reads_outputs_and_ignores_tritons_own_fields():
-    d = decode_event(_j({"model_name": "llm", "model_version": "1", "text_output": "hi",
-                         "finish_reason": "", "completion_tokens": 3, "prompt_tokens": 7}))  # fmt: skip
-    assert (d.text, d.finish_reason, d.completion_tokens, d.prompt_tokens) == ("hi", None, 3, 7)
-    assert d.model_version is None
-    d = decode_event(_j({"text_output": ["x"], "finish_reason": ["stop"]}))
-    assert (d.text, d.finish_reason) == ("x", "stop")
-
-
-async def test_an_openai_call_over_either_transport(triton, upstream):
+async def test_an_openai_call_over_grpc(triton, upstream):
     envelope = openai_envelope(
         "chat/completions",
         b'{"model":"llm","messages":[{"role":"user","content":"hi"}],"max_tokens":3,'
@@ -277,47 +213,7 @@ async def test_an_openai_call_over_either_transport(triton, upstream):
     assert triton.behavior.envelopes[0]["body"]["max_tokens"] == 3
 
 
-def test_decode_event_reads_the_openai_outputs():
-    d = decode_event(_j({"openai_status": 200, "openai_body": "data: x\n\n", "token_ids": 7,
-                         "prompt_token_ids": [1, 2], "model_version": "1"}))  # fmt: skip
-    assert (d.status, d.body, d.token_ids, d.prompt_token_ids) == (200, b"data: x\n\n", [7], [1, 2])
-    d = decode_event(_j({"openai_body": ["a", "b"], "token_ids": [], "finish_reason": "stop"}))
-    assert (d.body, d.token_ids, d.final, d.status) == (b"ab", [], True, None)
-
-
-async def test_http_upstream_reads_an_event_of_megabytes():
-    """A non-streamed answer (n > 1, logprobs) is one event: larger than aiohttp's
-    default line bound, it must still arrive whole, split across many TCP reads."""
-    from aiohttp import web
-
-    body = "data: " + "x" * (3 << 20) + "\n\n"
-
-    async def generate_stream(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        event = json.dumps({"openai_status": 200, "openai_body": body, "finish_reason": "stop"})
-        await resp.write(b": comment\n\ndata: " + event.encode() + b"\n\n")
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_post("/v2/models/llm/generate_stream", generate_stream)
-    runner, port = await serve_app(app)
-    up = TritonHttpUpstream(TimeoutConfig())
-    try:
-        unit = UnitSpec(unit_id="u0", leader_grpc="127.0.0.1:1", leader_http=f"127.0.0.1:{port}")
-        deadline = asyncio.get_running_loop().time() + 10
-        gen = up.openai(unit, b"{}", deadline)
-        async with contextlib.aclosing(gen):
-            deltas = [d async for d in gen]
-    finally:
-        await up.close()
-        await runner.cleanup()
-    assert [(d.status, d.finish_reason, len(d.body)) for d in deltas] == [(200, "stop", len(body))]
-
-
 def test_a_progress_report_is_no_delta():
-    assert decode_event(b'{"model_name": "llm", "model_version": "1", "progress": true}') is None
     from tests.proxy.fakes import _progress_response
 
     assert is_progress(_progress_response("llm", "r").infer_response)

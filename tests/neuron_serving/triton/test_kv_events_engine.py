@@ -85,7 +85,7 @@ def test_the_proxy_reproduces_the_block_hashes_of_a_real_engine(engine) -> None:
         port = await server.start("127.0.0.1", 0)
         recorder = Recorder()
         sink = InOrderKvSink(recorder)
-        up = ChannelUpstream(TOKEN, TimeoutConfig(), lambda unit: None, kv_sink=sink)
+        up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=sink)
         sink.bind(up.kv_replay)
         up.announce(UnitSpec("u0", "127.0.0.1:1"), port)
         try:

@@ -173,7 +173,7 @@ async def make_leader(kv_dir):
 async def proxy(port: int, history: bool = True) -> tuple[ChannelUpstream, InOrderKvSink, Recorder]:
     recorder = Recorder()
     sink = InOrderKvSink(recorder, history=history)
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), lambda unit: None, kv_sink=sink)
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=sink)
     sink.bind(up.kv_replay)
     up.announce(UNIT, port)
     await until(lambda: recorder.info is not None)

@@ -1,10 +1,10 @@
 """The ``Authorization: Bearer <token>`` check against a shared secret, written once.
 
 Used by every server that takes a shared secret: the proxy's admin API and its
-admin-token checks on the client port (proxy/admin.py, proxy/server.py), the
+admin-token checks on the client port (proxy/api/admin.py, proxy/server.py), the
 supervisor API (local/supervisor_api.py) and a node's ``/healthz`` detail
 (unit/health_server.py). The proxy's client API keys are another mechanism (many
-keys, stored as digests: proxy/auth.py) and share only the parse, ``bearer_token``.
+keys, stored as digests: proxy/api/auth.py) and share only the parse, ``bearer_token``.
 
 The scheme is case-insensitive (RFC 7235); the token is what follows the first
 space, surrounding whitespace stripped. The comparison is ``hmac.compare_digest``

@@ -49,7 +49,7 @@ vLLM's msgpack bytes, unchanged. The stream, per connection:
   the last one replayed. So a proxy that applies an event only when its ``seq`` is
   the next one expected, skips older ones, and on a newer one asks for a replay from
   the one it expects, applies every event exactly once and in order
-  (``proxy/kv_events_sink.py``, ``InOrderKvSink``).
+  (``proxy/upstream/kv_stream.py``, ``InOrderKvSink``).
 Frames after the handshake carry no MAC: the channel has the
 trust of the leader's Triton inference API (reachable on the same address, with no
 key at all); the handshake keeps strangers off it.
@@ -211,7 +211,7 @@ ToLeader = list[Open | Generate | Cancel | KvReplay]
 
 
 # The messages to the proxy are final: it tells them apart by exact class
-# (proxy/channel_upstream.py), which a type checker narrows only for final classes.
+# (proxy/upstream/channel.py), which a type checker narrows only for final classes.
 @final
 class Event(msgspec.Struct, tag=0, array_like=True):
     """One response of one call: the fields of the Triton ``llm`` model's outputs
@@ -237,7 +237,7 @@ class Event(msgspec.Struct, tag=0, array_like=True):
     # The prompt tokens vLLM found in its prefix cache for this call
     # (``RequestOutput.num_cached_tokens``, vllm/outputs.py), on the last event only;
     # None: not one fresh prompt (a resumed call, batched prompts) or not known. The
-    # proxy compares it with the hit it predicted when routing (proxy/kv_accuracy.py).
+    # proxy compares it with the hit it predicted when routing (proxy/routing/kv/accuracy.py).
     # Appended with a default, so the magic stays: a proxy that predates it ignores
     # the extra trailing element (msgspec ignores an array-like struct's extra
     # trailing elements), and a leader that predates it sends none (None).

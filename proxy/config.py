@@ -138,7 +138,7 @@ class TimeoutConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClassConfig:
-    """Flow control of one traffic class (``proxy/flow_control.py``)."""
+    """Flow control of one traffic class (``proxy/serving/flow_control.py``)."""
 
     queue_size: int  # waiting requests of the class; beyond it: 429
     queue_timeout_s: float  # a request that cannot start within this: 429 + Retry-After
@@ -424,7 +424,7 @@ class ProxyConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int = 8081
     admin_token_file: str | None = None
-    # Client API keys by tenant (proxy/auth.py); with none here, from --api-key or
+    # Client API keys by tenant (proxy/api/auth.py); with none here, from --api-key or
     # NEURON_SERVING_API_KEY, the client API is unauthenticated (and then the proxy
     # refuses a non-loopback host unless allow_unauthenticated).
     api_keys_file: str | None = None
@@ -432,7 +432,7 @@ class ProxyConfig:
     allow_unauthenticated: bool = False
     max_body_bytes: int = 1 << 20
     # OpenAI calls over each leader's OpenAI channel when it announces one (one
-    # multiplexed connection per leader; proxy/channel_upstream.py); false = always
+    # multiplexed connection per leader; proxy/upstream/channel.py); false = always
     # Triton's gRPC. Needs the channel token (NEURON_SERVING_CHANNEL_TOKEN or its
     # file, the same as the leaders'); without it the proxy uses gRPC.
     openai_channel: bool = True
@@ -497,7 +497,7 @@ _REPLACED = {
     "timeouts.first_token_s": _SILENCE,
     "timeouts.inter_token_s": _SILENCE,
     "proxy config.upstream_protocol": "Triton's HTTP transport was removed; the fallback "
-    "to the OpenAI channel is always gRPC (proxy/transport.py says why)",
+    "to the OpenAI channel is always gRPC (proxy/upstream/transport.py says why)",
     "routing.home_load_factor": "bounded homes were removed (they did not hold up in "
     "bench routing, bench/README.md); home_weight alone moves a prompt off a busy home",
 }

@@ -77,7 +77,7 @@ class UnitState:
     engine_load: EngineLoad | None = None
     # (report, this proxy's in-flight count there when the report arrived).
     load_base: tuple[EngineLoad, int] | None = field(default=None, repr=False)
-    # Outlier detection (written only by proxy.outlier).
+    # Outlier detection (written only by proxy.serving.outlier).
     consecutive_errors: int = 0
     times_ejected: int = 0
     ejected_until: float = 0.0  # time.monotonic(); 0 = never ejected

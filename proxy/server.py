@@ -6,9 +6,9 @@ admin port (bearer-token API). Both bind 127.0.0.1 unless configured otherwise.
 Client disconnects cancel the handler (``handler_cancellation``), which closes
 the dispatcher's generator and so cancels the upstream gRPC call at once.
 
-Client authentication (proxy/auth.py) runs as the innermost middleware, before any
+Client authentication (proxy/api/auth.py) runs as the innermost middleware, before any
 handler reads a body: an unauthenticated request costs its headers and nothing
-else. Both listeners run on ``GuardedAppRunner`` (proxy/http_guard.py).
+else. Both listeners run on ``GuardedAppRunner`` (proxy/api/http_guard.py).
 """
 
 from __future__ import annotations
@@ -30,21 +30,10 @@ from neuron_serving.openai_channel import CONFIG_PARAMETER as CHANNEL_PARAMETER
 from neuron_serving.openai_channel import resolve_token as resolve_channel_token
 from neuron_serving.s3 import s3_client
 from neuron_serving.secret_file import SecretError
-from proxy.admin import make_admin_app
-from proxy.auth import ApiKeys, load_api_keys
-from proxy.batch.api import BatchAPI
-from proxy.batch.blobs import Blobs, LocalBlobs, S3Blobs
-from proxy.batch.runner import BatchRunner
-from proxy.batch.store import BatchDB
-from proxy.channel_upstream import ChannelUpstream
-from proxy.config import ProxyConfig
-from proxy.dashboard import routes as dashboard_routes
-from proxy.dispatch import Dispatcher, GenerationJob, OpenAIJob
-from proxy.errors import APIError
-from proxy.flow_control import FlowController
-from proxy.grpc_upstream import TritonUpstream
-from proxy.health_checker import HealthChecker
-from proxy.http_guard import (
+from proxy.api.admin import make_admin_app
+from proxy.api.auth import ApiKeys, load_api_keys
+from proxy.api.dashboard import routes as dashboard_routes
+from proxy.api.http_guard import (
     BODY_GUARD,
     TENANT,
     TRAFFIC_CLASS,
@@ -53,20 +42,31 @@ from proxy.http_guard import (
     GuardedAppRunner,
     access_log,
 )
-from proxy.kv_events_sink import InOrderKvSink
-from proxy.kv_index_sink import KvIndexSink
-from proxy.kv_metrics import KvIndexCollector
-from proxy.leader_client import TritonClientPool
-from proxy.metrics import REQUEST_UNIT, ProxyMetrics
-from proxy.openai_api import OpenAIFrontEnd
-from proxy.outlier import OutlierDetector
-from proxy.pipeline import FrontEndDeps, Pipeline
+from proxy.api.openai_api import OpenAIFrontEnd
+from proxy.api.pipeline import FrontEndDeps, Pipeline
+from proxy.api.status import build_status
+from proxy.api.triton_api import TritonFrontEnd
+from proxy.batch.api import BatchAPI
+from proxy.batch.blobs import Blobs, LocalBlobs, S3Blobs
+from proxy.batch.runner import BatchRunner
+from proxy.batch.store import BatchDB
+from proxy.config import ProxyConfig
+from proxy.errors import APIError
 from proxy.registry import NodeHealth, Registry, RegistryEvent, UnitState
 from proxy.routing import KvFleet, make_policy
-from proxy.routing.kv_index import DEFAULT_MAX_BLOCKS_PER_UNIT
-from proxy.status import build_status
-from proxy.transport import UnitTransport
-from proxy.triton_api import TritonFrontEnd
+from proxy.routing.kv.index import DEFAULT_MAX_BLOCKS_PER_UNIT
+from proxy.routing.kv.metrics import KvIndexCollector
+from proxy.routing.kv.sink import KvIndexSink
+from proxy.serving.dispatch import Dispatcher, GenerationJob, OpenAIJob
+from proxy.serving.flow_control import FlowController
+from proxy.serving.metrics import REQUEST_UNIT, ProxyMetrics
+from proxy.serving.outlier import OutlierDetector
+from proxy.upstream.channel import ChannelUpstream
+from proxy.upstream.health_checker import HealthChecker
+from proxy.upstream.kv_stream import InOrderKvSink
+from proxy.upstream.leader_client import TritonClientPool
+from proxy.upstream.transport import UnitTransport
+from proxy.upstream.triton_grpc import TritonUpstream
 
 log = logging.getLogger(__name__)
 

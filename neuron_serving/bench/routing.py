@@ -116,7 +116,7 @@ ARMS: list[tuple[str, dict[str, Any], int]] = [
 # The policies' decision reasons (``proxy_routing_decisions_total``), counted per arm.
 ROUTING_REASONS = ("kv_overlap", "approx_overlap", "load_over_overlap", "no_overlap",
                    "prefix_hit", "prefix_miss", "imbalance", "session")  # fmt: skip
-# The proxies' KV event stream counters (``proxy/kv_metrics.py``), summed per arm: an
+# The proxies' KV event stream counters (``proxy/routing/kv/metrics.py``), summed per arm: an
 # index that lost events (gaps, replays, resets) predicts and routes worse.
 KV_EVENT_COUNTERS = ("proxy_kv_event_batches", "proxy_kv_index_gaps", "proxy_kv_index_resets",
                      "proxy_kv_event_replays_requested", "proxy_kv_event_duplicates",
@@ -201,7 +201,7 @@ def reuse_ceiling(
     """The plan's prefix-cache hit rate if every block an earlier request could have
     left in a cache were still there: the most any routing can reach on it, whatever
     the cache size. Computed from the plan alone, with the prompts' token ids as the
-    proxy and vLLM compute them (``proxy.prompt_tokens``, the model's chat template).
+    proxy and vLLM compute them (``proxy.tokens.prompt``, the model's chat template).
 
     A prompt of n tokens hits at most ``(n - 1) // block_size`` whole blocks (vLLM
     computes the last token itself: ``KVCacheManager.get_computed_blocks``), and only
@@ -226,7 +226,7 @@ def reuse_ceiling(
     ``prompt_tokens``, are within a few tokens a turn of what the engines count."""
     from tokenizers import Tokenizer
 
-    from proxy.prompt_tokens import ModelPrompts
+    from proxy.tokens.prompt import ModelPrompts
 
     prompts = ModelPrompts(model_dir)
     words = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

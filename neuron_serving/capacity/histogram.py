@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# proxy/metrics.py _LATENCY_BUCKETS (the proxy's TTFT, ITL and E2E histograms); copied,
+# proxy/serving/metrics.py _LATENCY_BUCKETS (the proxy's TTFT, ITL and E2E histograms); copied,
 # not imported: capacity sits beside the proxy, not above it (tests/test_layering.py).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300,

@@ -19,7 +19,7 @@
 
 Why one version per request holds throughout: the proxy fixes a request's version
 at its first token and only migrates it to units of that version
-(proxy/dispatch.py), and a unit serves one version per incarnation.
+(proxy/serving/dispatch.py), and a unit serves one version per incarnation.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Registration of a ready unit with the proxy replicas: pluggable, so tests use real proxies.
 
 ``ProxyRegistrar`` is what the controller calls; ``AdminApiRegistrar`` speaks every
-proxy replica's admin API (proxy/admin.py: bearer token, ``/admin/units``) through
+proxy replica's admin API (proxy/api/admin.py: bearer token, ``/admin/units``) through
 the fan-out client (neuron_serving/proxy_admin.py: each change to every replica, each
 call bounded by a timeout); ``NullRegistrar`` is for deployments without a proxy
 (clients find leaders some other way).

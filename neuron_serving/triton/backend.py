@@ -556,7 +556,7 @@ class LLMBackend:
         end, and text alone on the middle ones cut the leader's CPU per streamed token
         by ~20 % (stub 185 -> 147 us, tritonserver 112 -> 95 us; Triton README).
         Readers take counts as a maximum over the responses they saw
-        (proxy/grpc_upstream.py). ``cached_tokens`` goes with the last response only:
+        (proxy/upstream/triton_grpc.py). ``cached_tokens`` goes with the last response only:
         the proxy reads it with the request's final response."""
         event = Event(0, text.encode("utf-8"), finish_reason=finish_reason)
         if first or finish_reason is not None:

@@ -33,6 +33,8 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
+from proxy.api.front_end import read_json
+from proxy.api.http_guard import TENANT
 from proxy.batch.blobs import Blobs
 from proxy.batch.formats import (
     COMPLETION_WINDOWS,
@@ -47,8 +49,6 @@ from proxy.batch.runner import BatchRunner
 from proxy.batch.store import FINAL, BatchDB
 from proxy.config import BatchConfig
 from proxy.errors import APIError, invalid
-from proxy.front_end import read_json
-from proxy.http_guard import TENANT
 
 log = logging.getLogger(__name__)
 

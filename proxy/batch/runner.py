@@ -39,17 +39,17 @@ from typing import Any
 
 import msgspec
 
+from proxy.api.pipeline import Pipeline
 from proxy.batch.blobs import Blobs
 from proxy.batch.formats import ENDPOINTS, error_line, new_id, output_line
 from proxy.batch.store import BatchDB, Line
 from proxy.config import BatchConfig
-from proxy.dispatch import NoRoutableUnit, OpenAIJob
 from proxy.errors import APIError
-from proxy.flow_control import Overloaded
-from proxy.pipeline import Pipeline
 from proxy.protocol import parse_openai
+from proxy.serving.dispatch import NoRoutableUnit, OpenAIJob
+from proxy.serving.flow_control import Overloaded
 from proxy.traffic_class import TrafficClass
-from proxy.upstream import UpstreamError
+from proxy.upstream.base import UpstreamError
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from proxy.config import RoutingConfig
 from proxy.routing.base import PromptTokens, RouteRequest, RoutingDecision, RoutingPolicy
 from proxy.routing.cache_aware import PrefixCacheAwarePolicy
+from proxy.routing.kv.fleet import KvFleet
 from proxy.routing.kv_aware import KvAwarePolicy
-from proxy.routing.kv_fleet import KvFleet
 from proxy.routing.least_loaded import LeastLoadedPolicy
 from proxy.routing.round_robin import RoundRobinPolicy
 from proxy.routing.session_affinity import SessionAffinityPolicy

@@ -14,7 +14,7 @@ from proxy.registry import UnitState
 @dataclass(frozen=True, slots=True)
 class PromptTokens:
     """A prompt as the leader's vLLM will see it: its token ids (the chat template
-    applied, special tokens as vLLM adds them; ``proxy/prompt_tokens.py``) and the
+    applied, special tokens as vLLM adds them; ``proxy/tokens/prompt.py``) and the
     request's ``cache_salt``, which vLLM mixes into the first block's hash."""
 
     token_ids: Sequence[int]

@@ -1,7 +1,7 @@
 """Exact KV-aware routing: the unit whose prefix cache holds most of the prompt,
 unless its load outweighs that (NVIDIA Dynamo's KV router cost, on vLLM's own KV events).
 
-For each candidate unit u, with the prompt's token ids (``proxy/prompt_tokens.py``):
+For each candidate unit u, with the prompt's token ids (``proxy/tokens/prompt.py``):
 
     cached_u   = prompt tokens u serves from its prefix cache:
                    exact mode    the exact index's leading blocks x block size
@@ -122,7 +122,7 @@ from proxy.config import RoutingConfig
 from proxy.registry import EngineLoad, UnitState
 from proxy.routing.base import RouteRequest, RoutingDecision, rendezvous_order
 from proxy.routing.cache_aware import PrefixCacheAwarePolicy
-from proxy.routing.kv_fleet import KvFleet, KvMode
+from proxy.routing.kv.fleet import KvFleet, KvMode
 from proxy.routing.prefix_index import block_hashes
 
 # vLLM's SchedulerConfig.DEFAULT_MAX_NUM_SEQS: a unit without a load report is

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from proxy.auth import load_api_keys
+from proxy.api.auth import load_api_keys
 from proxy.traffic_class import (
     TrafficClass,
     header_class,

@@ -155,7 +155,7 @@ def test_the_reuse_ceiling_counts_only_blocks_an_earlier_request_held(demo_model
     its answer's tokens, in whole blocks; a first turn reuses its tenant's system
     prompt only after another session of that tenant; the first session of a tenant
     and a tenant alone reuse nothing."""
-    from proxy.prompt_tokens import ModelPrompts
+    from proxy.tokens.prompt import ModelPrompts
 
     systems = ["You are the assistant of Harbor and Pine, a store of tents and stoves.",
                "You are the assistant of Summit Gear, which sells boots and jackets."]  # fmt: skip

@@ -17,9 +17,9 @@ def test_quantile_as_prometheus() -> None:
 
 
 def test_buckets_are_the_proxys() -> None:
-    # proxy/metrics.py _LATENCY_BUCKETS, read from the source (capacity may not import proxy)
+    # proxy/serving/metrics.py _LATENCY_BUCKETS, read from the source (capacity may not import proxy)
     from pathlib import Path
 
-    src = (Path(__file__).resolve().parents[3] / "proxy" / "metrics.py").read_text()
+    src = (Path(__file__).resolve().parents[3] / "proxy" / "serving" / "metrics.py").read_text()
     line = next(ln for ln in src.splitlines() if ln.startswith("_LATENCY_BUCKETS ="))
     assert eval(line.split("=", 1)[1]) == LATENCY_BUCKETS  # noqa: S307 (our own source)

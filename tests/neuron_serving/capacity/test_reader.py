@@ -25,10 +25,10 @@ from neuron_serving.capacity.reader import (
 )
 from neuron_serving.capacity.signals import Phase, Purpose, UnitSignals
 from neuron_serving.proxy_admin import Answer, FanOut, Replica
+from proxy.api.status import build_status
 from proxy.config import UnitSpec
-from proxy.metrics import ProxyMetrics
 from proxy.registry import EngineLoad, Registry
-from proxy.status import build_status
+from proxy.serving.metrics import ProxyMetrics
 
 REPLICAS = (Replica("proxy-0", "http://127.0.0.1:1"), Replica("proxy-1", "http://127.0.0.1:2"))
 

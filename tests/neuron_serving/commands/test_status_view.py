@@ -18,9 +18,9 @@ from neuron_serving.commands.status_view import (
     render,
     render_text,
 )
-from proxy.kv_accuracy import KvAccuracy
-from proxy.routing.kv_fleet import KvFleet
-from proxy.upstream import GenerationDelta
+from proxy.routing.kv.accuracy import KvAccuracy
+from proxy.routing.kv.fleet import KvFleet
+from proxy.upstream.base import GenerationDelta
 
 
 def prefix_cache(*answers: tuple[int, int, int | None]) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from neuron_serving.commands.status import merge
 from neuron_serving.local import plan
 from neuron_serving.local.proxy_config import write_proxy_config, write_secret
 from neuron_serving.local.spec import ClusterSpec, stride
-from proxy.auth import load_api_keys
+from proxy.api.auth import load_api_keys
 from proxy.config import load_config
 
 

@@ -1,6 +1,6 @@
 """The leader's channel server pushing the engine's load (``Load``) to its proxies,
 read off a raw authenticated connection. Calls over the channel are tested against
-the proxy's real end in tests/proxy/test_channel_upstream.py."""
+the proxy's real end in tests/proxy/upstream/test_channel.py."""
 
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ from neuron_serving.triton import kv_events
 from neuron_serving.triton.channel_server import ChannelServer
 from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.kv_events_relay import KvEventsRelay
-from proxy.channel_upstream import ChannelUpstream
 from proxy.config import TimeoutConfig, UnitSpec
-from proxy.kv_events_sink import InOrderKvSink
+from proxy.upstream.channel import ChannelUpstream
+from proxy.upstream.kv_stream import InOrderKvSink
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

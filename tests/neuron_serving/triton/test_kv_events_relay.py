@@ -32,10 +32,10 @@ from neuron_serving import openai_channel as oc
 from neuron_serving.triton import kv_events, kv_events_relay
 from neuron_serving.triton.channel_server import ChannelCall, ChannelServer
 from neuron_serving.triton.kv_events_relay import KvEventsRelay
-from proxy.channel_upstream import ChannelUpstream
 from proxy.config import TimeoutConfig, UnitSpec
-from proxy.kv_events_sink import InOrderKvSink
-from proxy.routing.kv_events import decode_batch
+from proxy.routing.kv.events import decode_batch
+from proxy.upstream.channel import ChannelUpstream
+from proxy.upstream.kv_stream import InOrderKvSink
 
 TOKEN = b"channel-token-for-tests-0123456789"
 UNIT = UnitSpec("u0", "127.0.0.1:1")
@@ -227,7 +227,7 @@ async def test_batches_reach_the_proxy_as_vllm_published_them(make_leader) -> No
     for _, unit_id, seq, decoded in recorder.calls[1:]:
         assert unit_id == "u0" and decoded == leader.batches[seq]
         assert decoded.events[0].block_hashes == [seq]
-        # What the proxy's index decodes (proxy/routing/kv_events.py) from the pair.
+        # What the proxy's index decodes (proxy/routing/kv/events.py) from the pair.
         mirrored = decode_batch(seq, recorder.payloads[seq])
         assert mirrored.seq == seq and mirrored.events[0].block_hashes == [seq]
     assert leader.relay.replays_total == 1 and leader.relay.misses_total == 0

@@ -9,10 +9,10 @@ import time
 from proxy.config import RoutingConfig, UnitSpec
 from proxy.registry import EngineLoad, UnitState, make_unit_state
 from proxy.routing import PromptTokens, RouteRequest, make_policy
+from proxy.routing.kv.blocks import DEFAULT_NONE_HASH_SEED, BlockHasher
+from proxy.routing.kv.events import BlockStored, EventBatch
+from proxy.routing.kv.fleet import KvFleet, KvMode
 from proxy.routing.kv_aware import KvAwarePolicy, home_unit
-from proxy.routing.kv_blocks import DEFAULT_NONE_HASH_SEED, BlockHasher
-from proxy.routing.kv_events import BlockStored, EventBatch
-from proxy.routing.kv_fleet import KvFleet, KvMode
 from proxy.routing.prefix_index import block_hashes
 
 BS = 16

@@ -41,6 +41,7 @@ so `deploy` starts fast and needs no event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import http.client
 import json
 import os
@@ -48,10 +49,17 @@ import socket
 import threading
 import urllib.parse
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from neuron_serving.bearer import bearer_matches
 from neuron_serving.checkpoint.pin import is_sha256_hex
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from aiohttp import web
+
+    _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 SOCKET_NAME = "supervisor.sock"
 
@@ -77,9 +85,79 @@ class Recreatable(Protocol):
 
 _ADD_FIELDS = frozenset({"purpose", "standby"})
 _PROMOTE_FIELDS = frozenset({"purpose"})
+_MAX_BODY_BYTES = 64 << 10  # aiohttp answers a larger body 413 as it reads it
+
+
+class _Refusal(Exception):
+    """A request refused (bad input, or the cluster said no): the middleware answers
+    ``{"error": message}`` with ``status``. Input is checked in full before the cluster
+    is asked, so a bad request changes nothing."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _reply(payload: Any, status: int = 200) -> web.Response:
+    # aiohttp is imported where the server needs it, never at the top: `deploy` and the
+    # capacity controller import this module for the client alone.
+    from aiohttp import web
+
+    return web.json_response(payload, status=status)
+
+
+def _refusal(e: Exception, unit_id: str = "") -> _Refusal:
+    """The cluster's refusal as the caller sees it (the exceptions Recreatable names)."""
+    if isinstance(e, KeyError):
+        return _Refusal(404, f"unit {unit_id[:64]!r} not found")
+    return _Refusal(400 if isinstance(e, ValueError) else 409, str(e))
+
+
+async def _json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:
+        raise _Refusal(400, "body must be JSON") from None
+
+
+async def _body_of(request: web.Request, fields: frozenset[str]) -> dict[str, Any]:
+    """The request's JSON object holding only ``fields``; no body at all is ``{}``."""
+    body = await _json(request) if request.body_exists else {}
+    if not isinstance(body, dict):
+        raise _Refusal(400, "body must be a JSON object")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise _Refusal(400, f"unknown fields: {', '.join(map(str, unknown))[:200]}")
+    if not isinstance(body.get("purpose", ""), str):
+        raise _Refusal(400, "'purpose' must be a string")
+    if not isinstance(body.get("standby", False), bool):
+        raise _Refusal(400, "'standby' must be true or false")
+    return body
+
+
+def _recreate_args(body: Any) -> tuple[str, dict[str, str]]:
+    """A recreate body's ``model_dir`` and pin keyword (none when the body has no pin)."""
+    model_dir = body.get("model_dir") if isinstance(body, dict) else None
+    if not isinstance(model_dir, str) or not Path(model_dir).is_absolute():
+        raise _Refusal(400, "'model_dir' must be an absolute path")
+    if not Path(model_dir).is_dir():
+        raise _Refusal(400, f"{model_dir} is not a directory")
+    # The deploy's pin (checkpoint/pin.py): the unit's processes refuse any other
+    # manifest, restarts included; "" = unpinned (an unversioned directory).
+    pin = body.get("manifest_sha256")
+    if pin is not None and (not isinstance(pin, str) or (pin and not is_sha256_hex(pin))):
+        raise _Refusal(400, "'manifest_sha256' must be 64 lowercase hex digits")
+    return model_dir, ({} if pin is None else {"manifest_sha256": pin})
 
 
 class SupervisorApiServer:
+    """The API over ``socket_path``, served for ``cluster`` to holders of ``token``.
+
+    One method a route, the route table in ``_app``; the token check is the app's
+    middleware, so it runs before any handler reads a body. A handler refuses by
+    raising ``_Refusal``, which the middleware answers."""
+
     def __init__(self, cluster: Recreatable, socket_path: Path, token: str) -> None:
         if not token:
             raise ValueError("the supervisor API needs a token")
@@ -136,135 +214,8 @@ class SupervisorApiServer:
     async def _serve(self) -> None:
         from aiohttp import web
 
-        @web.middleware
-        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-            if not bearer_matches(request.headers.get("Authorization"), self._token):
-                return web.json_response({"error": "missing or invalid bearer token"}, status=401)
-            return await handler(request)
-
-        async def units(request: web.Request) -> web.Response:
-            return web.json_response(self.cluster.units_view())
-
-        async def recreate(request: web.Request) -> web.Response:
-            unit_id = request.match_info["unit_id"]
-            try:
-                body = await request.json()
-            except ValueError:
-                return web.json_response({"error": "body must be JSON"}, status=400)
-            model_dir = body.get("model_dir") if isinstance(body, dict) else None
-            if not isinstance(model_dir, str) or not Path(model_dir).is_absolute():
-                return web.json_response(
-                    {"error": "'model_dir' must be an absolute path"}, status=400
-                )
-            if not Path(model_dir).is_dir():
-                return web.json_response({"error": f"{model_dir} is not a directory"}, status=400)
-            # The deploy's pin (checkpoint/pin.py): the unit's processes refuse any other
-            # manifest, restarts included; "" = unpinned (an unversioned directory).
-            pin = body.get("manifest_sha256")
-            if pin is not None and (not isinstance(pin, str) or (pin and not is_sha256_hex(pin))):
-                return web.json_response(
-                    {"error": "'manifest_sha256' must be 64 lowercase hex digits"}, status=400
-                )
-            pinned = {} if pin is None else {"manifest_sha256": pin}
-            try:
-                generation = self.cluster.recreate_unit(unit_id, Path(model_dir), **pinned)
-            except KeyError:
-                return web.json_response({"error": f"unit {unit_id!r} not found"}, status=404)
-            except RuntimeError as e:
-                return web.json_response({"error": str(e)}, status=409)
-            return web.json_response(
-                {"unit_id": unit_id, "generation": generation, "model_dir": model_dir},
-                status=202,
-            )
-
-        def refused(e: Exception, unit_id: str = "") -> web.Response:
-            if isinstance(e, KeyError):
-                return web.json_response({"error": f"unit {unit_id[:64]!r} not found"}, status=404)
-            status = 400 if isinstance(e, ValueError) else 409
-            return web.json_response({"error": str(e)}, status=status)
-
-        async def body_of(request: web.Request, fields: frozenset[str]) -> Any:
-            """The request's JSON object with only ``fields``, or a 400 response."""
-            body: Any = {}
-            if request.body_exists:
-                try:
-                    body = await request.json()
-                except ValueError:
-                    return web.json_response({"error": "body must be JSON"}, status=400)
-            if not isinstance(body, dict):
-                return web.json_response({"error": "body must be a JSON object"}, status=400)
-            unknown = sorted(set(body) - fields)
-            if unknown:
-                return web.json_response(
-                    {"error": f"unknown fields: {', '.join(map(str, unknown))[:200]}"}, status=400
-                )
-            if not isinstance(body.get("purpose", ""), str):
-                return web.json_response({"error": "'purpose' must be a string"}, status=400)
-            if not isinstance(body.get("standby", False), bool):
-                return web.json_response({"error": "'standby' must be true or false"}, status=400)
-            return body
-
-        async def add(request: web.Request) -> web.Response:
-            body = await body_of(request, _ADD_FIELDS)
-            if isinstance(body, web.Response):
-                return body
-            purpose = body.get("purpose", "interactive")
-            standby = body.get("standby", False)
-            try:
-                # Quick (picks ports, spawns the group's thread), but off the event loop.
-                unit_id = await asyncio.to_thread(self.cluster.add_unit, purpose, standby)
-            except (ValueError, RuntimeError) as e:
-                return refused(e)
-            return web.json_response(
-                {"unit_id": unit_id, "purpose": purpose, "standby": standby}, status=202
-            )
-
-        async def promote(request: web.Request) -> web.Response:
-            unit_id = request.match_info["unit_id"]
-            body = await body_of(request, _PROMOTE_FIELDS)
-            if isinstance(body, web.Response):
-                return body
-            purpose = body.get("purpose", "interactive")
-            try:
-                # Undrains on every replica: bounded, blocking.
-                await asyncio.to_thread(self.cluster.promote_unit, unit_id, purpose)
-            except (KeyError, ValueError, RuntimeError) as e:
-                return refused(e, unit_id)
-            return web.json_response({"unit_id": unit_id, "purpose": purpose}, status=202)
-
-        async def hold(request: web.Request) -> web.Response:
-            unit_id = request.match_info["unit_id"]
-            body = await body_of(request, frozenset())
-            if isinstance(body, web.Response):
-                return body
-            try:
-                await asyncio.to_thread(self.cluster.hold_unit, unit_id)
-            except (KeyError, RuntimeError) as e:
-                return refused(e, unit_id)
-            return web.json_response({"unit_id": unit_id, "holding": True}, status=202)
-
-        async def remove(request: web.Request) -> web.Response:
-            unit_id = request.match_info["unit_id"]
-            try:
-                # Asks every replica whether someone else holds the unit: bounded, blocking.
-                await asyncio.to_thread(self.cluster.remove_unit, unit_id)
-            except (KeyError, RuntimeError) as e:
-                return refused(e, unit_id)
-            return web.json_response({"unit_id": unit_id, "removing": True}, status=202)
-
-        app = web.Application(middlewares=[auth], client_max_size=64 << 10)
-        app.add_routes(
-            [
-                web.get("/units", units),
-                web.post("/units", add),
-                web.delete("/units/{unit_id}", remove),
-                web.post("/units/{unit_id}/promote", promote),
-                web.post("/units/{unit_id}/hold", hold),
-                web.post("/units/{unit_id}/recreate", recreate),
-            ]
-        )
         self.socket_path.unlink(missing_ok=True)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(self._app(), access_log=None)
         await runner.setup()
         old = os.umask(0o177)  # the socket is created 0600: no window with wider access
         try:
@@ -272,6 +223,88 @@ class SupervisorApiServer:
         finally:
             os.umask(old)
         self._runner = runner
+
+    def _app(self) -> web.Application:
+        from aiohttp import web
+
+        # aiohttp treats a middleware without web.middleware's mark as old-style
+        # (deprecated); a bound method cannot carry the mark, a partial of it can.
+        auth = web.middleware(functools.partial(self._authorized))
+        app = web.Application(middlewares=[auth], client_max_size=_MAX_BODY_BYTES)
+        app.add_routes(
+            [
+                web.get("/units", self._units),
+                web.post("/units", self._add),
+                web.delete("/units/{unit_id}", self._remove),
+                web.post("/units/{unit_id}/promote", self._promote),
+                web.post("/units/{unit_id}/hold", self._hold),
+                web.post("/units/{unit_id}/recreate", self._recreate),
+            ]
+        )
+        return app
+
+    async def _authorized(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if not bearer_matches(request.headers.get("Authorization"), self._token):
+            return _reply({"error": "missing or invalid bearer token"}, 401)
+        try:
+            return await handler(request)
+        except _Refusal as e:
+            return _reply({"error": e.message}, e.status)
+
+    async def _units(self, request: web.Request) -> web.Response:
+        return _reply(self.cluster.units_view())
+
+    async def _recreate(self, request: web.Request) -> web.Response:
+        unit_id = request.match_info["unit_id"]
+        model_dir, pinned = _recreate_args(await _json(request))
+        try:
+            generation = self.cluster.recreate_unit(unit_id, Path(model_dir), **pinned)
+        except KeyError:
+            # The id in full, unlike the other routes' 404s (_refusal cuts it to 64).
+            raise _Refusal(404, f"unit {unit_id!r} not found") from None
+        except RuntimeError as e:
+            raise _refusal(e) from None
+        reply = {"unit_id": unit_id, "generation": generation, "model_dir": model_dir}
+        return _reply(reply, 202)
+
+    async def _add(self, request: web.Request) -> web.Response:
+        body = await _body_of(request, _ADD_FIELDS)
+        purpose = body.get("purpose", "interactive")
+        standby = body.get("standby", False)
+        try:
+            # Quick (picks ports, spawns the group's thread), but off the event loop.
+            unit_id = await asyncio.to_thread(self.cluster.add_unit, purpose, standby)
+        except (ValueError, RuntimeError) as e:
+            raise _refusal(e) from None
+        return _reply({"unit_id": unit_id, "purpose": purpose, "standby": standby}, 202)
+
+    async def _promote(self, request: web.Request) -> web.Response:
+        unit_id = request.match_info["unit_id"]
+        purpose = (await _body_of(request, _PROMOTE_FIELDS)).get("purpose", "interactive")
+        try:
+            # Undrains on every replica: bounded, blocking.
+            await asyncio.to_thread(self.cluster.promote_unit, unit_id, purpose)
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise _refusal(e, unit_id) from None
+        return _reply({"unit_id": unit_id, "purpose": purpose}, 202)
+
+    async def _hold(self, request: web.Request) -> web.Response:
+        unit_id = request.match_info["unit_id"]
+        await _body_of(request, frozenset())  # no fields: any body but {} is a 400
+        try:
+            await asyncio.to_thread(self.cluster.hold_unit, unit_id)
+        except (KeyError, RuntimeError) as e:
+            raise _refusal(e, unit_id) from None
+        return _reply({"unit_id": unit_id, "holding": True}, 202)
+
+    async def _remove(self, request: web.Request) -> web.Response:
+        unit_id = request.match_info["unit_id"]
+        try:
+            # Asks every replica whether someone else holds the unit: bounded, blocking.
+            await asyncio.to_thread(self.cluster.remove_unit, unit_id)
+        except (KeyError, RuntimeError) as e:
+            raise _refusal(e, unit_id) from None
+        return _reply({"unit_id": unit_id, "removing": True}, 202)
 
 
 class SupervisorApiError(RuntimeError):

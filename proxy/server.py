@@ -146,10 +146,12 @@ class ProxyServer:
         # Loaded here, not at start: a bad keys file fails construction, before any port.
         self.api_keys: ApiKeys = load_api_keys(config.api_keys_file, config.api_key or envs_key)
         self.admission: FlowController[GenerationJob | OpenAIJob] = FlowController(
-            config.admission, self.metrics, self.api_keys.weight_of
+            config.admission,
+            self.dispatcher.place,
+            self.dispatcher.release_first,
+            self.metrics,
+            self.api_keys.weight_of,
         )
-        self.admission.place = self.dispatcher.place
-        self.admission.release_unit = self.dispatcher.release_first
         self._admin_token: str | None = None
         self._exposure_checked = False
         self.body_guard = BodyGuard(

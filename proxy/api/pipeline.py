@@ -183,8 +183,8 @@ class Pipeline:
         deps = self.deps
         loop = asyncio.get_running_loop()
         try:
-            async with deps.admission.slot(job):
-                gen = deps.dispatcher.run(job)
+            async with deps.admission.slot(job) as placement:
+                gen = deps.dispatcher.run(job, placement)
                 async with contextlib.aclosing(gen):
                     first = await anext(gen)  # failures up to here are plain HTTP errors
                     if first.status is None or first.status == 200:
@@ -210,8 +210,8 @@ class Pipeline:
         lines): flow control's slot, the dispatcher's attempts (retries included), the
         responses' bodies joined. Raises Overloaded, NoRoutableUnit or UpstreamError."""
         deps = self.deps
-        async with deps.admission.slot(job):
-            gen = deps.dispatcher.run(job)
+        async with deps.admission.slot(job) as placement:
+            gen = deps.dispatcher.run(job, placement)
             async with contextlib.aclosing(gen):
                 status = 200
                 parts: list[bytes] = []

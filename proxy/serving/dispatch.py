@@ -55,6 +55,7 @@ from proxy.errors import APIError
 from proxy.protocol import OpenAIRequest
 from proxy.registry import Registry, UnitState
 from proxy.routing import PromptTokens, RouteRequest, RoutingPolicy
+from proxy.serving.flow_control import Placement
 from proxy.serving.metrics import ProxyMetrics
 from proxy.serving.outlier import OutlierDetector, unroutable_reason
 from proxy.serving.resume import ResumedStream, first_event, response_id_suffix
@@ -121,8 +122,6 @@ class Job:
     # vLLM runs each of n choices, per prompt, as a request of its own): what it needs
     # of a unit's room in flow control and counts in the unit's in-flight counts.
     cost: int = 1
-    # The unit flow control placed the first attempt on (already counted there).
-    first_unit: UnitState | None = None
     # Pinned checkpoint version (None: any); fixed to the serving unit's version
     # once the first token has been produced.
     version: str | None = None
@@ -197,15 +196,12 @@ class Dispatcher:
         ``room``, counted as its first attempt; None when none has room."""
         unit = self.pick(job, set(), room)
         if unit is not None:
-            job.first_unit = unit
             self._count_attempt(job, unit)
         return unit
 
-    def release_first(self, job: GenerationJob | OpenAIJob) -> None:
+    def release_first(self, job: GenerationJob | OpenAIJob, unit: UnitState) -> None:
         """A placed first attempt that never began (the client left): uncount it."""
-        unit, job.first_unit = job.first_unit, None
-        if unit is not None:
-            self._end_attempt(job, unit, False)
+        self._end_attempt(job, unit, False)
 
     def pick(
         self,
@@ -253,18 +249,21 @@ class Dispatcher:
         remaining = deadline - asyncio.get_running_loop().time()
         await asyncio.sleep(max(0.0, min(delay, remaining)))
 
-    def run(self, job: GenerationJob | OpenAIJob) -> AsyncGenerator[GenerationDelta, None]:
-        """The job's responses across units, until (and including) the final one. An
+    def run(
+        self, job: GenerationJob | OpenAIJob, placement: Placement | None = None
+    ) -> AsyncGenerator[GenerationDelta, None]:
+        """The job's responses across units, until (and including) the final one, the
+        first attempt on ``placement``'s unit (flow control's; None: picked here). An
         OpenAI call's first response has ``status`` (when it is not 200 it is the only
         one) and each ``body`` is what the client gets, resumed attempts' already fixed
         up; a text request's last response has the finish reason, the job's usage
         (prompt tokens of the original prompt, completion tokens over all units) and the
         serving attempt's ``cached_tokens`` (its leader's report, for kv_accuracy.py)."""
         kind = _OpenAICall(job) if isinstance(job, OpenAIJob) else _TextRequest(job)
-        return self._attempts(job, kind)
+        return self._attempts(job, kind, placement)
 
     async def _attempts(
-        self, job: GenerationJob | OpenAIJob, kind: _Kind
+        self, job: GenerationJob | OpenAIJob, kind: _Kind, placement: Placement | None
     ) -> AsyncGenerator[GenerationDelta, None]:
         """The one attempt loop of every request (module docstring): attempts until one
         answers, each on a unit the job has not failed on if there is one. An attempt
@@ -284,7 +283,8 @@ class Dispatcher:
                 if done is not None:  # every token was sent before the unit failed
                     yield done
                     return
-                unit, is_retry = await self._begin_attempt(job, tried, backoff)
+                unit, is_retry = await self._begin_attempt(job, tried, backoff, placement)
+                placement = None
                 try:
                     timing = AttemptTiming()
                     gen = kind.open(self.upstream, unit.spec, job.deadline, timing)
@@ -320,13 +320,16 @@ class Dispatcher:
     # -- one attempt's bookkeeping ------------------------------------------------------
 
     async def _begin_attempt(
-        self, job: GenerationJob | OpenAIJob, tried: set[str], backoff: int
+        self,
+        job: GenerationJob | OpenAIJob,
+        tried: set[str],
+        backoff: int,
+        placement: Placement | None,
     ) -> tuple[UnitState, bool]:
         """Pick the attempt's unit (after backing off, outside any unit's in-flight,
         when ``backoff`` failures came before) and count the attempt."""
-        unit, job.first_unit = job.first_unit, None
-        if unit is not None:  # placed by flow control, counted then
-            return unit, False
+        if placement is not None:  # placed by flow control, counted then
+            return placement.take(), False
         if backoff:
             await self._backoff(backoff, job.deadline)
         unit = self.pick(job, tried)

@@ -64,6 +64,10 @@ wide request reserves nothing: narrower ones that fit pass it while it waits.
 
 Retries and migrations of a started request do not queue again: they hold their
 place (dispatch.py picks their unit without the room rule).
+
+Placement is handed on, not stored: ``slot`` yields a ``Placement`` (the unit the
+placer chose and counted), the pipeline passes it to ``Dispatcher.run``, whose first
+attempt takes it; the slot's end releases one that was never taken.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class FlowJob(Protocol):
     cost: int
 
 
-# The jobs of one FlowController: the placer and release_unit get back the jobs that
+# The jobs of one FlowController: the placer and the release get back the jobs that
 # slot() was given.
 _JobT = TypeVar("_JobT", bound=FlowJob)
 
@@ -115,6 +119,23 @@ _JobT = TypeVar("_JobT", bound=FlowJob)
 # counts the job's first attempt on it; None when no eligible unit has room. Raises
 # NoRoutableUnit when the job's model has no eligible unit at all.
 Placer = Callable[[_JobT, Callable[[UnitState], bool]], UnitState | None]
+# Uncounts a first attempt that was placed and never begun.
+Release = Callable[[_JobT, UnitState], None]
+
+
+@dataclass(slots=True, eq=False)
+class Placement:
+    """The unit flow control placed a job's first attempt on, counted there by the
+    placer. Whoever runs the attempt ``take``s it (``Dispatcher.run``); one never
+    taken (the client left between the slot and the first attempt) is released when
+    the slot ends, so a unit's in-flight count never keeps a request that never ran."""
+
+    unit: UnitState
+    taken: bool = False
+
+    def take(self) -> UnitState:
+        self.taken = True
+        return self.unit
 
 
 @dataclass(slots=True, eq=False)
@@ -164,14 +185,16 @@ class FlowController(Generic[_JobT]):
     def __init__(
         self,
         cfg: AdmissionConfig,
+        place: Placer[_JobT],
+        release: Release[_JobT],
         metrics: ProxyMetrics | None = None,
         weight_of: Callable[[str], float] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._place = place
+        self._release = release
         self.metrics = metrics
         self.weight_of = weight_of or (lambda _tenant: 1.0)
-        self.place: Placer[_JobT] | None = None  # set by the server (the dispatcher's placer)
-        self.release_unit: Callable[[_JobT], None] | None = None
         self._classes: dict[TrafficClass, _ClassQueue[_JobT]] = {
             c: _ClassQueue(cfg.class_config(c.label)) for c in CLASSES
         }
@@ -240,9 +263,10 @@ class FlowController(Generic[_JobT]):
     # ---- admission ----------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def slot(self, job: _JobT) -> AsyncIterator[None]:
+    async def slot(self, job: _JobT) -> AsyncIterator[Placement]:
         """Wait for the job's turn and a unit with room; the job's first attempt is
-        then counted on that unit (the dispatcher starts there). Raises Overloaded."""
+        then counted on that unit, which the slot yields (the dispatcher starts there).
+        Raises Overloaded."""
         cls, tenant = job.traffic_class, job.tenant
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -255,10 +279,11 @@ class FlowController(Generic[_JobT]):
             unit = await self._wait(job, cls, tenant, start)
         if self.metrics is not None:
             self.metrics.child(self.metrics.flow_wait, cls.label).observe(loop.time() - start)
+        placement = Placement(unit)
         try:
-            yield
+            yield placement
         finally:
-            self._finished(job, cls)
+            self._finished(job, cls, placement)
 
     def _started(self, cls: TrafficClass) -> None:
         """A request was given its unit: it counts against ``max_concurrent`` from now."""
@@ -269,20 +294,19 @@ class FlowController(Generic[_JobT]):
         if self.metrics is not None:
             self.metrics.child(self.metrics.flow_dispatched, cls.label).inc()
 
-    def _finished(self, job: _JobT, cls: TrafficClass) -> None:
+    def _finished(self, job: _JobT, cls: TrafficClass, placement: Placement) -> None:
         self.active -= 1
         self._classes[cls].active -= 1
-        if self.release_unit is not None:
-            self.release_unit(job)  # its first attempt, if it never began
+        if not placement.taken:
+            self._release(job, placement.unit)  # its first attempt never began
         self._schedule_pump()
 
     def _waiting_at_or_above(self, cls: TrafficClass) -> bool:
         return any(self._classes[c].waiting for c in CLASSES if c <= cls)
 
     def _try_place(self, job: _JobT, cls: TrafficClass) -> UnitState | None:
-        assert self.place is not None, "no placer"
         cost = job.cost
-        return self.place(job, lambda u: self.has_room(u, cls, cost))
+        return self._place(job, lambda u: self.has_room(u, cls, cost))
 
     async def _wait(self, job: _JobT, cls: TrafficClass, tenant: str, start: float) -> UnitState:
         q = self._classes[cls]
@@ -326,7 +350,8 @@ class FlowController(Generic[_JobT]):
             ) from None
         except BaseException:
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
-                self._finished(job, cls)  # placed, then the client left before it began
+                # Placed, then the client left before it began.
+                self._finished(job, cls, Placement(w.future.result()))
             self._forget(w)
             raise
 

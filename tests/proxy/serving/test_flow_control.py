@@ -47,10 +47,12 @@ class Fleet:
         )
         w = weights or {}
         self.flow = FlowController(
-            AdmissionConfig(**admission), self.metrics, lambda t: w.get(t, 1.0)
+            AdmissionConfig(**admission),
+            self.dispatcher.place,
+            self.dispatcher.release_first,
+            self.metrics,
+            lambda t: w.get(t, 1.0),
         )
-        self.flow.place = self.dispatcher.place
-        self.flow.release_unit = self.dispatcher.release_first
         self.started: list[str] = []
 
     def job(self, cls: TrafficClass = RT, tenant: str = "t", cost: int = 1) -> GenerationJob:
@@ -62,11 +64,10 @@ class Fleet:
     async def hold(self, name: str, job: GenerationJob, release: asyncio.Event) -> None:
         """Take a slot, note the start, hold the unit until ``release``, then end the
         job's attempt as the dispatcher would."""
-        async with self.flow.slot(job):
+        async with self.flow.slot(job) as placement:
             self.started.append(name)
-            unit = job.first_unit
-            assert unit is not None and unit.in_flight >= 1
-            job.first_unit = None
+            unit = placement.take()
+            assert unit.in_flight >= 1
             try:
                 await release.wait()
             finally:
@@ -329,8 +330,8 @@ async def test_a_client_that_leaves_while_waiting_or_after_placement_frees_every
     await blocker
     # Placed, but the slot is left before the first attempt begins: uncounted.
     job = fleet.job(RT)
-    async with fleet.flow.slot(job):
-        assert job.first_unit is not None and job.first_unit.in_flight == 1
+    async with fleet.flow.slot(job) as placement:
+        assert placement.unit.in_flight == 1
     assert fleet.in_flight() == 0 and fleet.flow.active == 0
 
 
@@ -355,9 +356,8 @@ def probe(fleet: Fleet, unit_id: str, ok: bool, times: int = 1) -> None:
 
 async def placed_on(fleet: Fleet) -> str:
     job = fleet.job(RT)
-    async with fleet.flow.slot(job):
-        assert job.first_unit is not None
-        unit = job.first_unit.unit_id
+    async with fleet.flow.slot(job) as placement:
+        unit = placement.unit.unit_id
     return unit
 
 
@@ -585,6 +585,6 @@ async def test_a_requests_sequences_are_counted_on_its_unit_while_it_runs():
     assert fleet.in_flight() == 0 and u0.class_in_flight == [0, 0, 0]
     # Placed, then left before its attempt began: uncounted whole.
     job = fleet.job(RT, cost=5)
-    async with fleet.flow.slot(job):
-        assert job.first_unit is not None and job.first_unit.in_flight == 5
+    async with fleet.flow.slot(job) as placement:
+        assert placement.unit.in_flight == 5
     assert fleet.in_flight() == 0 and fleet.flow.active == 0

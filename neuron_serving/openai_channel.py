@@ -10,7 +10,7 @@ frame with every stream's events; the proxy opens a request with one small frame
 on a connection it already holds.
 
 Both ends import this module (the leader's ``triton/channel_server.py``, the
-proxy's ``channel_upstream.py``): the handshake, the framing and the typed messages
+proxy's ``upstream/channel.py``): the handshake, the framing and the typed messages
 are defined once.
 
 Handshake (mutual proof of the channel token, which never crosses the wire; fixed

@@ -63,7 +63,6 @@ from proxy.serving.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.serving.outlier import OutlierDetector
 from proxy.upstream.channel import ChannelUpstream
 from proxy.upstream.health_checker import HealthChecker
-from proxy.upstream.kv_stream import InOrderKvSink
 from proxy.upstream.leader_client import TritonClientPool
 from proxy.upstream.transport import UnitTransport
 from proxy.upstream.triton_grpc import TritonUpstream
@@ -129,9 +128,8 @@ class ProxyServer:
             kv=self.kv_fleet,
             load_max_age_s=config.admission.load_max_age_s,
         )
-        # The KV event streams into kv_fleet, in order (set with the OpenAI channel).
+        # The KV event streams into kv_fleet (set with the OpenAI channel).
         self.kv_index: KvIndexSink | None = None
-        self._kv_order: InOrderKvSink | None = None
         channel = self._openai_channel(config, triton)
         self.transport = UnitTransport(triton, channel)
         self.dispatcher = Dispatcher(
@@ -191,24 +189,24 @@ class ProxyServer:
         except SecretError as e:
             log.warning("OpenAI channel off, OpenAI calls go over Triton: %s", e)
             return None
+        # The leaders' KV cache events into the exact KV index (the channel delivers
+        # them in order per unit, gaps replayed).
         if self.kv_fleet is not None:
-            # The leaders' KV cache events, in order per unit (gaps replayed), into
-            # the exact KV index.
             self.kv_index = KvIndexSink(self.kv_fleet)
-            self._kv_order = InOrderKvSink(self.kv_index)
-            self.metrics.registry.register(
-                KvIndexCollector(self.kv_index, self._kv_order, lambda: sorted(self.registry.units))
-            )
         upstream = ChannelUpstream(
             token,
             config.timeouts,
             triton,
             self.metrics.channel_fallbacks.inc,
             registry=self.registry,
-            kv_sink=self._kv_order,
+            kv_sink=self.kv_index,
         )
-        if self._kv_order is not None:
-            self._kv_order.bind(upstream.kv_replay)
+        if self.kv_index is not None and upstream.kv_order is not None:
+            self.metrics.registry.register(
+                KvIndexCollector(
+                    self.kv_index, upstream.kv_order, lambda: sorted(self.registry.units)
+                )
+            )
         return upstream
 
     def _on_leader_config(self, unit: UnitState, parameters: Mapping[str, str]) -> None:
@@ -224,9 +222,8 @@ class ProxyServer:
             self.dispatcher.policy.on_unit_removed(unit.unit_id)
             if self.transport.channel is not None:
                 self.transport.channel.forget(unit.unit_id)  # ends its KV stream
-            if self.kv_index is not None and self._kv_order is not None:
+            if self.kv_index is not None:
                 # A unit re-added under this id starts over from its KvInfo.
-                self._kv_order.forget(unit.unit_id)
                 self.kv_index.remove_unit(unit.unit_id)
             task = asyncio.get_running_loop().create_task(self._close_client_when_idle(unit))
             self._background.add(task)

@@ -107,7 +107,7 @@ COLUMNS = (
     Column("KV", drop_rank=4),
     # The proxy's KV routing for the unit: its exact index's mode (exact, part, approx;
     # "-": the policy keeps none) and prefix cache hit rate / prediction accuracy
-    # (kv_accuracy.py). Left of RESTARTS too, and dropped before the engine's load.
+    # (proxy/routing/kv/accuracy.py). Left of RESTARTS too, and dropped before the engine's load.
     Column("KV-MODE", drop_rank=4),
     Column("HIT/ACC", drop_rank=4),
     Column("RESTARTS", drop_rank=4),
@@ -164,7 +164,7 @@ def _percent(x: float | None) -> str:
 def _kv_routing(kv: dict[str, Any] | None, cache: dict[str, Any] | None) -> tuple[str, str]:
     """KV-MODE and HIT/ACC cells from a unit's full ``/status``: ``kv``'s mode ("-" when
     null: no exact index) and ``prefix_cache``'s ``hit_rate`` / ``mean_accuracy`` as
-    kv_accuracy.py defines them ("-" for one not defined yet, or before any report)."""
+    proxy/routing/kv/accuracy.py defines them ("-" for one not defined yet, or before any report)."""
     mode = "-"
     if kv:
         name = _cell(kv.get("mode"))

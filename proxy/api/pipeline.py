@@ -7,7 +7,7 @@ responses (a ``Render``); everything between is here, the same for both:
     Pipeline.check_length  the prompt's tokens + max_tokens within max_model_len
                            (Triton's route; vLLM checks the OpenAI API on the leader)
     Pipeline.prompt_tokens the prompt's token ids as the leader computes them, when
-                           the routing policy uses them (prompt_tokens.py)
+                           the routing policy uses them (tokens/prompt.py)
     Pipeline.serve         flow control's slot (flow_control.py: the request's turn
                            in its class's queue, and its unit) -> the dispatcher's
                            one attempt loop (``Dispatcher.run``) -> the first
@@ -15,7 +15,7 @@ responses (a ``Render``); everything between is here, the same for both:
                            the responses come (each write bounded by
                            ``limits.write_timeout_s``; ITL, the proxy's hop, e2e;
                            the final response's prefix cache hit against the
-                           routing's prediction, kv_accuracy.py)
+                           routing's prediction, routing/kv/accuracy.py)
 
 Every failure before the first byte is an ``APIError`` (``front_end.as_api_error``)
 that the front end renders in its own error format; a failure after it ends the

@@ -72,7 +72,7 @@ def _unit(
             "num_blocks": u.engine_load.num_blocks,
             "age_s": round(now - u.engine_load.at, 3),
         },
-        # Its prefix cache hits, reported against predicted (kv_accuracy.py), or null
+        # Its prefix cache hits, reported against predicted (routing/kv/accuracy.py), or null
         # before it answered a generation request.
         "prefix_cache": None if prefix_cache_of is None else prefix_cache_of(u.unit_id),
         "in_flight": u.in_flight,

@@ -5,7 +5,7 @@ For each candidate unit u, with the prompt's token ids (``proxy/tokens/prompt.py
 
     cached_u   = prompt tokens u serves from its prefix cache:
                    exact mode    the exact index's leading blocks x block size
-                                 (``kv_fleet.KvFleet``, fed by u's KV events)
+                                 (``routing.kv.fleet.KvFleet``, fed by u's KV events)
                    approximate   the approximate prefix index's share of the prompt's
                                  character blocks (``prefix_index.py``: where this
                                  proxy sent which prompts) x prompt tokens
@@ -70,7 +70,7 @@ proxy's ends counted against the report, only other proxies' ends since it are
 unseen, until the leader's next report.
 
 A request without token ids (no tokenizer or template the proxy reproduces, or a
-request it cannot render: ``prompt_tokens.py``), or whose candidates are all in
+request it cannot render: ``tokens/prompt.py``), or whose candidates are all in
 approximate mode (no KV events: the OpenAI channel off, or leaders whose hashing
 cannot be reproduced), is routed by ``prefix_cache_aware`` (``cache_aware.py``):
 without KV events this policy is that one. Either way the chosen unit's prompt goes

@@ -10,7 +10,7 @@ continuation is built), so retry, migration and their fixes are written once.
   leader broke, the leader reported the unit or the engine request failed (an
   UNAVAILABLE error, vLLM's ``abort`` finish), or the leader fell silent for
   ``timeouts.silence_s`` although it reports progress for every request it holds
-  (``upstream.py``). A long answer, a queued prompt or a large ``n`` never fails an
+  (``upstream/base.py``). A long answer, a queued prompt or a large ``n`` never fails an
   attempt, so it is never started over elsewhere.
 - One unit at a time. A failed attempt's upstream call is closed before the next
   begins, which cancels its engine request on its leader (a lost connection cancels
@@ -258,7 +258,7 @@ class Dispatcher:
         one) and each ``body`` is what the client gets, resumed attempts' already fixed
         up; a text request's last response has the finish reason, the job's usage
         (prompt tokens of the original prompt, completion tokens over all units) and the
-        serving attempt's ``cached_tokens`` (its leader's report, for kv_accuracy.py)."""
+        serving attempt's ``cached_tokens`` (its leader's report, for routing/kv/accuracy.py)."""
         kind = _OpenAICall(job) if isinstance(job, OpenAIJob) else _TextRequest(job)
         return self._attempts(job, kind, placement)
 

@@ -1,7 +1,7 @@
 """A model's chat template, rendered in the proxy exactly as the leader's vLLM 0.32
 renders it, for the requests whose rendering the proxy can reproduce.
 
-Only routing uses this (``prompt_tokens.py``: the prompt's token ids for the exact KV
+Only routing uses this (``prompt.py``: the prompt's token ids for the exact KV
 index); the leader still renders every request itself. So a request whose rendering
 this module cannot reproduce exactly gets None, never a guess: it is routed on the
 approximate prefix index instead. What vLLM does, and what is reproduced here:
@@ -36,7 +36,7 @@ approximate prefix index instead. What vLLM does, and what is reproduced here:
   and ``reasoning_effort`` are not reproduced.
 
 Templates run in Jinja's sandbox and each model's is compiled once. The rendered text
-is then tokenized by ``prompt_tokens.py``.
+is then tokenized by ``prompt.py``.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ class ModelPrompts:
         if limit is not None and len(text) > limit * self._max_chars_per_token:
             return None  # vLLM refuses it before tokenizing
         if not add_special_tokens and self._pieces.enabled:
-            # A chat: most of it was tokenized for earlier turns (token_segments.py).
+            # A chat: most of it was tokenized for earlier turns (segments.py).
             return self._pieces.encode(text)[: self._max_ids]
         # encode_batch, not encode: only it lets go of the GIL while it works, so the
         # event loop runs beside a prompt tokenized on a thread (measured: a thread

@@ -111,7 +111,7 @@ class PieceEncoder:
         return ids
 
     def _whole(self, text: str) -> list[int]:
-        # encode_batch: it lets go of the GIL (prompt_tokens.ModelPrompts._encode)
+        # encode_batch: it lets go of the GIL (prompt.ModelPrompts._encode)
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=False)
         return encoding.ids
 

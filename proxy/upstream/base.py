@@ -1,6 +1,6 @@
 """The upstream contract: what the dispatcher needs of a transport to a unit's leader,
-whichever carries it (the leader's OpenAI channel in ``channel_upstream.py``, Triton's
-gRPC in ``grpc_upstream.py``).
+whichever carries it (the leader's OpenAI channel in ``channel.py``, Triton's
+gRPC in ``triton_grpc.py``).
 
 A transport's ``generate`` (a text request) and ``openai`` (an OpenAI call in the
 ``openai_request`` envelope) are async iterators of ``GenerationDelta`` that end
@@ -95,7 +95,7 @@ class GenerationDelta:
     token ids (``token_ids``: generated ids this response's events carry;
     ``prompt_token_ids``: first response). Both: ``finish_reason`` on the last response,
     and ``cached_tokens`` with it: the prompt tokens the leader's vLLM found in its
-    prefix cache, as the leader sent it, unchecked (any type: ``kv_accuracy.py`` checks
+    prefix cache, as the leader sent it, unchecked (any type: ``routing/kv/accuracy.py`` checks
     it, so a leader's garbage is counted there instead of failing the attempt)."""
 
     text: str
@@ -254,7 +254,7 @@ class ReadWatchdog:
 
 
 class Upstream(Protocol):
-    """What the dispatcher needs of a transport (``grpc_upstream.TritonUpstream``,
+    """What the dispatcher needs of a transport (``triton_grpc.TritonUpstream``,
     ``transport.UnitTransport``)."""
 
     def generate(

@@ -1,5 +1,5 @@
 """The OpenAI route's upstream over the leaders' OpenAI channel
-(``neuron_serving/openai_channel.py``), under the contract of ``upstream.py``.
+(``neuron_serving/openai_channel.py``), under the contract of ``base.py``.
 
 One authenticated TCP connection per leader carries every OpenAI call the proxy
 sends that unit: a call is one small ``Open`` frame on a connection already open,
@@ -37,7 +37,7 @@ channel is not connected, its ``engine_load`` is None.
 KV cache events: a leader that relays its vLLM's KV events sends ``KvInfo`` right
 after the handshake, then ``KvEvents(seq, payload)`` (vLLM's msgpack ``KVEventBatch``
 bytes, unchanged) and, after a replay it could not fully serve, ``KvReplayMiss``.
-Each goes to the ``KvEventSink`` (``kv_events_sink.py``) for every unit announced at
+Each goes to the ``KvEventSink`` (``kv_stream.py``) for every unit announced at
 that channel, as for loads: ``on_kv_info(unit_id, info)`` when the unit's stream
 starts (the channel connected, or the unit was announced at a connected one),
 ``on_kv_events(unit_id, seq, payload)``, and ``on_kv_reset(unit_id, next_seq)`` when
@@ -90,7 +90,7 @@ from proxy.upstream.base import (
     Upstream,
     UpstreamError,
 )
-from proxy.upstream.kv_stream import KvEventSink
+from proxy.upstream.kv_stream import InOrderKvSink, KvEventSink
 
 log = logging.getLogger(__name__)
 
@@ -366,8 +366,10 @@ class ChannelUpstream:
 
     ``registry``: where the leaders' load reports go (``UnitState.engine_load`` of
     the units announced at each channel); None = they are dropped. ``kv_sink``: where
-    the leaders' KV cache events go (per unit announced at each channel); None = they
-    are dropped."""
+    the leaders' KV cache events go (per unit announced at each channel), each batch
+    once and in order (``kv_order``: ``kv_stream.InOrderKvSink`` around it, asking this
+    channel for the replays; ``kv_history``: from the oldest batch each leader still
+    has); None = they are dropped."""
 
     def __init__(
         self,
@@ -378,10 +380,14 @@ class ChannelUpstream:
         connect_timeout_s: float = 5.0,
         registry: Registry | None = None,
         kv_sink: KvEventSink | None = None,
+        kv_history: bool = True,
     ) -> None:
         self._token = token
         self._registry = registry
-        self.kv_sink = kv_sink
+        self.kv_order: InOrderKvSink | None = None
+        if kv_sink is not None:
+            self.kv_order = InOrderKvSink(kv_sink, self.kv_replay, history=kv_history)
+        self.kv_sink: KvEventSink | None = self.kv_order
         self._units_at: dict[Address, set[str]] = {}  # channel -> unit ids announced there
         self._timeouts = timeouts
         self._fallback = fallback
@@ -423,6 +429,8 @@ class ChannelUpstream:
                 del self._units_at[addr]
         if self._kv_live(self._channels.get(addr)):
             self._to_sink("on_kv_reset", unit_id, None)  # its stream ends for this unit
+        if self.kv_order is not None:
+            self.kv_order.forget(unit_id)  # announced again, it starts from its KvInfo
 
     # ---- KV cache events --------------------------------------------------------------
 

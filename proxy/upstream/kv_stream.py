@@ -1,5 +1,5 @@
-"""Where the leaders' KV cache events go in the proxy: the ``KvEventSink`` hook that
-``channel_upstream.ChannelUpstream`` feeds, and ``InOrderKvSink``, which orders them.
+"""The leaders' KV cache event streams as the OpenAI channel delivers them: the
+``KvEventSink`` hook it feeds, and ``InOrderKvSink``, with which it orders them.
 
 The wire (``neuron_serving/openai_channel.py``, "KV cache events"): per unit, a
 ``KvInfo`` when its stream starts (how its vLLM hashes blocks, the newest seq relayed),
@@ -9,8 +9,10 @@ increasing seq per connection, but a proxy that reads too slowly loses some (a j
 seq), and a replay restarts the sequence lower; ``InOrderKvSink`` turns that into
 each batch once, in order, and asks for the replays itself.
 
-The server wires ``InOrderKvSink(KvIndexSink(fleet))`` (``kv_index_sink.py``): the
-exact KV index (``proxy/routing/kv/fleet.py``) behind it never sees a gap.
+``ChannelUpstream(kv_sink=sink)`` (``channel.py``) builds ``InOrderKvSink(sink,
+its own kv_replay)`` around the sink it is given, so the sink never sees a gap; the
+server gives it ``routing/kv/sink.KvIndexSink``, which feeds the exact KV index
+(``proxy/routing/kv/fleet.py``).
 ``on_kv_info`` gives the hashing (``KvInfo.block_size``, ``hash_algo``,
 ``none_hash_seed``, ``none_hash``) and starts the unit afresh, and
 ``on_kv_reset(unit_id, next_seq)`` drops what is known of it.
@@ -61,8 +63,8 @@ class _Order:
 
 class InOrderKvSink:
     """Hands ``inner`` each unit's batches once and in seq order, asking the leader for
-    a replay on a gap (``replay(unit_id, from_seq)``, ``ChannelUpstream.kv_replay``;
-    bind it with ``bind`` when the upstream is built after this sink).
+    a replay on a gap (``replay(unit_id, from_seq)``: ``ChannelUpstream.kv_replay``,
+    the channel that builds this sink around the one it was given).
 
     Rules (the leader's ordering is in ``openai_channel.py``): a batch whose seq is
     the expected one is applied; an older one is a duplicate (a replay resending what
@@ -81,7 +83,7 @@ class InOrderKvSink:
     def __init__(
         self,
         inner: KvEventSink,
-        replay: Callable[[str, int], bool] | None = None,
+        replay: Callable[[str, int], bool],
         *,
         history: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -93,9 +95,6 @@ class InOrderKvSink:
         self._units: dict[str, _Order] = {}
         self.replays_asked = 0
         self.duplicates_total = 0
-
-    def bind(self, replay: Callable[[str, int], bool]) -> None:
-        self._replay = replay
 
     def on_kv_info(self, unit_id: str, info: KvInfo) -> None:
         order = self._units[unit_id] = _Order()
@@ -132,8 +131,6 @@ class InOrderKvSink:
         self._units.pop(unit_id, None)
 
     def _ask(self, unit_id: str, order: _Order, from_seq: int) -> None:
-        if self._replay is None:
-            return
         if self._replay(unit_id, from_seq):
             self.replays_asked += 1
             order.asked, order.asked_at = from_seq, self._clock()

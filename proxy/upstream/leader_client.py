@@ -73,7 +73,7 @@ def build_request(
     ]
     if priority:
         inputs.append(("priority", "INT32", _INT32.pack(priority)))
-    # Progress responses while nothing else is sent (upstream.py: slow is not dead).
+    # Progress responses while nothing else is sent (base.py: slow is not dead).
     inputs.append(("report_progress", "BOOL", _TRUE))
     for name, dtype, raw in inputs:
         t = req.inputs.add()

@@ -1,6 +1,6 @@
 """Which transport carries a unit's generations, and why each exists.
 
-The leader's OpenAI channel (``channel_upstream.ChannelUpstream``: one multiplexed
+The leader's OpenAI channel (``channel.ChannelUpstream``: one multiplexed
 connection per leader) carries OpenAI calls and the Triton generate route's text
 requests when the unit announces one and the proxy holds the channel token
 (``openai_channel: true``, the default). It stays because it costs the proxy the
@@ -8,7 +8,7 @@ least CPU per streamed token of the transports measured (``bench cpu``, figures 
 bench/README.md, "cpu"), and because it alone brings the units' engine load and KV
 cache events, which flow control and ``kv_aware`` routing read.
 
-Triton's gRPC ``ModelStreamInfer`` (``grpc_upstream.TritonUpstream``) carries the rest:
+Triton's gRPC ``ModelStreamInfer`` (``triton_grpc.TritonUpstream``) carries the rest:
 a unit whose channel is not connected yet (the first requests after a leader
 starts), one without a channel, a proxy without the token. It stays because a unit
 must be servable before and without the channel, and because the probes speak gRPC

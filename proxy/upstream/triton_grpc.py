@@ -1,5 +1,5 @@
 """The leader's Triton gRPC stream, seen as an async iterator of deltas (the gRPC
-transport of the upstream contract in ``upstream.py``).
+transport of the upstream contract in ``base.py``).
 
 One ``ModelStreamInfer`` call per request. The text path (Triton's generate front
 end) uses the conventions of Triton's vllm_backend: inputs ``text_input`` (BYTES),
@@ -13,11 +13,11 @@ response), ``openai_body`` (the bytes to relay), ``token_ids`` and
 ``prompt_token_ids`` (INT64, every element) besides ``finish_reason`` and the counts.
 Both read ``cached_tokens`` (INT32, the last response: vLLM's prefix cache hit), which
 never fails a response: a tensor that cannot be read is passed on as what it is, for
-``kv_accuracy.py`` to count.
+``routing/kv/accuracy.py`` to count.
 
 Every wait is bounded: each gap between two responses by ``timeouts.silence_s``,
 where a progress response (only the ``progress`` output: the leader holds the
-request and has nothing to send yet, ``upstream.py``) counts and is not passed on,
+request and has nothing to send yet, ``base.py``) counts and is not passed on,
 and all of it by the request deadline, when there is one (also passed to gRPC as
 the call's deadline). Leaving the iterator early (client gone, caller cancelled)
 cancels the gRPC call, which makes Triton cancel the request in vLLM.

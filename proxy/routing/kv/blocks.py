@@ -1,7 +1,7 @@
 """vLLM's prefix-cache block hashes, computed in the proxy from a request's token ids.
 
-A leader's KV events (``kv_events.py``) name cached blocks by these hashes; the
-proxy hashes a prompt the same way and asks the index (``kv_index.py``) which units
+A leader's KV events (``events.py``) name cached blocks by these hashes; the
+proxy hashes a prompt the same way and asks the index (``index.py``) which units
 hold its leading blocks. Every rule below mirrors vLLM 0.32 (the leaders' version),
 file and function named beside it; ``tests/proxy/routing/kv/test_blocks.py``
 checks the results against vLLM's own functions.

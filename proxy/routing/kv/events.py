@@ -19,7 +19,7 @@ are ignored. Wire shape, from vLLM's struct options:
   an event kind this module does not know is skipped and counted (``skipped``),
   a known kind that does not fit its struct fails the whole batch.
 - block hashes are ``ExternalBlockHash = bytes | int`` (kv_cache_utils): an int by
-  default, see ``kv_blocks.index_key``.
+  default, see ``blocks.index_key``.
 """
 
 from __future__ import annotations

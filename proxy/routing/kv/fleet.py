@@ -1,5 +1,5 @@
 """The exact KV view of the fleet: per unit, whether its blocks can be matched exactly
-(its hashing reproduced, ``kv_blocks.BlockHasher``) and what it holds (``KvBlockIndex``).
+(its hashing reproduced, ``blocks.BlockHasher``) and what it holds (``KvBlockIndex``).
 
 Written by the KV event sink (``proxy/routing/kv/sink.py``), read by the ``kv_aware``
 policy. A unit is in one of three modes (``KvMode``):

@@ -1,8 +1,8 @@
 """An exact, per-unit index of the blocks in each unit's device KV cache, kept from
-the unit's own KV events (``kv_events.decode_batch``).
+the unit's own KV events (``events.decode_batch``).
 
 Per unit: ``key -> count``, the number of device blocks vLLM holds under that block
-hash (``kv_blocks.index_key``). A count, not a set, because vLLM does not
+hash (``blocks.index_key``). A count, not a set, because vLLM does not
 de-duplicate (vllm/v1/core/block_pool.py, ``BlockHashToBlockMap``, NOTE #1): e.g. a
 prompt sent again while it is cached recomputes its last block (a prefix hit never
 covers a prompt's last token, ``KVCacheManager.get_computed_blocks``) and caches a
@@ -164,7 +164,7 @@ class KvBlockIndex:
 
     def match(self, keys: Sequence[int], unit_ids: Iterable[str] | None = None) -> dict[str, int]:
         """For each unit (every known one by default), how many leading entries of
-        ``keys`` (a request's chain, ``kv_blocks.index_key`` of each block hash) its
+        ``keys`` (a request's chain, ``blocks.index_key`` of each block hash) its
         device cache holds. Stops at a unit's first miss, as vLLM's own lookup does
         (``find_longest_cache_hit``): a later block without its parent is no hit."""
         out: dict[str, int] = {}

@@ -7,7 +7,7 @@ hands it every batch once and in seq order and asks the leaders for replays itse
   the leader announces); the unit starts afresh, in exact mode, or in approximate mode
   when its seed is unknown (vLLM drew one at random), its algorithm cannot be
   computed here, or the check fails;
-- ``on_kv_events``: decoded (``kv_events.decode_batch``: bounded, typed) and applied.
+- ``on_kv_events``: decoded (``events.decode_batch``: bounded, typed) and applied.
   A batch that does not decode is skipped and the unit's index reset to go on after
   it (it may miss that batch's blocks: ``partial``); approximate units' batches are
   only counted;
@@ -15,7 +15,7 @@ hands it every batch once and in seq order and asks the leaders for replays itse
 - ``remove_unit``: a unit that left the registry is forgotten (the server calls it).
 
 What each unit's stream brought is counted (``KvStreamCounts``) and exported by
-``kv_metrics.py``.
+``metrics.py``.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ PROXY = {
          "engine_load": {"running": 3, "waiting": 12, "kv_usage": 0.4567, "max_num_seqs": 64,
                          "age_s": 0.2},
          # prefix_cache routing keeps no exact KV index; its leader reported hits, but
-         # nothing was predicted (kv_accuracy.py's snapshot).
+         # nothing was predicted (routing/kv/accuracy.py's snapshot).
          "kv": None, "prefix_cache": prefix_cache((512, 384, None), (512, 128, None)),
          "nodes": [{"node_id": "unit-0/leader", "state": "healthy"},
                    {"node_id": "unit-0/follower-1", "state": "healthy"}]},

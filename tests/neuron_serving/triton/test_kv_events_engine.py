@@ -24,7 +24,6 @@ from neuron_serving.triton.engine_thread import EngineThread
 from neuron_serving.triton.kv_events_relay import KvEventsRelay
 from proxy.config import TimeoutConfig, UnitSpec
 from proxy.upstream.channel import ChannelUpstream
-from proxy.upstream.kv_stream import InOrderKvSink
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -84,9 +83,7 @@ def test_the_proxy_reproduces_the_block_hashes_of_a_real_engine(engine) -> None:
         server = ChannelServer(TOKEN, lambda call, m: call.error("no", "INVALID_ARG"), kv=relay)
         port = await server.start("127.0.0.1", 0)
         recorder = Recorder()
-        sink = InOrderKvSink(recorder)
-        up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=sink)
-        sink.bind(up.kv_replay)
+        up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=recorder)
         up.announce(UnitSpec("u0", "127.0.0.1:1"), port)
         try:
             async with asyncio.timeout(TIMEOUT_S):

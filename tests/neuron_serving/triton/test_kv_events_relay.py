@@ -172,9 +172,9 @@ async def make_leader(kv_dir):
 
 async def proxy(port: int, history: bool = True) -> tuple[ChannelUpstream, InOrderKvSink, Recorder]:
     recorder = Recorder()
-    sink = InOrderKvSink(recorder, history=history)
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=sink)
-    sink.bind(up.kv_replay)
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=recorder, kv_history=history)
+    sink = up.kv_order
+    assert sink is not None
     up.announce(UNIT, port)
     await until(lambda: recorder.info is not None)
     return up, sink, recorder

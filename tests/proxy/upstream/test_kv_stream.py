@@ -167,7 +167,7 @@ async def test_each_unit_at_a_channel_gets_the_stream(leader) -> None:
     scripted, port = leader
     u0, u1 = UnitSpec("u0", "127.0.0.1:1"), UnitSpec("u1", "127.0.0.1:1")
     rec = Recorder()
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=rec)
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=rec, kv_history=False)
     up.announce(u0, port)
     await until(lambda: rec.calls == [("info", "u0", 9)])  # KvInfo came with the handshake
     scripted.send(oc.KvEvents(10, b"batch-10"))
@@ -177,13 +177,16 @@ async def test_each_unit_at_a_channel_gets_the_stream(leader) -> None:
     assert rec.calls[2] == ("info", "u1", 9)
     up.announce(u1, port)  # announced again (every probe): nothing new
     assert len(rec.calls) == 3
+    # u0 is at 10, u1 joined at 9: 11 is u0's next, a gap for u1, which the channel
+    # asks its leader to replay from 10.
     scripted.send(oc.KvEvents(11, b"b"), oc.KvReplayMiss(5, 8))
-    await until(lambda: len(rec.calls) == 7)
-    assert sorted(rec.calls[3:5]) == [("events", "u0", 11, b"b"), ("events", "u1", 11, b"b")]
-    assert sorted(rec.calls[5:7]) == [("reset", "u0", 8), ("reset", "u1", 8)]
+    await until(lambda: len(rec.calls) == 6)
+    assert rec.calls[3] == ("events", "u0", 11, b"b")
+    assert sorted(rec.calls[4:6]) == [("reset", "u0", 8), ("reset", "u1", 8)]
+    await until(lambda: scripted.replays == [10])
     # A replay request reaches the unit's leader; a unit without a channel cannot ask.
     assert up.kv_replay("u1", 3) and not up.kv_replay("nobody", 3)
-    await until(lambda: scripted.replays == [3])
+    await until(lambda: scripted.replays == [10, 3])
     up.forget("u1")  # its stream ends for it alone
     assert rec.calls[-1] == ("reset", "u1", None)
     scripted.close()  # the leader goes away: the rest of the stream ends
@@ -196,9 +199,7 @@ async def test_the_proxys_in_order_sink_recovers_a_gap_from_the_leader(leader) -
     scripted, port = leader
     unit = UnitSpec("u0", "127.0.0.1:1")
     counts = KvIndexSink(KvFleet(64))
-    sink = InOrderKvSink(counts, history=False)
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=sink)
-    sink.bind(up.kv_replay)
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=counts, kv_history=False)
     up.announce(unit, port)
     await until(lambda: "u0" in counts.units)
     scripted.send(oc.KvEvents(10, b"a"), oc.KvEvents(12, b"c"))  # 11 lost on the way
@@ -222,7 +223,7 @@ async def test_a_failing_sink_loses_the_message_not_the_channel(leader) -> None:
                 raise RuntimeError("an index bug")
             rec.on_kv_events(unit_id, seq, payload)
 
-    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=Fragile())
+    up = ChannelUpstream(TOKEN, TimeoutConfig(), None, kv_sink=Fragile(), kv_history=False)
     up.announce(unit, port)
     await until(lambda: up.address(unit) is not None)
     scripted.send(oc.KvEvents(10, b"x"), oc.KvEvents(11, b"y"))

@@ -17,6 +17,10 @@ runs ``a`` and ``a.b``, so a module's imports include their parent packages.
         table in the top README); the base modules (``neuron_serving/*.py``) sit
         below every layer and may import one another; a new package must be
         given a layer here before it can pass
+    (g) inside the proxy, every sub-package imports only lower ones (``PROXY_LAYERS``,
+        the stages a request passes through, as in the proxy README's data flow);
+        the proxy's single-file modules but ``server`` (config, registry, errors,
+        protocol, traffic classes) sit below them all
     (f) no import cycle between modules, type-only imports (``if
         TYPE_CHECKING:``) included: a module that needs another's types for its
         signatures depends on it as much as one that calls it (issue 17 removed
@@ -36,7 +40,7 @@ back-import of each kind, so these tests cannot pass by seeing nothing.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +106,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("neuron_serving.checkpoint",),
     ("neuron_serving.devices", "neuron_serving.models"),
     ("proxy",),  # beside the runtime: only the entry points import it
+)
+
+# (g): the proxy's stages, top to bottom. server assembles the rest; the Batch API runs
+# its lines through the front ends' pipeline; api/ speaks HTTP to clients; serving/
+# queues, places and retries; tokens/ computes the prompt ids routing reads; routing/
+# (with routing/kv/) picks units; upstream/ carries the calls to the leaders.
+PROXY_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("proxy.server",),
+    ("proxy.batch",),
+    ("proxy.api",),
+    ("proxy.serving",),
+    ("proxy.tokens",),
+    ("proxy.routing",),
+    ("proxy.upstream",),
 )
 
 
@@ -211,12 +229,19 @@ def package_of(module: str) -> str:
     return "proxy" if parts[0] == "proxy" else ".".join(parts[:2])
 
 
-def package_edges(graph: Graph) -> dict[tuple[str, str], list[str]]:
+def proxy_package_of(module: str) -> str:
+    """A proxy module's stage: its sub-package, or itself (a single-file module)."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_edges(
+    graph: Graph, of: Callable[[str], str] = package_of
+) -> dict[tuple[str, str], list[str]]:
     """(package, package it imports) -> the module imports behind that edge."""
     edges: dict[tuple[str, str], list[str]] = {}
     for module, targets in graph.items():
         for target in sorted(targets):
-            a, b = package_of(module), package_of(target)
+            a, b = of(module), of(target)
             if a != b:
                 edges.setdefault((a, b), []).append(f"{module} -> {target}")
     return edges
@@ -280,24 +305,38 @@ def module_cycles(graph: Graph) -> list[str]:
     return lines
 
 
-def layer_violations(graph: Graph) -> list[str]:
-    """Package imports that do not point to a lower layer, and packages with no layer."""
-    rank = {pkg: i for i, row in enumerate(LAYERS) for pkg in row}
-    base = len(LAYERS)  # the root package and its single-file modules
+def layer_violations(
+    graph: Graph,
+    layers: tuple[tuple[str, ...], ...] = LAYERS,
+    of: Callable[[str], str] = package_of,
+    root: str = "neuron_serving",
+) -> list[str]:
+    """Package imports that do not point to a lower layer, and packages with no layer
+    (``of`` names a module's package; ``root`` and single-file modules are the base)."""
+    rank = {pkg: i for i, row in enumerate(layers) for pkg in row}
+    base = len(layers)  # the root package and its single-file modules
 
     def layer(pkg: str) -> int | None:
         if pkg in rank:
             return rank[pkg]
-        return base if pkg == "neuron_serving" or not _is_package(graph, pkg) else None
+        return base if pkg == root or not _is_package(graph, pkg) else None
 
-    bad = [f"{pkg} has no layer in LAYERS" for pkg in sorted({package_of(m) for m in graph})
+    name = "PROXY_LAYERS" if layers is PROXY_LAYERS else "LAYERS"
+    bad = [f"{pkg} has no layer in {name}" for pkg in sorted({of(m) for m in graph})
            if layer(pkg) is None]  # fmt: skip
-    for (a, b), imports in sorted(package_edges(graph).items()):
+    for (a, b), imports in sorted(package_edges(graph, of).items()):
         la, lb = layer(a), layer(b)
         if la is None or lb is None or lb > la or (la == lb == base):
             continue
         bad.append(f"{a} imports {b} (same or higher layer): " + "; ".join(imports[:3]))
     return bad
+
+
+def proxy_layer_violations(graph: Graph) -> list[str]:
+    """(g): ``layer_violations`` among the proxy's stages."""
+    inner = {m: {t for t in ts if _inside(t, "proxy")} for m, ts in graph.items()
+             if _inside(m, "proxy")}  # fmt: skip
+    return layer_violations(inner, PROXY_LAYERS, proxy_package_of, "proxy")
 
 
 def _is_package(graph: Graph, name: str) -> bool:
@@ -333,6 +372,11 @@ def test_no_import_cycles_between_modules() -> None:
 
 def test_packages_import_only_lower_layers() -> None:
     bad = layer_violations(import_graph())
+    assert not bad, "\n".join(bad)
+
+
+def test_proxy_stages_import_only_lower_ones() -> None:
+    bad = proxy_layer_violations(import_graph())
     assert not bad, "\n".join(bad)
 
 

@@ -1,11 +1,10 @@
 """A request's prompt token ids as the leader's vLLM 0.32 computes them, so the exact
 KV index (``routing/kv_*.py``) can say which units hold its leading blocks.
 
-Per model, from its directory (``models[].model_dir``): the ``tokenizers`` library on
-``tokenizer.json`` and the chat template (``chat_template.py``) in Jinja's sandbox.
-Not transformers: importing its tokenizers imports torch here (~3 s, ~400 MB RSS,
-measured), for what ``tokenizers`` does alone. That restricts which tokenizers are
-reproduced: transformers 5 builds a tokenizer whose class has no ``__init__`` of its
+Per model, from its directory (``models[].model_dir``): its ``tokenizer.json``
+(``tokenizer.load``: the ``tokenizers`` library, not transformers) and the chat
+template (``chat_template.py``) in Jinja's sandbox. That restricts which tokenizers
+are reproduced: transformers 5 builds a tokenizer whose class has no ``__init__`` of its
 own (``PreTrainedTokenizerFast``, ``TokenizersBackend``) from ``tokenizer.json``
 unchanged (``TokenizersBackend.convert_to_native_format``), and only adds the named
 and extra special tokens the file lacks (``TokenizersBackend.__init__``, done here too);
@@ -43,13 +42,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken
 
 from proxy.config import ModelSpec
 from proxy.protocol import GENERATE_ENDPOINTS
 from proxy.routing.base import PromptTokens
 from proxy.tokens.chat_template import ChatTemplate, TemplateUnavailable, special_tokens
 from proxy.tokens.segments import PieceEncoder
+from proxy.tokens.tokenizer import load
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class ModelPrompts:
         if cls not in TOKENIZER_JSON_CLASSES:
             raise TokenizerUnavailable(f"tokenizer class {cls!r} is not built from tokenizer.json")
         try:
-            self._tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+            self._tokenizer = load(d)
         except Exception as e:  # noqa: BLE001 - tokenizers raises its own Exception type
             raise TokenizerUnavailable(f"no readable tokenizer.json: {e}") from None
         self._add_missing_special_tokens(d, config)

@@ -1,6 +1,6 @@
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from proxy.tokens.tokenizer import ModelTokenizer
+from proxy.tokens.tokenizer import ModelTokenizer, load
 from tests.proxy.conftest import url
 
 
@@ -22,6 +22,19 @@ def test_token_count_includes_the_special_tokens_the_leader_adds(tmp_path):
     counted = ModelTokenizer(model_dir(tmp_path, {"[UNK]": 0, "<s>": 1, "red": 2, "shoe": 3}))
     # The leader encodes text_input with special tokens: BOS + 3 words.
     assert counted.count_tokens("red shoe red") == 4
+
+
+def test_a_model_directorys_tokenizer_is_loaded_once(tmp_path):
+    """The length check and routing's prompt tokens share one parse per directory; a
+    second directory is its own (its config may add other special tokens)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = model_dir(tmp_path / "a", {"[UNK]": 0, "<s>": 1, "red": 2})
+    (tmp_path / "b" / "tokenizer.json").symlink_to(tmp_path / "a" / "tokenizer.json")
+    assert load(a) is load(tmp_path / "a" / ".." / "a")
+    assert load(tmp_path / "b") is not load(a)
+    counter = ModelTokenizer(a)
+    assert counter.count_tokens("red") == 2 and counter._tokenizer is load(a)
 
 
 async def test_context_length_is_the_leaders_check(fleet, tmp_path):

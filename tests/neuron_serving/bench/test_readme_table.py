@@ -11,7 +11,9 @@ from neuron_serving.bench import readme_table, report
 from neuron_serving.bench.common import spread
 
 ROOT = Path(__file__).resolve().parents[3]
-EPYC = {"cpus": 2, "memory_gib": 23.5, "cpu_model": "AMD EPYC 7R13", "cpu_flags": ["avx2"]}
+# An old result's machine: without the CPU model and ISA flags (common.cpu_info).
+OLD_MACHINE = {"cpus": 2, "memory_gib": 23.5, "platform": "Linux"}
+EPYC = {**OLD_MACHINE, "cpu_model": "AMD EPYC 7R13", "cpu_flags": ["avx2"]}
 README = f"""# project
 
 ## Measured
@@ -26,10 +28,8 @@ after stays
 """
 
 
-def _write(d: Path, name: str, body: dict, time: str, machine: dict | None = None) -> None:
-    body = {"benchmark": name, "commit": "abc1234", "time": time, **body}
-    if machine:
-        body["machine"] = machine
+def _write(d: Path, name: str, body: dict, time: str, machine: dict) -> None:
+    body = {"benchmark": name, "commit": "abc1234", "time": time, "machine": machine, **body}
     (d / f"{name}.json").write_text(json.dumps(body))
 
 
@@ -37,7 +37,9 @@ def _executor(d: Path, name: str, ratio: float, pairs: list[float], time: str) -
     _write(d, name, {"ratio": ratio, "ratio_per_pair": spread(pairs), "target_ratio": 0.9,
                      "unit_tok_s_spread": spread([900, 1000]),
                      "mp_tok_s_spread": spread([1000, 1000]),
-                     "ratio_vs_mn": 1.1, "ratio_vs_mn_per_pair": spread([1.0, 1.2])},
+                     "ratio_vs_mn": 1.1, "ratio_vs_mn_per_pair": spread([1.0, 1.2]),
+                     "control_p50_us": 230.0, "control_p99_us": 780.0,
+                     "payload_bytes_per_msg": 1312.0, "wire_bytes_per_msg": 4193.0},
            time, EPYC)  # fmt: skip
 
 
@@ -45,17 +47,19 @@ def _results(d: Path) -> None:
     _executor(d, "executor", 0.94, [0.72, 0.96, 0.98], "2026-12-04T00:56:47Z")
     # An older quick run of the same benchmark: the full run above is newer and wins.
     _executor(d, "executor-quick", 0.5, [0.5, 0.5], "2026-12-03T11:49:38Z")
+    rest = {"requests": [], "left": {}}
     cases = [
         {"system": "unit", "victim": "rank1", "signal": "SIGKILL",
-         "health": [["200", 0.0], ["400", 0.71]], "exit_s": {"rank0": {"rc": 3, "s": 5.76}}},
+         "health": [["200", 0.0], ["400", 0.71]], "exit_s": {"rank0": {"rc": 3, "s": 5.76}}, **rest},
         {"system": "unit", "victim": "rank1", "signal": "SIGSTOP",
-         "health": [["200", 0.0], ["400", 6.2]], "exit_s": {}},
+         "health": [["200", 0.0], ["400", 6.2]], "exit_s": {}, **rest},
         {"system": "unit", "victim": "rank0", "signal": "SIGKILL", "health": [],
-         "exit_s": {"rank1": {"rc": 6, "s": 0.2}}},
-        {"system": "vllm_mn", "victim": "rank1", "signal": "SIGSTOP", "health": [["200", 0.0]]},
+         "exit_s": {"rank1": {"rc": 6, "s": 0.2}}, **rest},
+        {"system": "vllm_mn", "victim": "rank1", "signal": "SIGSTOP", "health": [["200", 0.0]],
+         "exit_s": {}, **rest},
     ]  # fmt: skip
     # An old result without the machine's CPU model.
-    _write(d, "failures", {"cases": cases}, "2026-12-03T22:57:52Z")
+    _write(d, "failures", {"cases": cases}, "2026-12-03T22:57:52Z", OLD_MACHINE)
 
 
 def test_rows_hold_each_benchmarks_targets_with_its_result_date_and_cpu(tmp_path: Path) -> None:

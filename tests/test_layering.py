@@ -424,6 +424,11 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
         "proxy/bad/x.py": "from proxy.bad import Y\nX = 1\n",
         "neuron_serving/newpkg/__init__.py": "",
         "neuron_serving/newpkg/a.py": "from neuron_serving import envs\n",
+        # A stage importing a higher one (proxy.bad above: a stage with no layer).
+        "proxy/api/__init__.py": "",
+        "proxy/api/front.py": "Z = 1\n",
+        "proxy/upstream/__init__.py": "",
+        "proxy/upstream/grpc.py": "def f():\n    from ..api.front import Z\n",
     })  # fmt: skip
     graph = import_graph(root)
     follower, proxy, checkpoint = (rule_violations(graph, rule) for rule in RULES)
@@ -442,6 +447,11 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     assert any(v.startswith("proxy imports neuron_serving.unit ") for v in layers), layers
     assert not any(v.startswith("neuron_serving.local imports") for v in layers), layers
     assert "neuron_serving.newpkg has no layer in LAYERS" in layers
+    stages = proxy_layer_violations(graph)
+    assert any(v.startswith("proxy.upstream imports proxy.api ") for v in stages), stages
+    assert "proxy.bad has no layer in PROXY_LAYERS" in stages
+    assert any(v.startswith("proxy.util imports proxy.server ") for v in stages), stages
+    assert not any(v.startswith("proxy.server imports") for v in stages), stages
     modules = module_cycles(import_graph(root, runtime=True))
     assert len(modules) == 3, modules
     assert modules[0].startswith(

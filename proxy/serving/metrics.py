@@ -182,7 +182,7 @@ class ProxyMetrics:
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached: prometheus_client validates the values and
-        takes a lock on every ``labels()`` call, ~5 us each, several per request. The
+        takes a lock on every ``labels()`` call, several per request. The
         label values are bounded (endpoints, codes, unit ids, tenants, reasons), and so
         is this cache."""
         key = (id(metric), values)

@@ -58,14 +58,10 @@ TOKENIZER_JSON_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBacken
 # Request fields that change the prompt in ways this module does not reproduce.
 _UNREPRODUCED = ("truncate_prompt_tokens", "prompt_embeds", "suffix")
 # Prompts of more characters than this are tokenized on a thread, not on the event
-# loop, which carries every stream (see ``_encode`` for the GIL). Measured (demo
-# model, 2 cores): rendering and tokenizing take ~0.1-0.27 us a character (an
-# 800-token chat of ~4k characters: 0.4 ms), an ``asyncio.to_thread`` round trip
-# ~100 us on an idle machine but milliseconds while the engines keep both cores busy:
-# with 1024 here, ``bench routing``'s chats (3-5k characters) went to a thread and
-# ``proxy_added_time_to_first_token_seconds`` averaged 5.6 ms under kv_aware against
-# 0.5 ms under prefix_cache_aware (which tokenizes nothing); on the loop, 1.5 ms.
-# Up to 8192 characters (~1-2 ms of loop time at most) stay on the loop.
+# loop, which carries every stream (see ``_encode`` for the GIL). A thread round trip
+# is cheap on an idle host but costs more than tokenizing a chat of a few thousand
+# characters while the engines keep every core busy, so only long prompts pay it
+# (the measurements: bench/README.md, "Proxy design decisions").
 INLINE_CHARS = 8192
 
 
@@ -169,8 +165,7 @@ class ModelPrompts:
             # A chat: most of it was tokenized for earlier turns (segments.py).
             return self._pieces.encode(text)[: self._max_ids]
         # encode_batch, not encode: only it lets go of the GIL while it works, so the
-        # event loop runs beside a prompt tokenized on a thread (measured: a thread
-        # spinning beside encode got 30% of its rate alone, beside encode_batch 91%).
+        # event loop runs beside a prompt tokenized on a thread (bench/README.md, "Proxy design decisions").
         (encoding,) = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids[: self._max_ids]
 

@@ -2,10 +2,10 @@
 
 A multi-turn chat resends its whole history every turn, and the tenants of one
 deployment share their long system prompts, so nearly all of a chat's characters
-were tokenized before, by earlier requests. ``bench routing`` measured what that
-costs: ~0.6 ms of CPU a request for a ~1,100-token chat, most of ``kv_aware``'s extra
-CPU in the proxy, and on a box whose cores the proxy shares with engines that CPU
-comes back several times over as time to first token (the proxy waits for a core).
+were tokenized before, by earlier requests. Tokenizing them again was most of
+``kv_aware``'s extra CPU in the proxy in ``bench routing``, and on a box whose cores
+the proxy shares with engines that CPU comes back as time to first token (the proxy
+waits for a core; bench/README.md, "Proxy design decisions").
 
 Why pieces between added tokens are safe to tokenize apart (``tokenizers``,
 ``AddedVocabulary::extract_and_normalize``): an encoding first splits the text at

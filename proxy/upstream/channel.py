@@ -5,8 +5,7 @@ One authenticated TCP connection per leader carries every OpenAI call the proxy
 sends that unit: a call is one small ``Open`` frame on a connection already open,
 and the leader answers every stream's events of one engine step in one frame. So
 the proxy pays one read and one decode per engine step instead of one per token
-per stream, and no per-request HTTP or gRPC set-up (the costs measured in the
-proxy README). What the dispatcher sees does not change: ``openai`` is an async
+per stream, and no per-request HTTP or gRPC set-up (bench/README.md, "cpu"). What the dispatcher sees does not change: ``openai`` is an async
 iterator of ``GenerationDelta`` ending with the final one, raising only
 ``UpstreamError``, bounded by one ``ReadWatchdog`` per call (first response,
 between responses, the deadline; the leader's ``Progress`` reports extend it, so only

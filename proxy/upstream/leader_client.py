@@ -1,19 +1,17 @@
 """The proxy's gRPC client of one leader's Triton server, on ``grpc.aio`` and Triton's
 generated protobuf stubs (``tritonclient.grpc.service_pb2``).
 
-Why not ``tritonclient.grpc.aio.InferenceServerClient``: on the token path it cost
-~50 us per response (``InferResult.as_numpy`` builds numpy arrays, once per output
-per token) and its ``stream_infer`` feeds requests through an iterator task whose
-cancellation formats a traceback for every finished request. Here a generation is
+Why not ``tritonclient.grpc.aio.InferenceServerClient``: on the token path it builds
+numpy arrays once per output per token (``InferResult.as_numpy``), and its
+``stream_infer`` feeds requests through an iterator task whose cancellation formats
+a traceback for every finished request (the cost: bench/README.md, "Proxy design decisions"). Here a generation is
 ``ModelStreamInfer`` called as unary-stream: the one request, our half-close and the
 metadata go out in one gRPC operation, then ``read`` until done (Triton keeps a
 decoupled stream open after the client's half-close until the request's final
 response; checked against the real leader by tests/e2e/test_proxy_e2e.py, including
-that cancelling the call aborts the request in vLLM). Against the earlier
-reader/writer call (metadata, write and half-close as separate operations, each a
-wake-up of gRPC's poller) it saves ~0.15-0.2 ms of proxy CPU per request (1.68 ->
-1.52 ms, event-loop thread 1.41 -> 1.21 ms; fake leader, 3 x 1000 sequential
-one-token streams, alternating). Responses are read straight from the protobuf
+that cancelling the call aborts the request in vLLM). It costs less proxy
+CPU per request than a reader/writer call, whose metadata, write and half-close are
+separate operations, each a wake-up of gRPC's poller (bench/README.md, "Proxy design decisions"). Responses are read straight from the protobuf
 message (``proxy.upstream.triton_grpc.decode_response``).
 
 One ``LeaderClient`` (one HTTP/2 channel) per leader address, shared by probes and

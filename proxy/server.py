@@ -30,7 +30,7 @@ from neuron_serving.openai_channel import CONFIG_PARAMETER as CHANNEL_PARAMETER
 from neuron_serving.openai_channel import resolve_token as resolve_channel_token
 from neuron_serving.s3 import s3_client
 from neuron_serving.secret_file import SecretError
-from proxy.api.admin import make_admin_app
+from proxy.api.admin import AdminAPI
 from proxy.api.auth import ApiKeys, load_api_keys
 from proxy.api.dashboard import routes as dashboard_routes
 from proxy.api.http_guard import (
@@ -376,9 +376,9 @@ class ProxyServer:
         self.health.start()
         if self.config.batch.enabled:
             await self._open_batch()
-        admin_app = make_admin_app(
+        admin_app = AdminAPI(
             self.registry, token, self.body_guard, self.config.max_body_bytes
-        )
+        ).app()
         # This replica's own view, behind the admin token: with replicas sharing the client
         # port (reuse_port), the client port's /status and /metrics are whichever replica
         # the kernel picked.

@@ -1,6 +1,6 @@
 """The leader's OpenAI channel: one multiplexed connection per proxy and leader.
 
-Why it exists (measured in proxy/README.md, "CPU per token and per request"): over
+Why it exists (measured in bench/README.md, "cpu"): over
 Triton's per-request streams the proxy pays one upstream message per token per
 stream, each with its own wake-up, read and parse, and a request set-up per
 request (an HTTP/2 call or an HTTP/1.1 request). vLLM's own API server receives one

@@ -115,7 +115,7 @@ def build_status(
         for u in sorted(registry.units.values(), key=lambda u: u.unit_id)
     ]
     for unit in units:
-        # Its exact KV index (routing/kv_fleet.py: mode, blocks); null without one.
+        # Its exact KV index (routing/kv/fleet.py: mode, blocks); null without one.
         unit["kv"] = None if kv_of is None else kv_of(unit["unit_id"])
     events = [
         {"at": e.at, "unit_id": e.unit_id, "kind": e.kind, "detail": e.detail}

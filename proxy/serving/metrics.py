@@ -140,7 +140,7 @@ class ProxyMetrics:
         self.unit_upstream = Gauge(
             "proxy_unit_upstream",
             "1 for the transport that carries the unit's OpenAI calls now: channel (the "
-            "leader's OpenAI channel), grpc or http (Triton's front ends)",
+            "leader's OpenAI channel) or grpc (Triton's gRPC front end)",
             ["unit", "transport"],
             registry=r,
         )

@@ -1,5 +1,5 @@
 """A request's prompt token ids as the leader's vLLM 0.32 computes them, so the exact
-KV index (``routing/kv_*.py``) can say which units hold its leading blocks.
+KV index (``routing/kv/``) can say which units hold its leading blocks.
 
 Per model, from its directory (``models[].model_dir``): its ``tokenizer.json``
 (``tokenizer.load``: the ``tokenizers`` library, not transformers) and the chat

@@ -36,7 +36,6 @@ class FakeUnit:
         return UnitSpec(
             unit_id=self.unit_id,
             leader_grpc=self.triton.addr,
-            leader_http=self.triton.http_addr,
             followers=tuple(f.addr for f in self.followers),
             model="llm",
             model_version="v1",

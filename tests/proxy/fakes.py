@@ -1,9 +1,8 @@
 """Small real servers on loopback for the proxy tests.
 
 ``FakeTriton`` speaks Triton's gRPC protocol (tritonclient's generated stubs):
-ServerReady, ModelReady and a decoupled ModelStreamInfer; and Triton's HTTP
-``/v2/models/{model}/generate_stream`` (SSE) on a second port, with the same model
-and knobs. Both carry both request kinds of the leader's ``llm`` model: the text
+ServerReady, ModelReady and a decoupled ModelStreamInfer, which carries both request
+kinds of the leader's ``llm`` model: the text
 path (vllm_backend's tensor names: ``text_input`` ...) and the OpenAI path
 (``openai_request`` -> ``openai_status``, ``openai_body``, ``token_ids``,
 ``prompt_token_ids``; fake_openai.py). Its "model" is deterministic: each next word
@@ -25,7 +24,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
@@ -93,10 +91,8 @@ class Behavior:
     created: int = 0  # OpenAI chunks' "created" (0: the server's own constant)
     # The cached_tokens output (vLLM's prefix cache hit) on each request's last
     # response, both paths; None: not sent. Any value, to play a hostile leader: over
-    # gRPC an int is INT32 (INT64 past it), a float FP32, a str BYTES; over HTTP the JSON
-    # value; over the channel ``Event.cached_tokens`` (typed: an int).
+    # gRPC an int is INT32 (INT64 past it), a float FP32, a str BYTES; over the channel ``Event.cached_tokens`` (typed: an int).
     cached_tokens: Any = None
-    http_peers: list[tuple] = field(default_factory=list)  # client address per HTTP request
     started: int = 0
     cancelled: int = 0
     active: int = 0
@@ -184,22 +180,6 @@ def _cached_tensor(value: Any) -> tuple[str, str, np.ndarray]:
     return "cached_tokens", "INT64", np.array([value], dtype=np.int64)
 
 
-def _openai_event(r: FakeOpenAIResponse) -> dict:
-    """As Triton's generate_stream writes outputs: one element as a scalar, several
-    as a list."""
-    event: dict = {"model_name": "llm", "model_version": "1", "openai_body": r.body.decode()}
-    fields = (("openai_status", r.status), ("token_ids", r.token_ids),
-              ("prompt_token_ids", r.prompt_token_ids), ("prompt_tokens", r.prompt_tokens),
-              ("completion_tokens", r.completion_tokens), ("finish_reason", r.finish_reason),
-              ("cached_tokens", r.cached_tokens))  # fmt: skip
-    for name, value in fields:
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        if value is not None:
-            event[name] = value
-    return event
-
-
 def _inputs(req: service_pb2.ModelInferRequest) -> dict:
     values = {}
     for tensor, raw in zip(req.inputs, req.raw_input_contents, strict=True):
@@ -265,68 +245,18 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 )
 
 
-async def _generate_stream(request: web.Request) -> web.StreamResponse:
-    """Triton's HTTP generate_stream: JSON fields named like inputs; SSE events whose
-    fields are the outputs (and Triton's own model_name / model_version)."""
-    owner = request.app[_OWNER]
-    b = owner.behavior
-    b.started += 1
-    b.http_peers.append(request.transport.get_extra_info("peername") if request.transport else None)
-    if request.match_info["model"] != "llm":
-        return web.json_response(
-            {"error": "Request for unknown model: 'x' is not found"}, status=400
-        )
-    if b.fail_next > 0:
-        b.fail_next -= 1
-        return web.json_response({"error": "fake: unit unavailable"}, status=503)
-    body = await request.json()
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    if b.stream_error:
-        await resp.write(b"data: " + json.dumps({"error": b.stream_error}).encode() + b"\n\n")
-        return resp
-    if "openai_request" in body:
-        async for r in owner.openai(body["openai_request"]):
-            data = json.dumps(_openai_event(r), sort_keys=True, separators=(",", ":"))
-            await resp.write(b"data: " + data.encode() + b"\n\n")
-        return resp
-    async for item in owner.generate(
-        body["text_input"], body.get("sampling_parameters") or "{}", body.get("priority", 0)
-    ):
-        if item is PROGRESS:
-            await resp.write(b'data: {"model_name":"llm","model_version":"1","progress":true}\n\n')
-            continue
-        text, finish, prompt_tokens, completion, _version = item
-        # As tritonserver 2.51 writes it: keys sorted, its own repository version, and no
-        # trace of an output named model_version (the checkpoint version).
-        event = {"model_name": "llm", "model_version": "1", "text_output": text,
-                 "finish_reason": finish, "prompt_tokens": prompt_tokens,
-                 "completion_tokens": completion}  # fmt: skip
-        if finish and b.cached_tokens is not None:
-            event["cached_tokens"] = b.cached_tokens
-        data = json.dumps(event, sort_keys=True, separators=(",", ":"))
-        await resp.write(b"data: " + data.encode() + b"\n\n")
-    return resp
-
-
 class FakeTriton:
     """A Triton-protocol gRPC server on 127.0.0.1 (port chosen by the OS unless given)."""
 
     def __init__(self, behavior: Behavior | None = None) -> None:
         self.behavior = behavior or Behavior()
         self.server: grpc.aio.Server | None = None
-        self.runner: web.AppRunner | None = None
         self.port = 0
-        self.http_port = 0
         self.channel: ChannelServer | None = None
 
     @property
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-    @property
-    def http_addr(self) -> str:
-        return f"127.0.0.1:{self.http_port}"
 
     async def start(self) -> FakeTriton:
         self.server = grpc.aio.server()
@@ -335,16 +265,6 @@ class FakeTriton:
         )
         self.port = self.server.add_insecure_port(f"127.0.0.1:{self.port}")
         await self.server.start()
-        app = web.Application()
-        app[_OWNER] = self
-        app.router.add_post("/v2/models/{model}/generate_stream", _generate_stream)
-        # handler_cancellation: a client that closes its connection cancels the handler,
-        # as Triton cancels the request; shutdown_timeout 0: kill() breaks open streams.
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.0)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.http_port)
-        await site.start()
-        self.http_port = site._server.sockets[0].getsockname()[1]
         if self.behavior.channel:
             self.channel = ChannelServer(oc.resolve_token(), self._channel_call)
             await self.channel.start("127.0.0.1", 0)
@@ -562,14 +482,8 @@ class FakeTriton:
         if self.server is not None:
             server, self.server = self.server, None
             await server.stop(grace=None)
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            await runner.cleanup()
 
     stop = kill
-
-
-_OWNER = web.AppKey("owner", FakeTriton)
 
 
 class _SlowHealth(HealthServicer):

@@ -3,7 +3,7 @@ sinks (nothing is counted twice on the event path), as a collector registered in
 proxy's own registry (``ProxyMetrics.registry``).
 
 - ``proxy_kv_index_mode{unit,mode}``: 1 for the unit's mode (``exact``, ``partial``,
-  ``approximate``; ``routing/kv_fleet.py``), every registered unit;
+  ``approximate``; ``fleet.py``), every registered unit;
 - ``proxy_kv_index_blocks{unit}``: distinct block hashes the index holds for it;
 - ``proxy_kv_event_batches_total{unit}``, ``proxy_kv_event_bytes_total{unit}``: what
   its stream delivered in order (``KvIndexSink``);

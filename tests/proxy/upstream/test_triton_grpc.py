@@ -46,7 +46,7 @@ def upstream(make):
 
 
 def spec(server: FakeTriton) -> UnitSpec:
-    return UnitSpec(unit_id="u0", leader_grpc=server.addr, leader_http=server.http_addr)
+    return UnitSpec(unit_id="u0", leader_grpc=server.addr)
 
 
 async def collect(upstream, server, prompt, sampling, timeout=5.0):

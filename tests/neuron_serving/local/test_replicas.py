@@ -125,7 +125,10 @@ def test_real_replicas_share_the_port_and_a_sigkilled_one_comes_back_drained(tmp
         assert drained == {"proxy-0": {"unit-0"}, "proxy-1": {"unit-0"}}
         # One CI run saw 2 (the restarted replica failed once more); say why if again.
         snap = replicas.snapshot()[0]
-        assert snap["restarts"] == 1, (snap, replicas.groups[0].failures, events)
+        why = [f"{f.process} exited {f.returncode}: {f.reason}\n{f.log_tail[-2000:]}"
+               for f in replicas.groups[0].failures]  # fmt: skip
+        # A string, not a tuple: pytest prints a message string whole, a tuple's repr cut.
+        assert snap["restarts"] == 1, "\n".join([f"restarts: {snap['restarts']}", *why, *events])
     finally:
         replicas.stop()
     assert replicas.pids() == []

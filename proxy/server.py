@@ -404,8 +404,7 @@ class ProxyServer:
             setattr(self, attr, runner.addresses[0][1])
         if self.batch_runner is not None:
             cfg = self.config.batch
-            self.batch_runner.owner = cfg.replica_id or f"{socket.gethostname()}:{self.port}"
-            await self.batch_runner.start()
+            await self.batch_runner.start(cfg.replica_id or f"{socket.gethostname()}:{self.port}")
         log.info(
             "proxy listening on %s:%d (admin %s:%d)",
             self.config.host,
@@ -423,7 +422,7 @@ class ProxyServer:
             blobs: Blobs = S3Blobs(cfg.files_url, s3_client())
         else:
             blobs = LocalBlobs(data / "files")
-        self.batch_runner = BatchRunner(db, blobs, self.pipeline, cfg, owner="")
+        self.batch_runner = BatchRunner(db, blobs, self.pipeline, cfg)
         (data / "tmp").mkdir(parents=True, exist_ok=True)
         self.batch_api = BatchAPI(cfg, db, blobs, self.batch_runner, self.pipeline.deps.model_names)
         self._batch_db = db

@@ -59,15 +59,15 @@ FINALIZE_STALE_S = 120.0  # a "finalizing" batch untouched this long: its finish
 
 
 class BatchRunner:
-    def __init__(
-        self, db: BatchDB, blobs: Blobs, pipeline: Pipeline, cfg: BatchConfig, owner: str
-    ) -> None:
+    def __init__(self, db: BatchDB, blobs: Blobs, pipeline: Pipeline, cfg: BatchConfig) -> None:
         self.db = db
         self.store = db.store
         self.blobs = blobs
         self.pipeline = pipeline
         self.cfg = cfg
-        self.owner = owner
+        # The replica's name on the leases it takes (``start``): known only once the
+        # proxy's port is bound when no ``replica_id`` is configured.
+        self.owner = ""
         self.tmp = Path(cfg.data_dir) / "tmp"
         self.wake = asyncio.Event()
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -79,7 +79,8 @@ class BatchRunner:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> None:
+    async def start(self, owner: str) -> None:
+        self.owner = owner
         self.tmp.mkdir(parents=True, exist_ok=True)
         released = await self.db.call(self.store.release_own, self.owner)
         if released:

@@ -186,7 +186,11 @@ def _serving_targets(r: ServingResult) -> list[Target]:
     """The target ratios (on ``ratio_arm``), then the gRPC arm's ratios for information
     (no status) when that arm ran."""
     tp, tt = r.targets.throughput_ratio, r.targets.ttft_p50_ratio
-    via = {"triton_http": " (HTTP/SSE both)", "triton": " (Triton over gRPC)"}.get(r.ratio_arm, "")
+    # The peer's settings, said where it is compared: both sides run vLLM's default CPU
+    # binding ("auto": the engine on core 0, core 1 kept for the front end), so this is
+    # the untuned baseline; bench vs-vllm has vLLM tuned by hand.
+    via = {"triton_http": " (HTTP/SSE both", "triton": " (Triton over gRPC"}.get(r.ratio_arm, " (")
+    via += "; vLLM's auto CPU binding both: untuned)"
     tput, ttft = r.throughput_ratio, r.ttft_p50_ratio
     out = [
         Target("serving", f"Triton leader / vllm serve{via} output tok/s >= {tp}",
@@ -207,7 +211,8 @@ def _serving_targets(r: ServingResult) -> list[Target]:
 
 def _serving_mn_targets(r: ServingMnResult) -> list[Target]:
     return [_info("serving_mn", f"information: TP=2 unit behind Triton / vllm serve "
-                  f"--nnodes 2, {label}", _with_pairs(v, per, "per repeat"))
+                  f"--nnodes 2 (rank i on core i, both), {label}",
+                  _with_pairs(v, per, "per repeat"))
             for label, v, per in (("output tok/s", r.throughput_ratio, r.throughput_ratio_per_repeat),
                                   ("TTFT p50", r.ttft_p50_ratio, r.ttft_p50_ratio_per_repeat))]  # fmt: skip
 
@@ -423,7 +428,8 @@ def _startup_targets(r: StartupResult) -> list[Target]:
     ratio, recreated = r.ratio_cluster_to_vllm, r.recreated_unit_routable_s
     limit, bound = r.targets.ratio_cluster_to_vllm, r.targets.recreated_unit_routable_s
     return [
-        Target("startup", f"default cluster ready / vllm serve ready <= {num(limit)}",
+        Target("startup", f"default cluster ready / vllm serve ready (same engine flags, vLLM's "
+               f"auto CPU binding) <= {num(limit)}",
                f"{spread_text(ratio)} ({num(r.cluster_ready_s.median, 1)} vs "
                f"{num(r.vllm_serve_ready_s.median, 1)} s)",
                ratio.median <= limit, straddles=straddles(ratio, limit)),

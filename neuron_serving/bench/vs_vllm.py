@@ -57,13 +57,16 @@ from neuron_serving.bench.sessions import BLOCK_SIZE, sessions_plan, system_prom
 
 SERVED_NAME = "llm"
 CONCURRENCY = 16
-# The same on every engine of every arm. KV cache bytes are per engine: the fleet and
-# vllm_dp2 hold twice vllm_one_engine's cache, as two engines of one size would.
+# The same on every engine of every arm: `make serve`'s (the Makefile's flags; the KV
+# cache bytes and max_num_seqs `up` gives each unit by default, which a test keeps in
+# step). KV cache bytes are per engine: the fleet and vllm_dp2 hold twice
+# vllm_one_engine's cache, as two engines of one size do. The quick run's load has to
+# overflow one engine's cache within minutes, so a larger cache means a longer run.
 ENGINE: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
     "max_model_len": 2048,
-    "kv_cache_bytes": 1 << 30,
+    "kv_cache_bytes": 256 << 20,
     "max_num_seqs": 16,
     "enable_prefix_caching": True,
     "seed": 0,
@@ -81,6 +84,7 @@ TENANTS = 8
 SYSTEM_BLOCKS = 6
 TURN_OUTPUT_LEN = 32
 WARMUP_REQUESTS = 16
+WARMUP_OUTPUT_LEN = 8
 FLEET_UNITS = 2
 # (workload, what the fleet / best tuned vLLM ratio must reach): tok/s at least, TTFT
 # p50 at most (issue 42).
@@ -107,10 +111,12 @@ class Sizes:
     concurrent_sessions: int
 
 
-QUICK = Sizes(repeats=3, random_prompts=32, prefix_len=1024, prompts_per_prefix=2,
-              sessions=16, turns=4, concurrent_sessions=8)  # fmt: skip
-FULL = Sizes(repeats=3, random_prompts=128, prefix_len=1024, prompts_per_prefix=4,
-             sessions=48, turns=5, concurrent_sessions=8)  # fmt: skip
+# quick: 2 repeats, not 3: three rounds of four arm starts and their load did not fit
+# the 15 minutes a quick run is meant to take here (bench/README.md, "vs-vllm").
+QUICK = Sizes(repeats=2, random_prompts=24, prefix_len=512, prompts_per_prefix=2,
+              sessions=8, turns=4, concurrent_sessions=4)  # fmt: skip
+FULL = Sizes(repeats=3, random_prompts=64, prefix_len=512, prompts_per_prefix=4,
+             sessions=16, turns=5, concurrent_sessions=8)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -201,10 +207,16 @@ def shared_prefix_plan(
     if not engine_tokens < total < 2 * engine_tokens:
         raise ValueError(f"{num_prefixes} prefixes of {prefix_len} tokens ({total}) are not "
                          f"between one engine's {engine_tokens} tokens and two engines'")  # fmt: skip
+    # Two engines that split the prefixes hold their half beside the sequences running
+    # on them (half the client's, each with the blocks of its own suffix and output):
+    # the premise of the workload, recorded to be read, not enforced.
+    own_blocks = math.ceil((SUFFIX_LEN + OUTPUT_LEN) / block)
+    half = math.ceil(num_prefixes / 2) * math.ceil(prefix_len / block)
     return {"kv_cache_bytes_per_engine": kv_bytes, "kv_bytes_per_token": per_token,
             "block_size": block, "engine_blocks": engine_blocks, "engine_tokens": engine_tokens,
             "prefix_len": prefix_len, "num_prefixes": num_prefixes, "prefix_tokens": total,
             "prefix_tokens_over_one_engine": total / engine_tokens,
+            "half_prefixes_and_running_blocks": half + math.ceil(CONCURRENCY / 2) * own_blocks,
             "prompts_per_prefix": prompts_per_prefix,
             "requests": num_prefixes * prompts_per_prefix}  # fmt: skip
 
@@ -379,8 +391,8 @@ def make_workloads(model_dir: Path, sizes: Sizes, plan: dict[str, Any]) -> Workl
     rand = RandomDataset(random_seed=0).sample(tok, sizes.random_prompts,
                                                input_len=RANDOM_INPUT_LEN, output_len=OUTPUT_LEN)  # fmt: skip
     # Another seed: the warm-up's prompts share no prefix with the measured ones.
-    warm = RandomDataset(random_seed=1).sample(tok, WARMUP_REQUESTS,
-                                               input_len=RANDOM_INPUT_LEN, output_len=16)  # fmt: skip
+    warm = RandomDataset(random_seed=1).sample(tok, WARMUP_REQUESTS, input_len=RANDOM_INPUT_LEN,
+                                               output_len=WARMUP_OUTPUT_LEN)  # fmt: skip
     shared = PrefixRepetitionRandomDataset(random_seed=0).sample(
         tok, plan["requests"], prefix_len=plan["prefix_len"], suffix_len=SUFFIX_LEN,
         num_prefixes=plan["num_prefixes"], output_len=OUTPUT_LEN)  # fmt: skip
@@ -635,6 +647,10 @@ def _workload_record(
 ) -> dict[str, Any]:
     return {
         "model": model, "model_dir": str(model_dir), "repeats": repeats,
+        "quick": sizes == QUICK,
+        **({"repeats_note": "quick runs 2 repeats, not 3: 3 did not fit the 15 minutes a quick "
+                            "run is given on this 2-core machine (bench/README.md, vs-vllm)"}
+           if sizes == QUICK else {}),
         "client": "vllm.benchmarks.lib.endpoint_request_func (completions; chat for "
                   "multi_turn), streamed, greedy, ignore_eos",
         "random": {"dataset": "vllm RandomDataset, seed 0", "prompts": sizes.random_prompts,
@@ -646,8 +662,12 @@ def _workload_record(
         "multi_turn": {"sessions": sizes.sessions, "turns": sizes.turns,
                        "concurrent_sessions": sizes.concurrent_sessions, "tenants": TENANTS,
                        "system_prompt_blocks": SYSTEM_BLOCKS, "tenant_popularity": "zipf(1)",
+                       # Every tenant's system prompt against one engine's cache.
+                       "system_prompts_blocks_total": TENANTS * SYSTEM_BLOCKS,
+                       "engine_blocks": plan["engine_blocks"],
                        "output_len_per_turn": TURN_OUTPUT_LEN, "seed": 0},
-        "warmup": f"{WARMUP_REQUESTS} random requests (seed 1) per arm start, not measured",
+        "warmup": f"{WARMUP_REQUESTS} random requests (seed 1) of {WARMUP_OUTPUT_LEN} tokens "
+                  "per arm start, not measured",
         "order": "arms one at a time, order rotated by one each repeat; every workload on "
                  "each start, in the order random, shared_prefix, multi_turn",
     }  # fmt: skip

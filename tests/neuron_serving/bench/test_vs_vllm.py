@@ -41,7 +41,7 @@ def _arm(name: str) -> vs_vllm.ArmSpec:
 def test_vllm_arms_command_lines_carry_the_same_engine_settings() -> None:
     flags = vllm_engine_args(ENGINE)
     assert flags == ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-                     "--kv-cache-memory-bytes", str(1 << 30), "--max-num-seqs", "16",
+                     "--kv-cache-memory-bytes", str(256 << 20), "--max-num-seqs", "16",
                      "--enable-prefix-caching", "--seed", "0"]  # fmt: skip
     for arm in ARMS[1:]:
         argv = stack.vllm_serve_argv(Path("/m"), 8123, [*flags, *arm.args])
@@ -93,6 +93,23 @@ def test_fleet_units_bound_as_up_binds_them(tmp_path: Path, monkeypatch) -> None
     assert arm_settings(_arm("vllm_dp2"), model)["command"].endswith("--data-parallel-size 2")
 
 
+def test_engine_is_make_serves() -> None:
+    import dataclasses
+
+    from neuron_serving.bench.startup import SERVE_FLAGS
+    from neuron_serving.local.spec import ClusterSpec
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ClusterSpec)}
+    assert ENGINE["kv_cache_bytes"] == defaults["kv_cache_bytes"]  # up's, per unit
+    assert ENGINE["max_num_seqs"] == defaults["max_num_seqs"]
+
+    def flag(name: str) -> str:
+        return SERVE_FLAGS[SERVE_FLAGS.index(name) + 1]
+
+    assert ENGINE["dtype"] == flag("--dtype") and "--enforce-eager" in SERVE_FLAGS
+    assert str(ENGINE["max_model_len"]) == flag("--max-model-len")
+
+
 def test_kv_bytes_per_token_from_the_config() -> None:
     assert kv_bytes_per_token(SMOLLM2, "float32") == 2 * 30 * 3 * 64 * 4 == 46080
     no_head_dim = {k: v for k, v in SMOLLM2.items() if k != "head_dim"}  # 576 / 9 = 64
@@ -106,8 +123,11 @@ def test_shared_prefixes_exceed_one_engines_cache_but_fit_two() -> None:
     assert plan["num_prefixes"] == math.ceil(1.5 * 23296 / 1024) == 35
     assert plan["engine_tokens"] < plan["prefix_tokens"] == 35 * 1024 < 2 * plan["engine_tokens"]
     assert plan["requests"] == 70
+    # make serve's 256 MiB: 45 blocks (5760 tokens); 17 prefixes of 512 tokens = 8704.
     small = shared_prefix_plan(256 << 20, 46080, prefix_len=512, prompts_per_prefix=4)
     assert small["engine_blocks"] == 45 and small["num_prefixes"] == math.ceil(1.5 * 5760 / 512)
+    # Half of them (9 x 4 blocks) and 8 running sequences' own block each fit one engine.
+    assert small["half_prefixes_and_running_blocks"] == 9 * 4 + 8 == 44 <= 45
     for pressure in (0.9, 2.5):
         with pytest.raises(ValueError, match="not between"):
             shared_prefix_plan(1 << 30, 46080, 1024, 2, pressure=pressure)

@@ -142,19 +142,6 @@ def _per_request_arm(name: str) -> bool:
     return name.startswith("proxy_openai") or name == "vllm"
 
 
-def _check_upstream(proxy: Any, arm: str, wanted: str, timeout_s: float = 15.0) -> None:
-    """Measure what we say: the arm's proxy carries its unit's calls over ``wanted``
-    (the channel connects in the background, a moment after the unit is routable)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        upstream = {u["upstream"] for u in proxy.status()["units"]}
-        if upstream == {wanted}:
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{arm}: the proxy's units use {upstream}, not {wanted}")
-        time.sleep(0.2)
-
-
 def _client_cpu() -> float:
     t = os.times()
     return t.user + t.system
@@ -329,7 +316,7 @@ def _commit(checkout: str) -> str:
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
          profile_dir: str | None = None, baseline: str | None = None) -> int:  # fmt: skip
-    from neuron_serving.bench.stack import proxy_config, start_proxy, wait_ready
+    from neuron_serving.bench.stack import proxy_config, start_proxy, wait_ready, wait_upstream
     from neuron_serving.bench.workload import proxy_arm
     from neuron_serving.models.demo import build_demo_model
 
@@ -356,7 +343,7 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
                                    openai_channel=channel)  # fmt: skip
                 env = {"NEURON_SERVING_PROXY_EVENT_LOOP": loop, **extra_env}
                 proxies.append(start_proxy(cfg, work, name=name, env=env))
-                _check_upstream(proxies[-1], name, "channel" if channel else "grpc")
+                wait_upstream(proxies[-1], "channel" if channel else "grpc")
                 arm_list.append(proxy_arm(proxies[-1].base, name))
                 servers[name] = (ldr, proxies[-1].process.popen.pid)
             pdir = Path(profile_dir) if profile_dir else None

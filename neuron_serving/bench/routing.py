@@ -81,6 +81,7 @@ from typing import Any
 import aiohttp
 
 from neuron_serving.bench.common import percentile, spread, write_result
+from neuron_serving.bench.sessions import BLOCK_SIZE, TOPICS, sessions_plan, system_prompts
 from neuron_serving.bench.sse import StreamTiming, timed_stream
 from neuron_serving.bench.stack import (
     Leader,
@@ -125,63 +126,10 @@ TARGET_HIT_RATIO = 1.2  # exact / approximate hit rate
 TARGET_P90_RATIO = 0.7  # exact / approximate TTFT p90 (30% lower)
 TARGET_REPLICA_PP = 2.0  # |2 replicas - 1 replica| hit rate, percentage points
 PRESSURE = 1.5  # prefix working set / fleet KV cache
-BLOCK_SIZE = 128  # vLLM's CPU block size (tokens): the leaders' KvInfo says the same
 SYSTEM_BLOCKS = 6  # whole KV blocks of each tenant's system prompt
 TENANTS = 8
 MAX_MODEL_LEN = 1536
 MAX_TOKENS = 16
-STORES = ["Northwind Outfitters", "Alpine Trail Supply", "Harbor and Pine", "Summit Gear",
-          "Cedar Ridge Sports", "Bluewater Paddle", "Granite Peak Co", "Prairie Wind Bikes",
-          "Redwood Camp Shop", "Ironwood Climbing"]  # fmt: skip
-TOPICS = ("running shoes tents sleeping bags backpacks rain jackets insulated jackets base "
-          "layers socks climbing gear kayaks paddles bikes helmets stoves water filters "
-          "headlamps maps compasses trekking poles gloves hats gaiters tarps hammocks coolers "
-          "chairs tables lanterns knives first aid kits sunscreen insect repellent").split()  # fmt: skip
-QUESTIONS = [
-    "Do you have trail running shoes in size {n}?", "What tent would you suggest for {n} people?",
-    "I need a rain jacket for a hike next week, budget {n}0 dollars.",
-    "Which sleeping bag is warm enough for {n} degrees?", "Is there a {n}0 liter backpack on sale?",
-    "Can I return boots I bought {n} weeks ago?", "Do members get free shipping on {n} items?",
-    "What stove works for a group of {n}?", "Do you price match a jacket at {n}9 dollars?",
-    "Which headlamp lasts {n} nights?", "Are there wide fit hiking boots in size {n}?",
-    "What water filter do you have for a {n} day trip?",
-]  # fmt: skip
-
-
-def _count_tokens(model_dir: Path):
-    """The model's own tokenizer (tokenizer.json), to size the system prompts in tokens."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
-
-
-def system_prompts(model_dir: Path, tenants: int, blocks: int, seed: int) -> list[str]:
-    """One system prompt per tenant, its store's name first (so no two tenants share a
-    block), padded with a seeded catalogue to about ``blocks`` whole KV blocks."""
-    count = _count_tokens(model_dir)
-    rng = random.Random(seed)
-    out = []
-    for store in STORES[:tenants]:
-        text = (f"You are the shopping assistant of {store}. Answer in two short sentences, "
-                "never invent stock levels, recommend at most two products. Catalogue:")  # fmt: skip
-        while count(text) < blocks * BLOCK_SIZE:
-            text += f" {rng.choice(TOPICS)} {rng.randint(10, 999)} dollars,"
-        out.append(text)
-    return out
-
-
-def sessions_plan(n: int, turns: int, tenants: int, seed: int) -> list[tuple[int, list[str]]]:
-    """``n`` sessions of ``turns`` questions, each with its tenant: Zipf(1) popularity."""
-    rng = random.Random(seed)
-    weights = [1.0 / (k + 1) for k in range(tenants)]
-    out = []
-    for i in range(n):
-        tenant = rng.choices(range(tenants), weights)[0]
-        qs = [f"Customer {i}: " + rng.choice(QUESTIONS).format(n=rng.randint(2, 9))]
-        qs += [rng.choice(QUESTIONS).format(n=rng.randint(2, 9)) for _ in range(turns - 1)]
-        out.append((tenant, qs))
-    return out
 
 
 def _common(a: list[int], b: list[int]) -> int:

@@ -214,6 +214,36 @@ def start_vllm_server(
     return VllmServer(_spawn(name, args, workdir, env), f"http://127.0.0.1:{port}")
 
 
+def bind_env(cpu_bind: str | None) -> dict[str, str]:
+    """This process's environment for a vLLM server: ``VLLM_CPU_OMP_THREADS_BIND`` set to
+    ``cpu_bind``, or left out (None: vLLM's own default, "auto", as a user who never
+    heard of the variable gets it)."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    if cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind
+    return {**env, "PYTHONUNBUFFERED": "1"}
+
+
+def vllm_serve_argv(
+    model: Path, port: int, args: list[str], served_model_name: str = "llm"
+) -> list[str]:
+    """``vllm serve MODEL`` on loopback ``port`` with ``args`` (vllm_cli.py: the console
+    script does not start here). Unlike ``api_server``, the ``serve`` sub-command is what
+    starts several API servers and engines for ``--data-parallel-size``."""
+    return [sys.executable, "-m", "neuron_serving.bench.vllm_cli", "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_model_name,
+            "--disable-uvicorn-access-log", *args]  # fmt: skip
+
+
+def start_vllm_serve(
+    model: Path, workdir: Path, name: str, *, cpu_bind: str | None, args: list[str]
+) -> VllmServer:
+    """``vllm serve`` (``vllm_serve_argv``) with the binding ``bind_env`` gives."""
+    port = free_port()
+    proc = _spawn(name, vllm_serve_argv(model, port, args), workdir, bind_env(cpu_bind))
+    return VllmServer(proc, f"http://127.0.0.1:{port}")
+
+
 def wait_ready(servers: list[Any], timeout_s: float = READY_TIMEOUT_S) -> None:
     """Wait for objects with ``ready()`` and ``process`` (leaders, vLLM servers)."""
     deadline = time.monotonic() + timeout_s
@@ -260,4 +290,18 @@ def start_proxy(config: dict[str, Any], workdir: Path, name: str = "proxy",
         if time.monotonic() > deadline:
             proc.stop()
             raise TimeoutError("proxy units not routable in 60 s")
+        time.sleep(0.2)
+
+
+def wait_upstream(proxy: Proxy, wanted: str, timeout_s: float = 15.0) -> None:
+    """Until every unit of ``proxy`` carries its calls over ``wanted`` ("channel" or
+    "grpc"): the leader's OpenAI channel connects in the background, a moment after
+    the unit is routable, and a benchmark measures the path it names."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        upstream = {u["upstream"] for u in proxy.status()["units"]}
+        if upstream == {wanted}:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proxy.process.name}: the units use {upstream}, not {wanted}")
         time.sleep(0.2)

@@ -20,7 +20,9 @@ BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", 
 # capacity: a compressed spike trace (--trace diurnal: the whole day) against autoscaled,
 # peak-sized and minimum-sized fleets of TP=1 units, one cluster after another).
 # soak: a cluster under mixed traffic and a fault schedule for 30 minutes (--quick 5).
-DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity", "soak")
+# vs-vllm: make serve's fleet against `vllm serve` tuned three ways, one arm at a time.
+DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity", "soak",
+              "vs-vllm")  # fmt: skip
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 
@@ -119,6 +121,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
 
         return soak.main(quick, model, emit_json, repeats, duration_s=args.duration,
                          seed=args.seed, faults_file=args.faults)  # fmt: skip
+    if name == "vs-vllm":
+        from neuron_serving.bench import vs_vllm
+
+        return vs_vllm.main(quick, model, emit_json, repeats)
     if name == "routing":
         from neuron_serving.bench import routing
 

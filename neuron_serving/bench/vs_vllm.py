@@ -142,7 +142,13 @@ ARMS = (
             "default, one per engine)"),
     ArmSpec("vllm_as_it_comes", "vllm", None, (),
             "vllm serve, vLLM's default binding (auto): the untuned baseline"),
+    # The fleet's own path with one engine as vllm_one_engine has it: what a unit costs
+    # next to vLLM alone, apart from how the cores are split between units.
+    ArmSpec("fleet_one_unit", "fleet", "0-1", (), "1 unit of TP=1 (neuron-serving leader), "
+            "OpenMP threads on both cores, behind neuron-serving proxy (kv_aware, channel)"),
 )  # fmt: skip
+# The arms a run has unless told (``--arms``): fleet_one_unit only when asked for.
+DEFAULT_ARMS = tuple(a.name for a in ARMS if a.name != "fleet_one_unit")
 
 
 def vllm_engine_args(engine: dict[str, Any]) -> list[str]:
@@ -175,10 +181,15 @@ def fleet_binds(model_dir: Path, units: int = FLEET_UNITS) -> list[str]:
     return [spec.unit_cpu_bind(i) for i in range(units)]
 
 
+def unit_binds(arm: ArmSpec, model_dir: Path) -> list[str]:
+    """A fleet arm's units' bindings: its own (one unit), else `up`'s for FLEET_UNITS."""
+    return [arm.cpu_bind] if arm.cpu_bind is not None else fleet_binds(model_dir)
+
+
 def arm_settings(arm: ArmSpec, model_dir: Path) -> dict[str, Any]:
     """What the result says of an arm: its label, engine settings and CPU binding."""
     if arm.kind == "fleet":
-        binds: Any = {f"unit-{i}": b for i, b in enumerate(fleet_binds(model_dir))}
+        binds: Any = {f"unit-{i}": b for i, b in enumerate(unit_binds(arm, model_dir))}
         command = ["neuron-serving leader", *leader_engine_args(ENGINE)]
     else:
         binds = arm.cpu_bind if arm.cpu_bind is not None else "unset (vLLM's default: auto)"
@@ -239,16 +250,21 @@ def build_sessions(
     return [(systems[tenant], questions) for tenant, questions in plan]
 
 
-def ratios(per_repeat: list[dict[str, Any]]) -> dict[str, Any]:
+def ratios(per_repeat: list[dict[str, Any]], fleet: str = "fleet") -> dict[str, Any]:
     """Per workload: the best tuned vLLM arm (of ``TUNED``, the higher median tok/s over
     the repeats it ran), then fleet / that arm's figure within each repeat (arms of one
     repeat ran back to back), as a spread, and whether its median meets ``TARGETS``."""
     out: dict[str, Any] = {}
     for wl, targets in TARGETS.items():
         best = _best_tuned(per_repeat, wl)
-        entry: dict[str, Any] = {"best_tuned_arm": best, "targets": {}, "met": {}}
+        entry: dict[str, Any] = {
+            "best_tuned_arm": best,
+            "fleet_arm": fleet,
+            "targets": {},
+            "met": {},
+        }
         for key, target in targets.items():
-            values = [f[key] / b[key] for f, b in _pairs(per_repeat, wl, best) if b[key]]
+            values = [f[key] / b[key] for f, b in _pairs(per_repeat, wl, best, fleet) if b[key]]
             s = spread(values)
             entry[key] = s
             entry["targets"][key] = f"{'>=' if key == 'output_tok_s' else '<='} {target}"
@@ -275,14 +291,14 @@ def _best_tuned(per_repeat: list[dict[str, Any]], wl: str) -> str | None:
 
 
 def _pairs(
-    per_repeat: list[dict[str, Any]], wl: str, best: str | None
+    per_repeat: list[dict[str, Any]], wl: str, best: str | None, fleet_arm: str = "fleet"
 ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(fleet's figures, best tuned arm's) of each repeat in which both ran."""
+    """(the fleet arm's figures, best tuned arm's) of each repeat in which both ran."""
     if best is None:
         return []
     out = []
     for rep in per_repeat:
-        fleet, tuned = _figures(rep, "fleet", wl), _figures(rep, best, wl)
+        fleet, tuned = _figures(rep, fleet_arm, wl), _figures(rep, best, wl)
         if fleet and tuned:
             out.append((fleet, tuned))
     return out
@@ -305,7 +321,7 @@ class Running:
             stop()
 
 
-def start_fleet(model_dir: Path, work: Path, tag: str) -> Running:
+def start_fleet(model_dir: Path, work: Path, tag: str, binds: list[str]) -> Running:
     from neuron_serving.bench.stack import (
         proxy_config,
         start_leader,
@@ -318,7 +334,7 @@ def start_fleet(model_dir: Path, work: Path, tag: str) -> Running:
                             max_model_len=ENGINE["max_model_len"],
                             kv_cache_bytes=ENGINE["kv_cache_bytes"],
                             extra_args=leader_engine_args(ENGINE))
-               for i, bind in enumerate(fleet_binds(model_dir))]  # fmt: skip
+               for i, bind in enumerate(binds)]  # fmt: skip
     running = Running("", [ldr.metrics for ldr in leaders],
                       [ldr.process.stop for ldr in leaders])  # fmt: skip
     try:
@@ -350,7 +366,7 @@ def start_vllm(arm: ArmSpec, model_dir: Path, work: Path, tag: str) -> Running:
 
 def start_arm(arm: ArmSpec, model_dir: Path, work: Path, tag: str) -> Running:
     if arm.kind == "fleet":
-        return start_fleet(model_dir, work, tag)
+        return start_fleet(model_dir, work, tag, unit_binds(arm, model_dir))
     return start_vllm(arm, model_dir, work, tag)
 
 
@@ -539,7 +555,7 @@ def _report_line(r: int, arm: str, run: dict[str, Any]) -> str:
 
 
 def run_repeats(
-    model_dir: Path, work: Path, repeats: int, workloads: Workloads
+    model_dir: Path, work: Path, repeats: int, workloads: Workloads, arms: tuple[ArmSpec, ...]
 ) -> list[dict[str, Any]]:
     """Every arm per repeat, the order rotated by one each repeat; an arm that failed to
     start twice is not started again (its error stands for the later repeats)."""
@@ -547,7 +563,7 @@ def run_repeats(
     dead: dict[str, dict[str, Any]] = {}
     for r in range(repeats):
         rep: dict[str, Any] = {}
-        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
             if arm.name in dead:
                 rep[arm.name] = {**dead[arm.name], "skipped": "failed to start before"}
                 continue
@@ -559,11 +575,11 @@ def run_repeats(
     return per_repeat
 
 
-def aggregate(per_repeat: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(per_repeat: list[dict[str, Any]], arms: tuple[ArmSpec, ...] = ARMS) -> dict[str, Any]:
     """Per arm: each workload's figures as spreads over the repeats it ran, failed
     requests summed, start times; or the error that kept it from starting."""
     out: dict[str, Any] = {}
-    for arm in ARMS:
+    for arm in arms:
         runs = [rep[arm.name] for rep in per_repeat if "workloads" in rep.get(arm.name, {})]
         errors = [rep[arm.name]["error"] for rep in per_repeat if "error" in rep.get(arm.name, {})]
         entry: dict[str, Any] = {"start_s": spread([r["start_s"] for r in runs])}
@@ -593,16 +609,29 @@ def table(arms: dict[str, Any], rat: dict[str, Any]) -> str:
                          f"{med(f['ttft_p50_ms']):>7.0f}ms {med(f['hit_rate']):>8.3f} "
                          f"{f['failed']}")  # fmt: skip
         r = rat[wl]
-        lines.append(f"{'':<14} fleet / {r['best_tuned_arm']}: tok/s "
+        lines.append(f"{'':<14} {r.get('fleet_arm', 'fleet')} / {r['best_tuned_arm']}: tok/s "
                      f"{med(r['output_tok_s']):.2f} ({r['targets']['output_tok_s']}, met "
                      f"{r['met']['output_tok_s']}), TTFT p50 {med(r['ttft_p50_ms']):.2f} "
                      f"({r['targets']['ttft_p50_ms']}, met {r['met']['ttft_p50_ms']})")  # fmt: skip
     return "\n".join(lines)
 
 
-def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None) -> int:
+def select_arms(names: str | None) -> tuple[ArmSpec, ...]:
+    """The arms ``--arms a,b`` names (in ARMS' order), or ``DEFAULT_ARMS``."""
+    wanted = names.split(",") if names else list(DEFAULT_ARMS)
+    unknown = sorted(set(wanted) - {a.name for a in ARMS})
+    if unknown:
+        raise SystemExit(f"--arms: no arm {', '.join(unknown)} (arms: "
+                         f"{', '.join(a.name for a in ARMS)})")  # fmt: skip
+    return tuple(a for a in ARMS if a.name in wanted)
+
+
+def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
+         arm_names: str | None = None) -> int:  # fmt: skip
     """``model``: a directory; by default ``make serve``'s model, SmolLM2-135M-Instruct
-    (``neuron-serving models pull smollm2-135m-instruct`` first)."""
+    (``neuron-serving models pull smollm2-135m-instruct`` first). ``arm_names``: a
+    subset of the arms (comma-separated); a run of other arms than the default ones
+    writes its result under its own name (``vs-vllm[-quick]-ARM+ARM``)."""
     from neuron_serving.bench.startup import SERVE_MODEL
     from neuron_serving.models.resolve import resolve_model
 
@@ -615,18 +644,25 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     plan = shared_prefix_plan(ENGINE["kv_cache_bytes"], per_token, sizes.prefix_len,
                               sizes.prompts_per_prefix)  # fmt: skip
     workloads = make_workloads(model_dir, sizes, plan)
+    chosen = select_arms(arm_names)
     with tempfile.TemporaryDirectory(prefix="ns-bench-vs-vllm-") as tmp:
-        per_repeat = run_repeats(model_dir, Path(tmp), repeats, workloads)
-    arms, rat = aggregate(per_repeat), ratios(per_repeat)
+        per_repeat = run_repeats(model_dir, Path(tmp), repeats, workloads, chosen)
+    arms = aggregate(per_repeat, chosen)
+    fleet_arm = next((a.name for a in chosen if a.kind == "fleet"), "fleet")
+    rat = ratios(per_repeat, fleet_arm)
     result = {
         "workload": _workload_record(model or SERVE_MODEL, model_dir, sizes, repeats, plan),
-        "arm_settings": {a.name: arm_settings(a, model_dir) for a in ARMS},
+        "arm_settings": {a.name: arm_settings(a, model_dir) for a in chosen},
+        "ratios_of": fleet_arm,
         "machine_load": {"load_avg_1m_start": load_before[0],
                          "load_avg_1m_end": os.getloadavg()[0]},  # fmt: skip
         "wall_s": round(time.monotonic() - t0, 1),
         "arms": arms, "ratios": rat, "repeats": per_repeat,
     }  # fmt: skip
-    path = write_result("vs-vllm" + ("-quick" if quick else ""), result)
+    name = "vs-vllm" + ("-quick" if quick else "")
+    if tuple(a.name for a in chosen) != DEFAULT_ARMS:
+        name += "-" + "+".join(a.name for a in chosen)
+    path = write_result(name, result)
     print(table(arms, rat), file=sys.stderr)
     print(f"vs-vllm -> {path} ({result['wall_s']:.0f} s)", file=sys.stderr)
     if emit_json:

@@ -72,6 +72,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
     )  # fmt: skip
     p.add_argument(
+        "--arms", default=None, metavar="A,B",
+        help="vs-vllm: only these arms (fleet, vllm_one_engine, vllm_dp2, vllm_as_it_comes, "
+        "fleet_one_unit: one unit on both cores); the result is named after them",
+    )  # fmt: skip
+    p.add_argument(
         "--baseline", default=None, metavar="DIR",
         help="cpu: also run the proxy from another checkout (a git worktree of an older "
         "commit) as arm proxy_openai_baseline, old against new in one run",
@@ -124,7 +129,7 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
     if name == "vs-vllm":
         from neuron_serving.bench import vs_vllm
 
-        return vs_vllm.main(quick, model, emit_json, repeats)
+        return vs_vllm.main(quick, model, emit_json, repeats, args.arms)
     if name == "routing":
         from neuron_serving.bench import routing
 

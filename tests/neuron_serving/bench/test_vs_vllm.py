@@ -60,7 +60,15 @@ def test_arms_bindings_and_environments(monkeypatch: pytest.MonkeyPatch) -> None
     assert [(a.name, a.kind, a.cpu_bind) for a in ARMS] == [
         ("fleet", "fleet", None), ("vllm_one_engine", "vllm", "0-1"),
         ("vllm_dp2", "vllm", "0|1"), ("vllm_as_it_comes", "vllm", None),
+        ("fleet_one_unit", "fleet", "0-1"),
     ]  # fmt: skip
+    # fleet_one_unit runs only when asked for; --arms keeps ARMS' order, refuses a typo.
+    assert [a.name for a in vs_vllm.select_arms(None)] == [a.name for a in ARMS[:4]]
+    picked = vs_vllm.select_arms("vllm_one_engine,fleet_one_unit")
+    assert [a.name for a in picked] == ["vllm_one_engine", "fleet_one_unit"]
+    with pytest.raises(SystemExit, match="no arm flet"):
+        vs_vllm.select_arms("flet")
+    assert vs_vllm.unit_binds(_arm("fleet_one_unit"), Path("/nonexistent")) == ["0-1"]
     # The untuned arm gets vLLM's default even when this shell set a binding.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in stack.bind_env(None)

@@ -63,16 +63,18 @@ chromium:
 	    || echo "chromium not installed: the dashboard browser test will skip"; \
 	fi || true
 
-# The real instruct model (pulled once from PyPI, ~93 MB, converted to float32), two
-# units of TP=1: its 9 attention heads allow TP 1 or 3, and TP=3 (three ranks on two
-# cores) decodes at a quarter of TP=1's speed here (neuron_serving/models/README.md).
+# The real instruct model (pulled once from PyPI, ~93 MB, converted to float32), TP=1
+# units: its 9 attention heads allow TP 1 or 3, and TP=3 (three ranks on two cores)
+# decodes at a quarter of TP=1's speed here (neuron_serving/models/README.md). How
+# many units and how many cores each: `--units auto`, the layout bench vs-vllm found
+# fastest (one unit over every core here), printed at start.
 # Eager: ready in ~30 s instead of ~2 min, at ~10% of decode speed. float32: this
 # CPU class has no native bfloat16 (vLLM's auto pick), which runs ~2.5x slower.
 SERVE_MODEL ?= smollm2-135m-instruct
 serve: $(STAMP)
 	$(BIN)/neuron-serving models pull $(SERVE_MODEL)
-	$(BIN)/neuron-serving up --model $(SERVE_MODEL) --tp 1 --dtype float32 --enforce-eager \
-	  --max-model-len 2048
+	$(BIN)/neuron-serving up --model $(SERVE_MODEL) --tp 1 --units auto --dtype float32 \
+	  --enforce-eager --max-model-len 2048
 
 # The random-weight demo model in the product's multi-rank shape: 2 units of TP=2.
 serve-demo: $(STAMP)

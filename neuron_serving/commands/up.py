@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -24,9 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--units",
-        type=int,
+        type=_units_arg,
         default=None,
-        help="inference units (default 2; with --autoscale: --units-min)",
+        help="inference units (default 2; with --autoscale: --units-min); 'auto': the "
+        "layout bench vs-vllm found fastest on this host's cores (printed at start)",
     )
     p.add_argument(
         *TP_FLAGS, dest="tp", type=int, default=2, help="tensor-parallel ranks per unit (default 2)"
@@ -169,6 +171,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _units_arg(raw: str) -> int | str:
+    if raw == AUTO:
+        return raw
+    try:
+        return int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {raw!r}") from None
+
+
+AUTO = "auto"
+
+
+def auto_layout(tp: int, cpus: list[int]) -> tuple[int, str, str]:
+    """``--units auto``: (units, every unit's CPU binding, why), for TP=1 units.
+
+    One unit whose engine's OpenMP threads use every allowed CPU: on 2 cores it served
+    more and answered sooner than two units of one core each, and as much as `vllm
+    serve` with one engine on both cores (bench/README.md, "vs-vllm"): a small model's
+    decode step scales across the cores of one engine better than the work splits
+    between engines. Measured on 2 cores only; a larger host gets the same layout until
+    a run there says otherwise."""
+    if tp != 1:
+        raise ValueError("--units auto is for TP=1 units (the measured layouts)")
+    if not cpus:
+        raise ValueError("--units auto: no CPU allowed to this process")
+    bind = ",".join(str(c) for c in cpus)
+    why = (f"--units auto: 1 unit on all {len(cpus)} allowed CPUs ({bind}): one engine "
+           "over every core beat one unit per core in bench vs-vllm (bench/README.md)")  # fmt: skip
+    return 1, bind, why
+
+
 def _capacity_config(args: argparse.Namespace) -> Any:
     """The autoscaler's config (ValueError on a bad one), or None without --autoscale;
     sets ``args.units`` to the initial count."""
@@ -186,6 +219,8 @@ def _capacity_config(args: argparse.Namespace) -> Any:
             )
         args.units = 2 if args.units is None else args.units
         return None
+    if args.units == AUTO:
+        raise ValueError("--units auto and --autoscale: give --autoscale a number of units")
     from neuron_serving.capacity.controller import ControllerConfig
 
     raw: Any = {}
@@ -369,6 +404,10 @@ def run(args: argparse.Namespace) -> int:
         admission = parse_section("admission", args.admission)
         timeouts = parse_section("timeouts", args.timeouts)
         model = Path(args.model) if args.model else demo_model_dir(say)
+        cpu_bind = ""
+        if args.units == AUTO:
+            args.units, cpu_bind, why = auto_layout(args.tp, sorted(os.sched_getaffinity(0)))
+            say(why)
         spec = ClusterSpec(
             model_dir=model,
             run_dir=Path(args.run_dir) if args.run_dir else default_run_dir(args.port),
@@ -391,6 +430,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             served_model_name=args.served_model_name,
             extra_leader_args=leader_args,
+            cpu_bind=cpu_bind,
         )
     except ValueError as e:
         print(f"neuron-serving up: {e}", file=sys.stderr)

@@ -131,6 +131,27 @@ def test_vllm_flag_names_and_engine_args_reach_the_spec(
     )  # fmt: skip
 
 
+def test_units_auto_is_one_unit_on_every_allowed_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    signal_handlers: None,
+) -> None:  # fmt: skip
+    """`make serve`'s layout: what bench vs-vllm found fastest here, said at start."""
+    _fake_cluster(monkeypatch)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {3, 1})
+    base = ["up", "--run-dir", str(tmp_path / "run"), "--model", str(_model(tmp_path))]
+    assert main([*base, "--units", "auto", "--tp", "1"]) == ExitCode.OK
+    spec = FakeCluster.made[-1].spec
+    assert (spec.units, spec.unit_cpu_bind(0)) == (1, "1,3")
+    assert "--units auto: 1 unit on all 2 allowed CPUs (1,3)" in capsys.readouterr().out
+    # Measured for TP=1 only; a word that is not a number is refused by the parser.
+    assert main([*base, "--units", "auto", "--tp", "2"]) == ExitCode.USAGE
+    assert "--units auto is for TP=1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--units", "many"])
+    assert "expected a number or 'auto'" in capsys.readouterr().err
+    assert main([*base, "--units", "auto", "--tp", "1", "--autoscale"]) == ExitCode.USAGE
+
+
 def test_bad_engine_args_stop_up_before_anything_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -10,8 +10,8 @@ arms alternating in order from one repeat to the next:
   every unit (``--kv-cache-memory-bytes 256 MiB --max-num-seqs 16``), TP=1:
   spawn -> ``/health`` answers 200;
 - `make serve`'s cluster: ``neuron-serving up --model smollm2-135m-instruct`` with
-  ``SERVE_FLAGS`` (2 units of TP=1): spawn -> the proxy's ``/status`` shows every
-  unit routable;
+  ``SERVE_FLAGS`` (TP=1 units, as many as ``--units auto`` picks: one on this 2-core
+  host): spawn -> the proxy's ``/status`` shows every unit routable;
 - then a unit recreated after a crash: SIGKILL of unit-0's leader -> the proxy shows
   unit-0 out of rotation -> routable again (the supervisor kills what is left of the
   unit, backs off and starts it again), with kill -> `up`'s "failed" line (what is
@@ -56,9 +56,12 @@ _UP_STOP_S = 120.0
 _BASE_PORT = 26600
 # `make serve` (Makefile, target serve): `up --model $(SERVE_MODEL)` with these flags;
 # tests/neuron_serving/bench/test_startup.py keeps the two in step. Every one of them
-# is also a `vllm serve` flag of the same meaning, except --tp.
+# is also a `vllm serve` flag of the same meaning, except --tp (spelled otherwise) and
+# --units (up's alone: vllm serve is one engine).
 SERVE_MODEL = "smollm2-135m-instruct"
-SERVE_FLAGS = ("--tp", "1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048")
+SERVE_FLAGS = ("--tp", "1", "--units", "auto", "--dtype", "float32", "--enforce-eager",
+               "--max-model-len", "2048")  # fmt: skip
+_UP_ONLY = ("--units",)  # flags vllm serve has no counterpart of, each with one value
 _EVENT = re.compile(r"^\[\s*([\d.]+)s\] (unit-\d+) (?:(starting):|(ready) after|leader: (\w+))")
 
 
@@ -172,8 +175,16 @@ def _cold_env(work: Path) -> dict[str, str]:
 
 
 def vllm_flags() -> list[str]:
-    """``SERVE_FLAGS`` in `vllm serve`'s spelling (--tp is `up`'s short name)."""
-    return [{"--tp": "--tensor-parallel-size"}.get(f, f) for f in SERVE_FLAGS]
+    """``SERVE_FLAGS`` in `vllm serve`'s spelling (--tp is `up`'s short name), without
+    the flags that are `up`'s alone."""
+    out: list[str] = []
+    skip = False
+    for f in SERVE_FLAGS:
+        if skip or f in _UP_ONLY:
+            skip = not skip
+            continue
+        out.append({"--tp": "--tensor-parallel-size"}.get(f, f))
+    return out
 
 
 def vllm_arm(model: Path, work: Path) -> dict[str, Any]:

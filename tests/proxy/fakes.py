@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,22 +228,25 @@ class FakeTritonServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 continue
             values = _inputs(req)
             if "openai_request" in values:
-                async for r in self.owner.openai(values["openai_request"]):
-                    yield _openai_response("llm", req.id, r)
+                async with aclosing(self.owner.openai(values["openai_request"])) as rs:
+                    async for r in rs:
+                        yield _openai_response("llm", req.id, r)
                 continue
-            async for item in self.owner.generate(
+            items = self.owner.generate(
                 values["text_input"],
                 values.get("sampling_parameters") or "{}",
                 values.get("priority", 0),
-            ):
-                if item is PROGRESS:
-                    yield _progress_response("llm", req.id)
-                    continue
-                text, finish, prompt_tokens, completion, version = item
-                cached = b.cached_tokens if finish else None
-                yield _response(
-                    "llm", req.id, text, finish, prompt_tokens, completion, version, cached
-                )
+            )
+            async with aclosing(items):
+                async for item in items:
+                    if item is PROGRESS:
+                        yield _progress_response("llm", req.id)
+                        continue
+                    text, finish, prompt_tokens, completion, version = item
+                    cached = b.cached_tokens if finish else None
+                    yield _response(
+                        "llm", req.id, text, finish, prompt_tokens, completion, version, cached
+                    )
 
 
 class FakeTriton:
@@ -285,26 +289,27 @@ class FakeTriton:
     async def _channel_answer(self, call: ChannelCall, message: oc.Open | oc.Generate) -> None:
         """The same model as the other protocols, as channel events."""
         if isinstance(message, oc.Open):
-            async for event in self.openai(message.envelope.decode()):
+            async with aclosing(self.openai(message.envelope.decode())) as events:
+                async for event in events:
+                    sent = call.send(event, event.final)
+                    if sent is not None:
+                        await sent
+            return
+        items = self.generate(message.text_input, message.sampling_parameters, message.priority)
+        async with aclosing(items):
+            async for item in items:
+                if item is PROGRESS:
+                    call.progress()
+                    continue
+                text, finish, prompt_tokens, completion, version = item
+                event = oc.Event(0, text.encode(), None, finish or None,
+                                 prompt_tokens=prompt_tokens, completion_tokens=completion,
+                                 model_version=version)  # fmt: skip
+                if finish:
+                    event.cached_tokens = self.behavior.cached_tokens
                 sent = call.send(event, event.final)
                 if sent is not None:
                     await sent
-            return
-        async for item in self.generate(
-            message.text_input, message.sampling_parameters, message.priority
-        ):
-            if item is PROGRESS:
-                call.progress()
-                continue
-            text, finish, prompt_tokens, completion, version = item
-            event = oc.Event(0, text.encode(), None, finish or None,
-                             prompt_tokens=prompt_tokens, completion_tokens=completion,
-                             model_version=version)  # fmt: skip
-            if finish:
-                event.cached_tokens = self.behavior.cached_tokens
-            sent = call.send(event, event.final)
-            if sent is not None:
-                await sent
 
     async def generate(self, prompt: str, sampling_json: str, priority: int = 0):
         """The model, for either protocol: (text, finish_reason, prompt_tokens,
@@ -344,7 +349,9 @@ class FakeTriton:
                     if b.kill_after_tokens is not None:
                         await self._token_gate(max_tokens)
                     yield "", "length", len(prompt), max_tokens, None
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: the consumer was cancelled while this generator waited
+            # at a yield (a response being written) and closed it: also a cancel.
             b.cancelled += 1
             raise
         finally:
@@ -364,9 +371,10 @@ class FakeTriton:
             await asyncio.sleep(b.token_delay_s)
 
     async def openai(self, raw: str):
-        async for r in self._openai(raw):
-            self.behavior.openai_bodies.append(r.body)
-            yield r
+        async with aclosing(self._openai(raw)) as responses:
+            async for r in responses:
+                self.behavior.openai_bodies.append(r.body)
+                yield r
 
     async def _openai(self, raw: str):
         """The OpenAI path: ``FakeOpenAIResponse``s for one envelope, as the leader's
@@ -450,7 +458,9 @@ class FakeTriton:
             else:
                 r.body = chunks.full(out, finish, n)
             yield r
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # GeneratorExit: the consumer was cancelled while this generator waited
+            # at a yield (a response being written) and closed it: also a cancel.
             b.cancelled += 1
             raise
         finally:

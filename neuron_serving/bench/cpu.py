@@ -39,7 +39,6 @@ import asyncio
 import itertools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.bench import profile
 from neuron_serving.bench.common import spread, write_result
 from neuron_serving.bench.workload import (
     CONCURRENCY,
@@ -151,18 +151,6 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
-def _py_spy(pid: int, seconds: float, path: Path) -> subprocess.Popen | None:
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(exe).exists():
-        print("py-spy not installed; no profile", file=sys.stderr)
-        return None
-    return subprocess.Popen(
-        [exe, "record", "--pid", str(pid), "--subprocesses", "--duration", str(int(seconds)),
-         "--rate", "200", "--format", "speedscope", "--output", str(path), "--nonblocking"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-
 async def _measure(arms: list[Any], servers: dict[str, tuple[int, ...]], repeats: int, requests: int,
                    max_tokens: int, profile_dir: Path | None) -> list[dict[str, Any]]:  # fmt: skip
     extra = {"temperature": 0.0}
@@ -176,13 +164,14 @@ async def _measure(arms: list[Any], servers: dict[str, tuple[int, ...]], repeats
             pids = servers[arm.name]
             spy = None
             if profile_dir is not None and r == 0:
-                spy = _py_spy(pids[-1], 8, profile_dir / f"{arm.name}.speedscope.json")
+                path = profile_dir / f"{arm.name}.speedscope.json"
+                spy = profile.record(pids[-1], path, "speedscope", duration_s=8)
                 await asyncio.sleep(1.0)  # py-spy attaches to every process of the tree
             before, client0 = cpu_by_name(*pids), _client_cpu()
             summary = await run_load(arm, ids, requests, CONCURRENCY, max_tokens, extra)
             after, client1 = cpu_by_name(*pids), _client_cpu()
             if spy is not None:
-                spy.wait(timeout=60)
+                spy.wait(timeout=60)  # its --duration ends it
             tokens = summary["output_tokens"] or 1
             per_token = {k: v / tokens * 1e6 for k, v in _delta(after, before).items() if v > 0}
             run[arm.name] = {

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.bench import profile
 from neuron_serving.bench.common import metric_sum, spread, write_result
 from neuron_serving.bench.metrics import summarize
 from neuron_serving.bench.sessions import BLOCK_SIZE, sessions_plan, system_prompts
@@ -98,6 +99,9 @@ TUNED = ("vllm_one_engine", "vllm_dp2")
 # An arm whose start failing is a finding, not a failed run (vLLM's CPU build may refuse
 # data parallelism).
 MAY_FAIL_TO_START = ("vllm_dp2",)
+# The workload py-spy records (``--py-spy``): the one without prefix reuse, where the
+# serving paths differ only in how they run the engine.
+PROFILED = "random"
 
 
 @dataclass(frozen=True)
@@ -121,20 +125,27 @@ FULL = Sizes(repeats=3, random_prompts=64, prefix_len=512, prompts_per_prefix=4,
 
 @dataclass(frozen=True)
 class ArmSpec:
-    """One arm: ``kind`` "fleet" (leaders behind the proxy) or "vllm" (`vllm serve`),
-    its ``VLLM_CPU_OMP_THREADS_BIND`` (None: unset, vLLM's default "auto"; the fleet's
-    units get theirs from ``fleet_binds``) and extra `vllm serve` flags."""
+    """One arm: ``kind`` "fleet" (leaders behind the proxy) or "vllm" (`vllm serve`).
+    A vllm arm's ``cpu_bind`` is its ``VLLM_CPU_OMP_THREADS_BIND`` (None: unset, vLLM's
+    default "auto"); ``args`` are extra `vllm serve` flags. A fleet arm's units are
+    ``units`` TP=1 units bound as `neuron-serving up` binds them, 0 for what `make
+    serve` starts (``up --units auto``)."""
 
     name: str
     kind: str
     cpu_bind: str | None
     args: tuple[str, ...] = ()
     label: str = ""
+    units: int = 0
 
 
 ARMS = (
-    ArmSpec("fleet", "fleet", None, (), "make serve's fleet: 2 units of TP=1 (neuron-serving "
-            "leader), one core each, behind neuron-serving proxy (kv_aware, OpenAI channel)"),
+    ArmSpec("fleet", "fleet", None, (), "make serve's fleet (up --units auto): 1 unit of TP=1 "
+            "(neuron-serving leader) on every allowed core, behind neuron-serving proxy "
+            "(kv_aware, OpenAI channel)"),
+    ArmSpec("fleet_split", "fleet", None, (), "2 units of TP=1 (neuron-serving leader), one "
+            "core each as up binds them, behind neuron-serving proxy (kv_aware, OpenAI "
+            "channel): the layout a host of several engines has", units=FLEET_UNITS),
     ArmSpec("vllm_one_engine", "vllm", "0-1", (),
             "vllm serve, one engine, OpenMP threads on both cores"),
     ArmSpec("vllm_dp2", "vllm", "0|1", ("--data-parallel-size", "2"),
@@ -142,13 +153,11 @@ ARMS = (
             "default, one per engine)"),
     ArmSpec("vllm_as_it_comes", "vllm", None, (),
             "vllm serve, vLLM's default binding (auto): the untuned baseline"),
-    # The fleet's own path with one engine as vllm_one_engine has it: what a unit costs
-    # next to vLLM alone, apart from how the cores are split between units.
-    ArmSpec("fleet_one_unit", "fleet", "0-1", (), "1 unit of TP=1 (neuron-serving leader), "
-            "OpenMP threads on both cores, behind neuron-serving proxy (kv_aware, channel)"),
 )  # fmt: skip
-# The arms a run has unless told (``--arms``): fleet_one_unit only when asked for.
-DEFAULT_ARMS = tuple(a.name for a in ARMS if a.name != "fleet_one_unit")
+DEFAULT_ARMS = tuple(a.name for a in ARMS)
+# Like for like: the fleet split into one-core units against vLLM's data parallelism
+# split the same way (no target; what routing earns where engines do not share cores).
+SPLIT_PAIR = ("fleet_split", "vllm_dp2")
 
 
 def vllm_engine_args(engine: dict[str, Any]) -> list[str]:
@@ -182,8 +191,14 @@ def fleet_binds(model_dir: Path, units: int = FLEET_UNITS) -> list[str]:
 
 
 def unit_binds(arm: ArmSpec, model_dir: Path) -> list[str]:
-    """A fleet arm's units' bindings: its own (one unit), else `up`'s for FLEET_UNITS."""
-    return [arm.cpu_bind] if arm.cpu_bind is not None else fleet_binds(model_dir)
+    """A fleet arm's units' bindings: `up`'s for ``arm.units`` units, or what `up
+    --units auto` picks on this host's allowed CPUs (``auto_layout``)."""
+    if arm.units:
+        return fleet_binds(model_dir, arm.units)
+    from neuron_serving.commands.up import auto_layout
+
+    units, bind, _ = auto_layout(1, sorted(os.sched_getaffinity(0)))
+    return [bind] * units
 
 
 def arm_settings(arm: ArmSpec, model_dir: Path) -> dict[str, Any]:
@@ -271,6 +286,12 @@ def ratios(per_repeat: list[dict[str, Any]], fleet: str = "fleet") -> dict[str, 
             med = s.get("median")
             entry["met"][key] = None if med is None else bool(
                 med >= target if key == "output_tok_s" else med <= target)  # fmt: skip
+        split, dp = SPLIT_PAIR
+        pairs = _pairs(per_repeat, wl, dp, split)
+        if pairs:
+            entry["split"] = {"arms": f"{split} / {dp}"} | {
+                key: spread([f[key] / b[key] for f, b in pairs if b[key]]) for key in targets
+            }
         out[wl] = entry
     return out
 
@@ -315,6 +336,7 @@ class Running:
     base: str
     engine_metrics: list[str]
     stoppers: list[Callable[[], None]]
+    pids: list[int]  # the processes whose trees serve (py-spy's roots)
 
     def stop(self) -> None:
         for stop in reversed(self.stoppers):
@@ -336,13 +358,15 @@ def start_fleet(model_dir: Path, work: Path, tag: str, binds: list[str]) -> Runn
                             extra_args=leader_engine_args(ENGINE))
                for i, bind in enumerate(binds)]  # fmt: skip
     running = Running("", [ldr.metrics for ldr in leaders],
-                      [ldr.process.stop for ldr in leaders])  # fmt: skip
+                      [ldr.process.stop for ldr in leaders],
+                      [ldr.process.popen.pid for ldr in leaders])  # fmt: skip
     try:
         wait_leaders(leaders)
         cfg = proxy_config(leaders, model_dir, ENGINE["max_model_len"],
                            routing={"policy": "kv_aware"}, openai_channel=True)  # fmt: skip
         proxy = start_proxy(cfg, work, name=f"{tag}-proxy")
         running.stoppers.append(proxy.process.stop)
+        running.pids.append(proxy.process.popen.pid)
         wait_upstream(proxy, "channel")
     except BaseException:
         running.stop()
@@ -361,7 +385,12 @@ def start_vllm(arm: ArmSpec, model_dir: Path, work: Path, tag: str) -> Running:
     except BaseException:
         server.process.stop()
         raise
-    return Running(server.base, [server.base.removeprefix("http://")], [server.process.stop])
+    return Running(
+        server.base,
+        [server.base.removeprefix("http://")],
+        [server.process.stop],
+        [server.process.popen.pid],
+    )
 
 
 def start_arm(arm: ArmSpec, model_dir: Path, work: Path, tag: str) -> Running:
@@ -518,14 +547,32 @@ def measure(running: Running, wl: str, workloads: Workloads) -> dict[str, Any]:
     return figures
 
 
+def measure_profiled(
+    running: Running, wl: str, workloads: Workloads, stem: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``measure`` with py-spy recording every served process tree of the arm into
+    ``stem``-N.txt (raw collapsed stacks): the figures and the profile's summary."""
+    paths = [stem.with_name(f"{stem.name}-{i}.txt") for i in range(len(running.pids))]
+    spies = [profile.record(pid, path) for pid, path in zip(running.pids, paths, strict=True)]
+    time.sleep(1.0)  # py-spy attaches to every process of each tree
+    try:
+        figures = measure(running, wl, workloads)
+    finally:
+        errors = profile.finish(spies)
+    summary = profile.summarize_files(paths).as_dict()
+    return figures, {"workload": wl, "files": [p.name for p in paths], "errors": errors, **summary}
+
+
 # ---- the run ----------------------------------------------------------------------------
 
 
 def run_arm(
-    arm: ArmSpec, model_dir: Path, work: Path, tag: str, workloads: Workloads
-) -> dict[str, Any]:
+    arm: ArmSpec, model_dir: Path, work: Path, tag: str, workloads: Workloads,
+    profile_dir: Path | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Start ``arm`` (a start that fails is tried once more), warm it up, run every
-    workload, stop it. A start that fails twice is the arm's result (``error``)."""
+    workload, stop it. A start that fails twice is the arm's result (``error``). With
+    ``profile_dir``, py-spy records the arm's processes through ``PROFILED``."""
     errors: list[str] = []
     for attempt in range(2):
         t0 = time.monotonic()
@@ -536,12 +583,20 @@ def run_arm(
             print(f"{arm.name}: start failed: {str(e)[:2000]}", file=sys.stderr, flush=True)
             continue
         start_s = time.monotonic() - t0
+        out: dict[str, Any] = {"start_s": round(start_s, 1), "start_errors": errors}
         try:
             asyncio.run(run_samples(running.base, workloads.warmup, CONCURRENCY))
-            results = {wl: measure(running, wl, workloads) for wl in WORKLOADS}
+            results = {}
+            for wl in WORKLOADS:
+                if profile_dir is None or wl != PROFILED:
+                    results[wl] = measure(running, wl, workloads)
+                else:
+                    results[wl], out["profile"] = measure_profiled(
+                        running, wl, workloads, profile_dir / f"{arm.name}-{wl}"
+                    )
         finally:
             running.stop()
-        return {"start_s": round(start_s, 1), "start_errors": errors, "workloads": results}
+        return out | {"workloads": results}
     return {"error": errors[-1], "start_errors": errors}
 
 
@@ -555,10 +610,12 @@ def _report_line(r: int, arm: str, run: dict[str, Any]) -> str:
 
 
 def run_repeats(
-    model_dir: Path, work: Path, repeats: int, workloads: Workloads, arms: tuple[ArmSpec, ...]
-) -> list[dict[str, Any]]:
+    model_dir: Path, work: Path, repeats: int, workloads: Workloads, arms: tuple[ArmSpec, ...],
+    profile_dir: Path | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Every arm per repeat, the order rotated by one each repeat; an arm that failed to
-    start twice is not started again (its error stands for the later repeats)."""
+    start twice is not started again (its error stands for the later repeats). With
+    ``profile_dir``, the first repeat is profiled."""
     per_repeat: list[dict[str, Any]] = []
     dead: dict[str, dict[str, Any]] = {}
     for r in range(repeats):
@@ -567,7 +624,8 @@ def run_repeats(
             if arm.name in dead:
                 rep[arm.name] = {**dead[arm.name], "skipped": "failed to start before"}
                 continue
-            rep[arm.name] = run = run_arm(arm, model_dir, work, f"r{r}-{arm.name}", workloads)
+            rep[arm.name] = run = run_arm(arm, model_dir, work, f"r{r}-{arm.name}", workloads,
+                                          profile_dir if r == 0 else None)  # fmt: skip
             if "error" in run:
                 dead[arm.name] = run
             print(_report_line(r, arm.name, run), file=sys.stderr, flush=True)
@@ -627,11 +685,13 @@ def select_arms(names: str | None) -> tuple[ArmSpec, ...]:
 
 
 def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = None,
-         arm_names: str | None = None) -> int:  # fmt: skip
+         arm_names: str | None = None, profile_dir: str | None = None) -> int:  # fmt: skip
     """``model``: a directory; by default ``make serve``'s model, SmolLM2-135M-Instruct
     (``neuron-serving models pull smollm2-135m-instruct`` first). ``arm_names``: a
     subset of the arms (comma-separated); a run of other arms than the default ones
-    writes its result under its own name (``vs-vllm[-quick]-ARM+ARM``)."""
+    writes its result under its own name (``vs-vllm[-quick]-ARM+ARM``). ``profile_dir``:
+    py-spy's raw profiles of each arm's first ``PROFILED`` run go there, their
+    summaries and the fleet's difference from ``vllm_one_engine`` into the result."""
     from neuron_serving.bench.startup import SERVE_MODEL
     from neuron_serving.models.resolve import resolve_model
 
@@ -646,7 +706,10 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
     workloads = make_workloads(model_dir, sizes, plan)
     chosen = select_arms(arm_names)
     with tempfile.TemporaryDirectory(prefix="ns-bench-vs-vllm-") as tmp:
-        per_repeat = run_repeats(model_dir, Path(tmp), repeats, workloads, chosen)
+        pdir = Path(profile_dir) if profile_dir else None
+        if pdir is not None:
+            pdir.mkdir(parents=True, exist_ok=True)
+        per_repeat = run_repeats(model_dir, Path(tmp), repeats, workloads, chosen, pdir)
     arms = aggregate(per_repeat, chosen)
     fleet_arm = next((a.name for a in chosen if a.kind == "fleet"), "fleet")
     rat = ratios(per_repeat, fleet_arm)
@@ -659,6 +722,14 @@ def main(quick: bool, model: str | None, emit_json: bool, repeats: int | None = 
         "wall_s": round(time.monotonic() - t0, 1),
         "arms": arms, "ratios": rat, "repeats": per_repeat,
     }  # fmt: skip
+    profiles = {a: run["profile"] for a, run in per_repeat[0].items() if "profile" in run}
+    if profiles:
+        result["profiles"] = profiles
+        if fleet_arm in profiles and "vllm_one_engine" in profiles:
+            result["profile_difference"] = {
+                "of": f"{fleet_arm} - vllm_one_engine: share of the engine's samples",
+                "functions": profile.compare(profiles[fleet_arm], profiles["vllm_one_engine"]),
+            }
     name = "vs-vllm" + ("-quick" if quick else "")
     if tuple(a.name for a in chosen) != DEFAULT_ARMS:
         name += "-" + "+".join(a.name for a in chosen)

@@ -69,12 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="soak: clients' and faults' seed")
     p.add_argument(
         "--py-spy", default=None, metavar="DIR",
-        help="cpu: also record each arm's server tree with py-spy into DIR (speedscope)",
+        help="cpu: also record each arm's server tree with py-spy into DIR (speedscope); "
+        "vs-vllm: each arm's first random run (raw stacks; summaries in the result)",
     )  # fmt: skip
     p.add_argument(
         "--arms", default=None, metavar="A,B",
-        help="vs-vllm: only these arms (fleet, vllm_one_engine, vllm_dp2, vllm_as_it_comes, "
-        "fleet_one_unit: one unit on both cores); the result is named after them",
+        help="vs-vllm: only these arms (fleet, fleet_split, vllm_one_engine, vllm_dp2, "
+        "vllm_as_it_comes); the result is named after them",
     )  # fmt: skip
     p.add_argument(
         "--baseline", default=None, metavar="DIR",
@@ -129,7 +130,7 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
     if name == "vs-vllm":
         from neuron_serving.bench import vs_vllm
 
-        return vs_vllm.main(quick, model, emit_json, repeats, args.arms)
+        return vs_vllm.main(quick, model, emit_json, repeats, args.arms, args.py_spy)
     if name == "routing":
         from neuron_serving.bench import routing
 

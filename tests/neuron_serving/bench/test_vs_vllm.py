@@ -57,18 +57,20 @@ def test_vllm_arms_command_lines_carry_the_same_engine_settings() -> None:
 
 
 def test_arms_bindings_and_environments(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [(a.name, a.kind, a.cpu_bind) for a in ARMS] == [
-        ("fleet", "fleet", None), ("vllm_one_engine", "vllm", "0-1"),
-        ("vllm_dp2", "vllm", "0|1"), ("vllm_as_it_comes", "vllm", None),
-        ("fleet_one_unit", "fleet", "0-1"),
+    assert [(a.name, a.kind, a.cpu_bind, a.units) for a in ARMS] == [
+        ("fleet", "fleet", None, 0), ("fleet_split", "fleet", None, 2),
+        ("vllm_one_engine", "vllm", "0-1", 0), ("vllm_dp2", "vllm", "0|1", 0),
+        ("vllm_as_it_comes", "vllm", None, 0),
     ]  # fmt: skip
-    # fleet_one_unit runs only when asked for; --arms keeps ARMS' order, refuses a typo.
-    assert [a.name for a in vs_vllm.select_arms(None)] == [a.name for a in ARMS[:4]]
-    picked = vs_vllm.select_arms("vllm_one_engine,fleet_one_unit")
-    assert [a.name for a in picked] == ["vllm_one_engine", "fleet_one_unit"]
+    # --arms keeps ARMS' order, refuses a typo.
+    assert [a.name for a in vs_vllm.select_arms(None)] == [a.name for a in ARMS]
+    picked = vs_vllm.select_arms("vllm_one_engine,fleet")
+    assert [a.name for a in picked] == ["fleet", "vllm_one_engine"]
     with pytest.raises(SystemExit, match="no arm flet"):
         vs_vllm.select_arms("flet")
-    assert vs_vllm.unit_binds(_arm("fleet_one_unit"), Path("/nonexistent")) == ["0-1"]
+    # The fleet arm is what make serve starts: up --units auto over the allowed CPUs.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert vs_vllm.unit_binds(_arm("fleet"), Path("/nonexistent")) == ["0,1"]
     # The untuned arm gets vLLM's default even when this shell set a binding.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "7")
     assert "VLLM_CPU_OMP_THREADS_BIND" not in stack.bind_env(None)
@@ -93,8 +95,9 @@ def test_fleet_units_bound_as_up_binds_them(tmp_path: Path, monkeypatch) -> None
     with pytest.raises(ValueError, match="seed 0"):
         leader_engine_args({**ENGINE, "seed": 1})
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    fleet = arm_settings(_arm("fleet"), model)
+    fleet = arm_settings(_arm("fleet_split"), model)
     assert fleet["cpu_bind"] == {"unit-0": "0", "unit-1": "1"}
+    assert arm_settings(_arm("fleet"), model)["cpu_bind"] == {"unit-0": "0,1"}
     assert fleet["command"].startswith("neuron-serving leader --max-num-seqs 16")
     untuned = arm_settings(_arm("vllm_as_it_comes"), model)
     assert "auto" in untuned["cpu_bind"] and untuned["engine"] == ENGINE
@@ -153,6 +156,19 @@ def _repeat(fleet: tuple[float, float], one: tuple[float, float] | None,
         return {"workloads": {wl: _fig(*fig) for wl in vs_vllm.WORKLOADS}}
 
     return {"fleet": arm(fleet), "vllm_one_engine": arm(one), "vllm_dp2": arm(dp2)}
+
+
+def test_the_split_fleet_is_also_set_against_dp2_like_for_like() -> None:
+    reps = [_repeat((120, 80), (100, 100), (110, 100)), _repeat((132, 50), (90, 90), (120, 100))]
+    for rep, split in zip(reps, [(99, 50), (132, 150)], strict=True):
+        rep["fleet_split"] = {"workloads": {wl: _fig(*split) for wl in vs_vllm.WORKLOADS}}
+    s = ratios(reps)["shared_prefix"]["split"]
+    assert s["arms"] == "fleet_split / vllm_dp2"
+    assert s["output_tok_s"]["min"] == pytest.approx(0.9)
+    assert s["output_tok_s"]["max"] == pytest.approx(1.1)
+    assert s["ttft_p50_ms"]["max"] == pytest.approx(1.5)
+    # No split arm in the run: no like-for-like entry.
+    assert "split" not in ratios(reps[:0] + [_repeat((1, 1), (1, 1), (1, 1))])["random"]
 
 
 def test_ratios_against_the_best_tuned_arm_per_repeat() -> None:

@@ -204,6 +204,35 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
         "ipc:// sockets and relays them to its proxies over the OpenAI channel; 0 = off "
         "(`leader --no-kv-events` says the same).",
     ),
+    "NEURON_SERVING_UNIT_RESTARTS": (
+        _int("NEURON_SERVING_UNIT_RESTARTS", 0),
+        "Set by the local supervisor on a unit's processes: how many times it restarted "
+        "the unit before (exported as neuron_serving_unit_restarts).",
+    ),
+    "NEURON_SERVING_STRAGGLER_WINDOW_S": (
+        _float("NEURON_SERVING_STRAGGLER_WINDOW_S", 10.0),
+        "Slow-rank detection: the window over which the leader compares its ranks.",
+    ),
+    "NEURON_SERVING_STRAGGLER_WINDOWS": (
+        _int("NEURON_SERVING_STRAGGLER_WINDOWS", 3),
+        "Slow-rank detection: consecutive windows over the threshold before a rank is "
+        "degraded (and under it before it is cleared).",
+    ),
+    "NEURON_SERVING_STRAGGLER_SHARE": (
+        _float("NEURON_SERVING_STRAGGLER_SHARE", 0.25),
+        "Slow-rank detection: a rank is slow when its peers wait for it, in the TP "
+        "collectives, at least this share of each step more than it waits for them.",
+    ),
+    "NEURON_SERVING_STRAGGLER_MIN_STEPS": (
+        _int("NEURON_SERVING_STRAGGLER_MIN_STEPS", 20),
+        "Slow-rank detection: a window with fewer steps gives no verdict (an idle unit).",
+    ),
+    "NEURON_SERVING_STRAGGLER_ACTION": (
+        _str("NEURON_SERVING_STRAGGLER_ACTION", "report"),
+        "What the leader does with a degraded rank: report (metrics, /healthz, the "
+        "proxy's status) or fail (the unit fails as if the rank had died, and its "
+        "supervisor recreates it).",
+    ),
     # --- add new variables above this line; helpers editing in parallel: small edits only ---
 }
 

@@ -282,6 +282,9 @@ class Load(msgspec.Struct, tag=1, array_like=True, frozen=True):
     # with its default and ignores an extra one, so leaders and proxies of either
     # version understand each other.
     num_blocks: int = 0
+    # Ranks the leader judges persistently slower than their peers (unit/straggler.py),
+    # trailing and defaulted as num_blocks is.
+    degraded_ranks: tuple[int, ...] = ()
 
 
 @final

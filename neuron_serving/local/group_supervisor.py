@@ -330,7 +330,8 @@ class GroupSupervisor:
         # Order does not matter for correctness (followers wait for their leader and
         # the leader for its followers); the first process is started first anyway.
         for p in self.procs:
-            p.start()
+            # Each node exports how many times its unit was restarted before it.
+            p.start({"NEURON_SERVING_UNIT_RESTARTS": str(self.restarts)})
         self._on_event(
             f"{self.group_id} starting: " + ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs)
         )

@@ -76,17 +76,22 @@ class ManagedProcess:
     def pid(self) -> int | None:
         return self.popen.pid if self.popen is not None else None
 
-    def start(self) -> None:
+    def start(self, extra_env: dict[str, str] | None = None) -> None:
+        """Start the process; ``extra_env`` over its spec's environment (or this
+        process's, when the spec gives none)."""
         if self.popen is not None and self.popen.poll() is None:
             raise RuntimeError(f"{self.name} is already running (pid {self.popen.pid})")
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         # Never raises: a full disk loses the marker, not the start.
         self.log.write(f"\n===== {stamp} start {self.name}: {' '.join(self.spec.argv)}\n".encode())
         pump = LogPump(self.log, self.name)
+        env = self.spec.env or None
+        if extra_env:
+            env = {**(env or os.environ), **extra_env}
         try:
             self.popen = proctree.spawn(
                 self.spec.argv,
-                env=self.spec.env or None,
+                env=env,
                 cwd=self.spec.cwd,
                 stdout=pump.child_fd,
                 stderr=subprocess.STDOUT,

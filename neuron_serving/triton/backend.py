@@ -33,6 +33,7 @@ import numpy as np
 
 from neuron_serving import envs
 from neuron_serving.openai_channel import Event
+from neuron_serving.triton import rank_health
 from neuron_serving.triton.backend_config import BackendConfig
 from neuron_serving.triton.engine_load import EngineLoadTracker
 from neuron_serving.triton.engine_thread import EngineThread
@@ -155,6 +156,12 @@ class LLMBackend:
         latency = self.engine_thread.call(self.health.canary(), self.config.canary_timeout_s)
         self.metrics.canary_seconds.observe(latency)
         self.engine_thread.submit(self.health.run())
+        if envs.NEURON_SERVING_LEADER_HEALTH_PORT:
+            # The slow-rank verdicts of EngineCore's detector, into the load reports.
+            self.engine_thread.submit(rank_health.watch(
+                envs.NEURON_SERVING_LEADER_HEALTH_PORT + 1, self.load.set_degraded,
+                self.config.health_interval_s, lambda: self.health.healthy,
+            ))  # fmt: skip
         self.channel = self._start_channel()
         self.metrics.ready.set(1)
         log.info("llm model ready (warm-up canary %.3f s)", latency)

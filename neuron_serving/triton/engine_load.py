@@ -36,8 +36,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-# (running, waiting, kv_usage, max_num_seqs, num_blocks): what a proxy is sent.
-Snapshot = tuple[int, int, float, int, int]
+# (running, waiting, kv_usage, max_num_seqs, num_blocks, degraded ranks): what a
+# proxy is sent.
+Snapshot = tuple[int, int, float, int, int, tuple[int, ...]]
 # KV usage is sent to this many decimals: finer changes are not worth a frame.
 KV_DECIMALS = 3
 
@@ -49,6 +50,7 @@ class EngineLoadTracker:
     def __init__(self) -> None:
         self.max_num_seqs: int | None = None  # known once vLLM built the logger
         self.num_blocks = 0  # the KV cache's blocks, known then too (0: unknown)
+        self.degraded: tuple[int, ...] = ()  # the unit's slow ranks (rank_health.py)
         self._stats: tuple[int, int, float] = (0, 0, 0.0)
         self._unfinished: Callable[[], int] | None = None
         self._listeners: list[Callable[[], None]] = []
@@ -71,6 +73,12 @@ class EngineLoadTracker:
         self.records += 1
         self._set((running, waiting, round(kv_usage, KV_DECIMALS)))
 
+    def set_degraded(self, ranks: tuple[int, ...]) -> None:
+        """The leader's slow-rank verdict changed: tell the proxies."""
+        if ranks != self.degraded:
+            self.degraded = ranks
+            self._notify()
+
     def refresh(self) -> None:
         """Re-check idle (the backend's last request in flight ended: an abort sends
         no stats)."""
@@ -81,11 +89,14 @@ class EngineLoadTracker:
             stats = (0, 0, 0.0)
         if stats != self._stats:
             self._stats = stats
-            for listener in list(self._listeners):
-                try:
-                    listener()
-                except Exception:  # noqa: BLE001 - never into vLLM's output handler
-                    log.exception("an engine load listener failed")
+            self._notify()
+
+    def _notify(self) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - never into vLLM's output handler
+                log.exception("an engine load listener failed")
 
     # ---- the channel's side -----------------------------------------------------------
 
@@ -93,7 +104,7 @@ class EngineLoadTracker:
         """What to send a proxy; None before vLLM has built the logger."""
         if self.max_num_seqs is None:
             return None
-        return (*self._stats, self.max_num_seqs, self.num_blocks)
+        return (*self._stats, self.max_num_seqs, self.num_blocks, self.degraded)
 
     def subscribe(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)

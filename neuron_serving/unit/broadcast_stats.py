@@ -6,9 +6,10 @@ starts before torch is imported, and OpenMP binding must be set first.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
+
+from neuron_serving.unit.histogram import Histogram
 
 # Broadcast latency buckets (seconds): loopback sends take tens of microseconds,
 # a cross-host broadcast of a prefill step a few milliseconds.
@@ -36,16 +37,12 @@ class BroadcastStats:
     messages: int = 0
     payload_bytes: int = 0
     wire_bytes: int = 0
-    latency_sum_s: float = 0.0
-    # bucket_counts[i]: samples <= LATENCY_BUCKETS[i] and > the previous bound;
-    # the last slot counts samples above every bound.
-    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
     latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
     def record(self, payload: int, wire: int, latency_s: float) -> None:
         self.messages += 1
         self.payload_bytes += payload
         self.wire_bytes += wire
-        self.latency_sum_s += latency_s
-        self.bucket_counts[bisect.bisect_left(LATENCY_BUCKETS, latency_s)] += 1
+        self.latency.observe(latency_s)
         self.latencies_s.append(latency_s)

@@ -51,7 +51,7 @@ from neuron_serving.unit.channel import (
     LinkBroken,
 )
 from neuron_serving.unit.config import UnitConfig
-from neuron_serving.unit.late_beats import LateBeats, silence_limit
+from neuron_serving.unit.late_beats import BeatEcho, LateBeats, silence_limit
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -67,6 +67,8 @@ from neuron_serving.unit.messages import (
     Welcome,
     clip,
 )
+from neuron_serving.unit.step_timing import TIMING, StepTiming
+from neuron_serving.unit.straggler import StragglerConfig, StragglerDetector
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,9 @@ class FollowerLink:
     replies: queue.Queue = field(default_factory=queue.Queue)
     heartbeat_interval_s: float = 0.5
     beats: LateBeats = field(init=False)  # the gaps between its beats as they arrive
+    echo: BeatEcho = field(default_factory=BeatEcho)
+    # Its step totals as its last beat had them (step_timing.StepTiming.totals).
+    timing: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def __post_init__(self) -> None:
         self.beats = LateBeats(self.heartbeat_interval_s, self.describe(), None)
@@ -128,8 +133,10 @@ class ControlServer:
         on_failure: Callable[[int, str], None],
         leader_state: Callable[[], str] = lambda: "ready",
         checkpoint: CheckpointRef | None = None,
+        timing: StepTiming = TIMING,
     ) -> None:
         self.leader_state = leader_state
+        self.timing = timing  # rank 0's own step totals (this process's)
         self.checkpoint = checkpoint
         # A follower that cannot serve this unit's checkpoint fails the join at once.
         self.join_error: str | None = None
@@ -163,6 +170,9 @@ class ControlServer:
         # Start time of the latest step every rank took part in (ranks_alive).
         self.ranks_seen = 0.0
         self.late_beats = LateBeats(unit.heartbeat_interval_s, "leader", logger)
+        straggler = StragglerConfig.from_env()
+        self.stragglers = StragglerDetector(straggler)
+        self.straggler_action = straggler.action
 
     # -- join ---------------------------------------------------------------
     def listen(self) -> None:
@@ -447,7 +457,9 @@ class ControlServer:
             link.last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
                 link.state, link.steps = msg.state, msg.steps
+                link.timing = (msg.steps, msg.step_s, msg.wait_s)
                 link.beats.beat(link.last_seen)
+                link.echo.received(msg, link.last_seen)
             elif isinstance(msg, Reply):
                 link.replies.put(msg)
             elif isinstance(msg, Failure):
@@ -482,8 +494,9 @@ class ControlServer:
     def _heartbeat_loop(self) -> None:
         while not self._closing:
             self.late_beats.beat()
-            beat = Heartbeat(state=self.leader_state(), steps=0)
+            state = self.leader_state()
             for link in list(self.links.values()):
+                beat = link.echo.beat(state, 0, time.monotonic())
                 try:
                     # A stopped peer stops reading; a short send timeout keeps one
                     # stuck follower from delaying heartbeats to the others.
@@ -528,7 +541,28 @@ class ControlServer:
                         "the leader)",
                     )
                     return
+            if strict and self._judge_ranks(now):
+                return
             time.sleep(tick)
+
+    def _judge_ranks(self, now: float) -> bool:
+        """Feed the slow-rank detector every rank's step totals; log what changed, and
+        with the "fail" action fail the unit for a degraded rank (True: failed)."""
+        totals = {0: self.timing.totals()}
+        totals.update({link.rank: link.timing for link in list(self.links.values())})
+        for change in self.stragglers.observe(now, totals):
+            logger.warning("unit %s: %s", self.unit.unit_id, change)
+        if self.straggler_action != "fail":
+            return False
+        for rank, reason in sorted(self.stragglers.degraded().items()):
+            self._fail(rank, f"{reason}; failing the unit (NEURON_SERVING_STRAGGLER_ACTION=fail)")
+            return True
+        return False
+
+    def heartbeat_rtts(self) -> dict[str, float]:
+        """Each follower's heartbeat round trip, by rank (those measured yet)."""
+        return {str(link.rank): link.echo.rtt_s for link in list(self.links.values())
+                if link.echo.rtt_s is not None}  # fmt: skip
 
     def gather(self, seq: int, timeout_s: float, failed: Callable[[], str | None]) -> list[Reply]:
         """Replies to broadcast ``seq`` from ranks 1..N-1, in rank order."""

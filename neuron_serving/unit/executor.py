@@ -36,6 +36,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from neuron_serving import envs
 from neuron_serving.checkpoint.compat import manifest_identity
 from neuron_serving.devices.base import RankPlacement
 from neuron_serving.devices.registry import get_backend
@@ -61,6 +62,7 @@ from neuron_serving.unit.local_worker import in_session, run_call
 from neuron_serving.unit.messages import CheckpointRef, Start
 from neuron_serving.unit.node_metrics import NodeCollector
 from neuron_serving.unit.node_status import NodeState, NodeStatus
+from neuron_serving.unit.step_timing import TIMING, time_collectives
 from neuron_serving.unit.store import init_method as store_init_method
 from neuron_serving.unit.vllm_compat import (
     EXECUTOR_BASES,
@@ -93,6 +95,8 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
             0, self.world_size, self.unit.control_host, self.unit.control_port
         )
         self.status = NodeStatus(self.unit.unit_id, 0, self.world_size)
+        self.checkpoint = self._checkpoint_ref()
+        self.status.set_checkpoint(self.checkpoint.model, self.checkpoint.version)
         self.failure: str | None = None
         self._failure_callback: FailureCallback | None = None
         self._failure_lock = threading.Lock()
@@ -111,6 +115,8 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
                 heartbeat_ages=self._heartbeat_ages,
                 load_stats=lambda: self.load_stats,
                 late_beats=self._late_beats,
+                heartbeat_rtts=lambda: self.server.heartbeat_rtts() if self.server else {},
+                rank_verdicts=lambda: self.server.stragglers.verdicts() if self.server else {},
             )
             self.health = HealthServer(
                 self.status, self.unit.health_host, self.unit.health_port, collector=collector
@@ -135,9 +141,10 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
             runtime_versions(),
             self._on_rank_failure,
             leader_state=lambda: str(self.status.state),
-            checkpoint=self._checkpoint_ref(),
+            checkpoint=self.checkpoint,
         )
         self.server.listen()
+        self.status.degraded = self.server.stragglers.degraded
         logger.info(
             "unit %s: waiting up to %g s for ranks 1..%d on %s:%d",
             self.unit.unit_id,
@@ -177,6 +184,8 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
     def _init_workers(self) -> None:
         self.status.set_state(NodeState.LOADING)
         self.backend.prepare_worker(self.placement)
+        for cls in self.backend.communicator_classes():
+            time_collectives(cls)
         self.driver_worker = new_worker_wrapper(0, self.vllm_config)
         all_kwargs = [
             dict(
@@ -278,8 +287,10 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
         # by the time the call returns, even when its sampled output is handed over
         # later. (Not checked on Neuron: a runner that returned before its collectives
         # finished would make this proof early and a stopped rank slower to find.)
-        if self.server is not None and runs_collective("execute_model", (scheduler_output,)):
-            self.server.ranks_alive(started)
+        if runs_collective("execute_model", (scheduler_output,)):
+            TIMING.step(time.monotonic() - started)
+            if self.server is not None:
+                self.server.ranks_alive(started)
         return out
 
     def sample_tokens(self, grammar_output, non_block: bool = False):
@@ -294,8 +305,6 @@ class UnitExecutor(*EXECUTOR_BASES):  # type: ignore[misc]
     def determine_available_memory(self) -> list[int]:
         # The profile run, where every rank compiles the model on CPU: one unit at a
         # time per host, later ones from the first one's kernels (compile_lock.py).
-        from neuron_serving import envs
-
         with compile_lock(lock_path(), envs.NEURON_SERVING_COMPILE_LOCK_WAIT_S, self.unit.unit_id):
             return super().determine_available_memory()
 

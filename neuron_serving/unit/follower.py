@@ -40,7 +40,7 @@ from neuron_serving.unit.channel import (
     ChannelClosed,
     FrameRejected,
 )
-from neuron_serving.unit.late_beats import SATURATED_FACTOR, LateBeats, saturated
+from neuron_serving.unit.late_beats import SATURATED_FACTOR, BeatEcho, LateBeats, saturated
 from neuron_serving.unit.messages import (
     PROTOCOL_VERSION,
     Challenge,
@@ -56,6 +56,7 @@ from neuron_serving.unit.messages import (
     clip,
 )
 from neuron_serving.unit.node_status import NodeState, NodeStatus
+from neuron_serving.unit.step_timing import TIMING, StepTiming
 from neuron_serving.versions import runtime_versions
 
 if TYPE_CHECKING:  # an annotation only: worker_loop makes the broadcast
@@ -109,7 +110,9 @@ class Follower:
         cfg: FollowerConfig,
         status: NodeStatus | None = None,
         exit_fn: Callable[[int, str], None] = _exit,
+        timing: StepTiming = TIMING,
     ) -> None:
+        self.timing = timing  # this rank's step totals, sent in every heartbeat
         # exit_fn: how background threads end the process when the unit breaks
         # (os._exit in production; tests running followers in-process record it).
         self._exit_fn = exit_fn
@@ -128,6 +131,7 @@ class Follower:
         self._ranks_seen = 0.0
         self.late_beats: LateBeats | None = None  # from the heartbeat thread's start
         self.leader_beats: LateBeats | None = None  # gaps in the leader's, from Welcome on
+        self.leader_echo = BeatEcho()  # round trips of beats to the leader and back
         self._shutdown = threading.Event()
 
     def _exit(self, code: int, message: str) -> None:
@@ -177,6 +181,8 @@ class Follower:
             self.channel, self.welcome = ch, welcome
             self.leader_beats = LateBeats(welcome.heartbeat_interval_s, "leader", None)
             self.status.unit_id, self.status.world_size = welcome.unit_id, welcome.world_size
+            if welcome.checkpoint is not None:
+                self.status.set_checkpoint(welcome.checkpoint.model, welcome.checkpoint.version)
             return welcome
 
     def _handshake(self, ch: Channel) -> Welcome:
@@ -295,6 +301,7 @@ class Follower:
             self._last_seen = time.monotonic()
             if isinstance(msg, Heartbeat):
                 self._leader_state = msg.state
+                self.leader_echo.received(msg, self._last_seen)
                 if self.leader_beats is not None:
                     self.leader_beats.beat(self._last_seen)
             elif isinstance(msg, Start):
@@ -308,6 +315,12 @@ class Follower:
             elif isinstance(msg, Shutdown):
                 self._shutdown.set()
 
+    def heartbeat_rtts(self) -> dict[str, float]:
+        """The round trip of heartbeats to the leader (rank "0") and back, once one
+        was echoed."""
+        rtt = self.leader_echo.rtt_s
+        return {"0": rtt} if rtt is not None else {}
+
     def _heartbeat_loop(self) -> None:
         assert self.channel is not None and self.welcome is not None
         self.late_beats = LateBeats(
@@ -319,10 +332,11 @@ class Follower:
                 # A send that times out ends the link (channel.py), so allow as
                 # long as the leader would wait for a beat: the socket may still
                 # be full of a large Reply the leader is reading.
-                self.channel.send(
-                    Heartbeat(state=str(self.status.state), steps=self.status.steps),
-                    timeout=self.welcome.heartbeat_timeout_s,
+                steps, step_s, wait_s = self.timing.totals()
+                beat = self.leader_echo.beat(
+                    str(self.status.state), steps, time.monotonic(), step_s, wait_s
                 )
+                self.channel.send(beat, timeout=self.welcome.heartbeat_timeout_s)
             except ChannelClosed:
                 # Closed for good (a failed send closes the link rather than
                 # send behind a half frame); the reader reports a lost leader.

@@ -31,20 +31,19 @@ import threading
 import time
 from collections.abc import Callable
 
+from neuron_serving.unit.histogram import Histogram
+
 # Seconds; a gen-0 collection takes microseconds, a full one of an unfrozen rank
 # heap hundreds of milliseconds.
 BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class GcPauses:
-    """Per generation: how many collections took at most each bucket's bound, the
-    total count and the summed seconds. Updated by the gc callback, which runs
-    with the GIL held (so plain ints suffice); read at scrape time."""
+    """A histogram of collection pauses per generation. Updated by the gc callback,
+    which runs with the GIL held; read at scrape time."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.buckets = [[0] * len(BUCKETS) for _ in range(3)]
-        self.count = [0, 0, 0]
-        self.sum_s = [0.0, 0.0, 0.0]
+        self.generations = [Histogram(BUCKETS) for _ in range(3)]
         self._clock = clock
         self._started = 0.0
 
@@ -54,12 +53,7 @@ class GcPauses:
             return
         seconds = self._clock() - self._started
         generation = min(max(info.get("generation", 2), 0), 2)
-        self.count[generation] += 1
-        self.sum_s[generation] += seconds
-        for i, bound in enumerate(BUCKETS):
-            if seconds <= bound:
-                self.buckets[generation][i] += 1
-                break
+        self.generations[generation].observe(seconds)
 
 
 _lock = threading.Lock()

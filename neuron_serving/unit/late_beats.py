@@ -24,6 +24,7 @@ import time
 import traceback
 
 from neuron_serving.logsafe import RateLimitedLog
+from neuron_serving.unit.messages import Heartbeat
 
 # A beat this many intervals after the previous one is late.
 LATE_FACTOR = 2.0
@@ -86,3 +87,28 @@ def main_thread_at(depth: int = 4) -> str:
     return " <- ".join(
         f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(stack)
     )
+
+
+class BeatEcho:
+    """Heartbeat round trips over one link, both directions' beats carrying the
+    last beat they heard (``messages.Heartbeat``: sent, echo, held). The round trip
+    is measured on the clock of the side that sent the echoed beat, so the two
+    hosts' clocks never meet. Written by the link's reader, read by its sender and
+    the scrape: single float stores, atomic under the GIL."""
+
+    def __init__(self) -> None:
+        self.peer_sent = 0.0  # the peer's clock on its last beat
+        self.received_at = 0.0  # this clock when that beat arrived
+        self.rtt_s: float | None = None
+
+    def received(self, beat: Heartbeat, now: float) -> None:
+        self.peer_sent, self.received_at = beat.sent, now
+        if beat.echo > 0:
+            self.rtt_s = max(0.0, now - beat.echo - beat.held)
+
+    def beat(
+        self, state: str, steps: int, now: float, step_s: float = 0.0, wait_s: float = 0.0
+    ) -> Heartbeat:
+        held = now - self.received_at if self.peer_sent else 0.0
+        return Heartbeat(state=state, steps=steps, sent=now, echo=self.peer_sent, held=held,
+                         step_s=step_s, wait_s=wait_s)  # fmt: skip

@@ -107,8 +107,19 @@ class Start(msgspec.Struct, tag="start"):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    """Both ways, every heartbeat interval. ``sent`` is the sender's monotonic clock;
+    ``echo`` the last ``sent`` it received from the peer and ``held`` how long ago:
+    the peer's round trip is its clock now - echo - held (0: nothing to echo yet).
+    A follower's beat carries its step totals (``step_timing.StepTiming``): the
+    leader compares its ranks with them (``straggler.py``)."""
+
     state: Name
     steps: int
+    sent: float = 0.0
+    echo: float = 0.0
+    held: float = 0.0
+    step_s: float = 0.0
+    wait_s: float = 0.0
 
 
 class Reply(msgspec.Struct, tag="reply"):

@@ -10,6 +10,7 @@ hot path pays nothing beyond ``BroadcastStats.record``.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from collections.abc import Callable, Iterable
 
@@ -22,10 +23,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from neuron_serving.unit import gc_pauses
-from neuron_serving.unit.broadcast_stats import LATENCY_BUCKETS, BroadcastStats
+from neuron_serving.unit.broadcast_stats import BroadcastStats
 from neuron_serving.unit.late_beats import LateBeats
 from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.node_status import NodeState, NodeStatus
+from neuron_serving.unit.step_timing import TIMING, StepTiming
+from neuron_serving.unit.straggler import RankVerdict
 
 # (metric name, help, BroadcastStats attribute) of the control-plane counters.
 _COUNTERS = (
@@ -51,6 +54,9 @@ class NodeCollector(Collector):
         heartbeat_ages: Callable[[], dict[int, float]] = dict,
         load_stats: Callable[[], list[LoadStats]] = list,
         late_beats: Callable[[], dict[str, LateBeats | None]] = dict,
+        heartbeat_rtts: Callable[[], dict[str, float]] = dict,
+        rank_verdicts: Callable[[], dict[int, RankVerdict]] = dict,
+        timing: StepTiming = TIMING,
     ) -> None:
         self.status = status
         self.stats = stats
@@ -58,11 +64,14 @@ class NodeCollector(Collector):
         self.load_stats = load_stats
         # "self": this process's own beats as sent; a rank: that peer's as they arrive.
         self.late_beats = late_beats
+        self.heartbeat_rtts = heartbeat_rtts  # by peer: "leader" or a follower's rank
+        self.rank_verdicts = rank_verdicts  # the leader's slow-rank detector
+        self.timing = timing
         self.gc_pauses = gc_pauses.install()
 
     def collect(self) -> Iterable:
-        labels = ["unit_id", "rank"]
-        lv = [self.status.unit_id, str(self.status.rank)]
+        # The same labels on every family, and on every process of the fleet.
+        labels, lv = self.status.metric_labels()
         state = GaugeMetricFamily(
             "neuron_serving_node_state", "1 for the node's current state", labels=[*labels, "state"]
         )
@@ -96,8 +105,84 @@ class NodeCollector(Collector):
             beats.add_metric([*lv, str(rank)], seconds)
         yield beats
         yield from _late_beats(self.late_beats(), labels, lv)
+        yield from _per_peer(
+            "neuron_serving_heartbeat_rtt_seconds",
+            "Round trip of the last heartbeat echoed by each peer",
+            self.heartbeat_rtts(), labels, lv,
+        )  # fmt: skip
         yield from _load(self.load_stats(), labels, lv)
         yield from _gc(self.gc_pauses, labels, lv)
+        yield from _steps(self.timing, labels, lv)
+        yield from _verdicts(self.rank_verdicts(), labels, lv)
+        yield from _process(self.status, labels, lv)
+
+
+def _steps(timing: StepTiming, labels: list[str], lv: list[str]) -> Iterable:
+    """This rank's step time and its wait in the TP collectives (step_timing.py)."""
+    for name, doc, hist in (
+        ("neuron_serving_step_seconds",
+         "Wall time of each model step (execute_model) on this rank", timing.step_hist),
+        ("neuron_serving_collective_wait_seconds",
+         "Time of each step this rank spent in TP collectives: waiting for its peers",
+         timing.wait_hist),
+    ):  # fmt: skip
+        h = HistogramMetricFamily(name, doc, labels=labels)
+        h.add_metric(lv, hist.cumulative(), sum_value=hist.sum_s)
+        yield h
+
+
+def _verdicts(verdicts: dict[int, RankVerdict], labels: list[str], lv: list[str]) -> Iterable:
+    """The leader's slow-rank verdicts (straggler.py), by the judged rank."""
+    share = GaugeMetricFamily(
+        "neuron_serving_rank_peer_wait_share",
+        "Share of each step the other ranks waited for this one in collectives, "
+        "beyond its own wait (last window; the leader's view)",
+        labels=[*labels, "peer_rank"],
+    )
+    degraded = GaugeMetricFamily(
+        "neuron_serving_rank_degraded",
+        "1 while the leader judges the rank persistently slower than its peers",
+        labels=[*labels, "peer_rank"],
+    )
+    for rank, v in sorted(verdicts.items()):
+        if v.share is not None:
+            share.add_metric([*lv, str(rank)], v.share)
+        degraded.add_metric([*lv, str(rank)], 1.0 if v.degraded else 0.0)
+    yield share
+    yield degraded
+
+
+def _per_peer(name: str, doc: str, values: dict[str, float], labels: list[str],
+              lv: list[str]) -> Iterable:  # fmt: skip
+    g = GaugeMetricFamily(name, doc, labels=[*labels, "peer"])
+    for peer, value in sorted(values.items()):
+        g.add_metric([*lv, peer], value)
+    yield g
+
+
+def _process(status: NodeStatus, labels: list[str], lv: list[str]) -> Iterable:
+    rss = GaugeMetricFamily(
+        "neuron_serving_resident_memory_bytes", "Resident set size of this node's process",
+        labels=labels,
+    )  # fmt: skip
+    rss.add_metric(lv, resident_bytes())
+    yield rss
+    restarts = GaugeMetricFamily(
+        "neuron_serving_unit_restarts",
+        "Times the unit's supervisor restarted it before this process started",
+        labels=labels,
+    )
+    restarts.add_metric(lv, status.restarts)
+    yield restarts
+
+
+def resident_bytes() -> float:
+    """This process's RSS from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _late_beats(beats: dict[str, LateBeats | None], labels: list[str], lv: list[str]) -> Iterable:
@@ -129,13 +214,8 @@ def _gc(pauses: gc_pauses.GcPauses, labels: list[str], lv: list[str]) -> Iterabl
         "Python garbage-collector pauses of this node's process, by generation",
         labels=[*labels, "generation"],
     )
-    for generation in range(3):
-        cumulative, running = [], 0
-        for bound, count in zip(gc_pauses.BUCKETS, pauses.buckets[generation], strict=True):
-            running += count
-            cumulative.append((repr(bound), running))
-        cumulative.append(("+Inf", pauses.count[generation]))
-        h.add_metric([*lv, str(generation)], cumulative, sum_value=pauses.sum_s[generation])
+    for generation, hist in enumerate(pauses.generations):
+        h.add_metric([*lv, str(generation)], hist.cumulative(), sum_value=hist.sum_s)
     yield h
     frozen = GaugeMetricFamily(
         "neuron_serving_gc_frozen_objects",
@@ -168,17 +248,12 @@ def _load(stats: list[LoadStats], labels: list[str], lv: list[str]) -> Iterable:
 
 
 def _latency(st: BroadcastStats, labels: list[str], lv: list[str]) -> HistogramMetricFamily:
-    cumulative, running = [], 0
-    for bound, count in zip(LATENCY_BUCKETS, st.bucket_counts, strict=False):
-        running += count
-        cumulative.append((repr(bound), running))
-    cumulative.append(("+Inf", st.messages))
     h = HistogramMetricFamily(
         "neuron_serving_control_broadcast_seconds",
         "Leader-side latency of one control broadcast (all frames)",
         labels=labels,
     )
-    h.add_metric(lv, cumulative, sum_value=st.latency_sum_s)
+    h.add_metric(lv, st.latency.cumulative(), sum_value=st.latency.sum_s)
     return h
 
 

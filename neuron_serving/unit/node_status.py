@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron_serving.versions import runtime_versions
@@ -19,6 +21,12 @@ class NodeState(enum.StrEnum):
     STOPPING = "stopping"  # clean shutdown in progress
 
 
+def _restarts() -> int:
+    from neuron_serving import envs
+
+    return envs.NEURON_SERVING_UNIT_RESTARTS
+
+
 @dataclass
 class NodeStatus:
     unit_id: str
@@ -30,6 +38,15 @@ class NodeStatus:
     failure: str | None = None
     host: str = field(default_factory=socket.gethostname)
     versions: dict[str, str] = field(default_factory=runtime_versions)
+    # The checkpoint the unit serves: its model directory's name and its version
+    # ("" when the directory is not a versioned checkpoint); a follower learns them
+    # from the leader's Welcome.
+    model: str = ""
+    version: str = ""
+    # Restarts of this unit before this process, as its supervisor counts them.
+    restarts: int = field(default_factory=_restarts)
+    # The leader's slow-rank verdicts (straggler.py): degraded ranks and why.
+    degraded: Callable[[], dict[int, str]] = field(default=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def set_state(self, state: NodeState, failure: str | None = None) -> None:
@@ -40,6 +57,27 @@ class NodeStatus:
             self.state = state
             if failure:
                 self.failure = failure
+
+    @property
+    def role(self) -> str:
+        return "leader" if self.rank == 0 else "follower"
+
+    def set_checkpoint(self, model_path: str, version: str) -> None:
+        """The model's name from its directory: the directory's own name, or its
+        parent's when the directory is the version (a checkpoint as published:
+        ``.../NAME/VERSION``)."""
+        path = os.path.normpath(model_path) if model_path else ""
+        if version and os.path.basename(path) == version:
+            path = os.path.dirname(path)
+        self.model, self.version = os.path.basename(path), version
+
+    def metric_labels(self) -> tuple[list[str], list[str]]:
+        """(names, values) of the labels on every metric the node exports: the same
+        on every process of the fleet (the proxy's per-unit series use ``unit`` too)."""
+        names = ["unit", "rank", "host", "role", "model", "version"]
+        values = [self.unit_id, str(self.rank), self.host, self.role, self.model,
+                  self.version or "unversioned"]  # fmt: skip
+        return names, values
 
     def step_done(self) -> None:
         self.steps += 1  # single writer (the thread running steps)
@@ -58,5 +96,10 @@ class NodeStatus:
             "last_step_age_s": age,
             "failure": self.failure,
             "host": self.host,
+            "role": self.role,
+            "model": self.model,
+            "version": self.version,
+            "restarts": self.restarts,
+            "degraded_ranks": {str(r): why for r, why in sorted(self.degraded().items())},
             "versions": self.versions,
         }

@@ -25,6 +25,7 @@ from neuron_serving.unit.follower import Follower
 from neuron_serving.unit.load_io import LoadStats
 from neuron_serving.unit.local_worker import in_session, run_call
 from neuron_serving.unit.node_status import NodeState
+from neuron_serving.unit.step_timing import TIMING, time_collectives
 from neuron_serving.unit.vllm_compat import new_worker_wrapper
 
 logger = logging.getLogger("neuron_serving.follower")
@@ -46,6 +47,8 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
     )
     follower.on_exit.append(lambda: backend.release(placement))
     backend.prepare_worker(placement)
+    for cls in backend.communicator_classes():
+        time_collectives(cls)
     worker = new_worker_wrapper(cfg.rank)  # its VllmConfig comes with init_worker
     status = follower.status
     logger.info("rank %d joined unit %s (%d ranks)", cfg.rank, welcome.unit_id, welcome.world_size)
@@ -87,6 +90,7 @@ def serve(follower: Follower, backend: DeviceBackend) -> int:
         if name == "execute_model":
             status.step_done()
             if runs_collective(name, args):
+                TIMING.step(time.monotonic() - started)
                 follower.ranks_alive(started)
         elif name == "compile_or_warm_up_model":
             # Started: what is alive now (the model, torch's and vLLM's objects) stays

@@ -17,12 +17,18 @@ from proxy.config import UnitSpec
 from proxy.registry import NodeHealth, Registry, UnitState
 
 
-def _node(n: NodeHealth) -> dict[str, Any]:
+def _node(n: NodeHealth, degraded: tuple[int, ...] = ()) -> dict[str, Any]:
+    if not n.healthy:
+        state = "pending" if n.initial else "unhealthy"
+    else:
+        # Alive and serving, but its unit's leader finds it slower than its peers.
+        state = "degraded" if n.rank in degraded else "healthy"
     return {
         "node_id": n.node_id,
         "role": n.role,
+        "rank": n.rank,
         "addr": n.addr,
-        "state": "healthy" if n.healthy else ("pending" if n.initial else "unhealthy"),
+        "state": state,
         "consecutive_failures": n.consecutive_failures,
         "consecutive_successes": n.consecutive_successes,
         "last_probe_at": n.last_probe_at,
@@ -42,6 +48,7 @@ def _unit(
     prefix_cache_of: Callable[[str], dict[str, Any] | None] | None,
 ) -> dict[str, Any]:
     ejected = u.is_ejected(now)
+    degraded = u.engine_load.degraded_ranks if u.engine_load is not None else ()
     if u.draining:
         state = "draining"
     elif ejected:
@@ -82,12 +89,13 @@ def _unit(
         "ejected_for_s": round(max(0.0, u.ejected_until - now), 3),
         "ejections_total": u.ejections_total,
         "consecutive_errors": u.consecutive_errors,
-        "nodes": [_node(n) for n in u.nodes],
+        "degraded_ranks": list(degraded),
+        "nodes": [_node(n, degraded) for n in u.nodes],
     }
 
 
 _PUBLIC_UNIT = ("unit_id", "state", "model", "model_version", "draining", "healthy", "in_flight")
-_PUBLIC_NODE = ("node_id", "role", "state")
+_PUBLIC_NODE = ("node_id", "role", "rank", "state")
 
 
 def _redacted(unit: dict[str, Any]) -> dict[str, Any]:

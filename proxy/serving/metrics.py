@@ -131,6 +131,12 @@ class ProxyMetrics:
             ["unit", "node"],
             registry=r,
         )
+        self.node_degraded = Gauge(
+            "proxy_node_degraded",
+            "1 if the node's unit leader judges it persistently slower than its peers",
+            ["unit", "node", "rank"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "proxy_unit_in_flight",
             "Sequences in flight by unit (a request with n choices counts n)",
@@ -219,6 +225,7 @@ class ProxyMetrics:
             self.unit_draining,
             self.unit_ejected,
             self.node_healthy,
+            self.node_degraded,
             self.in_flight,
             self.unit_upstream,
         ):
@@ -232,8 +239,10 @@ class ProxyMetrics:
             self.in_flight.labels(u.unit_id).set(u.in_flight)
             if upstream_of is not None:
                 self.unit_upstream.labels(u.unit_id, upstream_of(u.spec)).set(1)
+            degraded = u.engine_load.degraded_ranks if u.engine_load is not None else ()
             for n in u.nodes:
                 self.node_healthy.labels(u.unit_id, n.node_id).set(n.healthy)
+                self.node_degraded.labels(u.unit_id, n.node_id, str(n.rank)).set(n.rank in degraded)
         self.queued.set(queued)
         self.active.set(active)
         for name, c in (classes or {}).items():

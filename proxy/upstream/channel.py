@@ -252,9 +252,8 @@ class LeaderChannel(asyncio.Protocol):
         call.wake()
 
     def _loaded(self, m: Load) -> None:
-        self.load = EngineLoad(
-            m.running, m.waiting, m.kv_usage, m.max_num_seqs, time.monotonic(), m.num_blocks
-        )
+        self.load = EngineLoad(m.running, m.waiting, m.kv_usage, m.max_num_seqs,
+                               time.monotonic(), m.num_blocks, m.degraded_ranks)  # fmt: skip
         if self.on_load is not None:
             self.on_load(self)
 

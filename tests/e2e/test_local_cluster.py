@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 
+from neuron_serving.bench.common import metric_sum
 from neuron_serving.bench.soak.clients import MIX
 from neuron_serving.bench.soak.run import soak
 from neuron_serving.faults.schedule import Fault, FaultSchedule
@@ -51,7 +52,50 @@ def cluster(demo_model: Path, tmp_path_factory) -> Cluster:
     yield from start_cluster(
         demo_model, tmp_path_factory.mktemp("local-cluster"),
         ["--max-model-len", "256", "--max-num-seqs", "16", "--enforce-eager"], proxies=2,
+        env=STRAGGLER_ENV,
     )  # fmt: skip
+
+
+# Slow-rank detection judged over 3 s windows, 3 in a row (the defaults: 10 s): the
+# soak's throttles last 30-35 s.
+STRAGGLER_ENV = {"NEURON_SERVING_STRAGGLER_WINDOW_S": "3", "NEURON_SERVING_STRAGGLER_WINDOWS": "3",
+                 "NEURON_SERVING_STRAGGLER_MIN_STEPS": "10"}  # fmt: skip
+
+
+class VerdictLog:
+    """Every second, each unit's slow-rank verdicts as its leader exports them
+    (``neuron_serving_rank_degraded``) and as the proxy shows them (node state
+    "degraded" in /status), each with the time since the log started."""
+
+    def __init__(self, cluster: Cluster, units: tuple[str, ...]) -> None:
+        self.cluster, self.units = cluster, units
+        self.t0 = time.monotonic()
+        self.leader: list[tuple[float, str, int]] = []
+        self.proxy: list[tuple[float, str, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            t = time.monotonic() - self.t0
+            for u in self.units:
+                text = self.cluster.leader_metrics(u)
+                for rank in (0, 1):
+                    if metric_sum(text, "neuron_serving_rank_degraded", peer_rank=str(rank)):
+                        self.leader.append((t, u, rank))
+            status = self.cluster.replica_status(self.cluster.replicas()[0]) or {"units": []}
+            for unit in status["units"]:
+                for n in unit["nodes"]:
+                    if n["state"] == "degraded":
+                        self.proxy.append((t, unit["unit_id"], n["rank"]))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def first(self, log: list[tuple[float, str, int]], unit: str, rank: int) -> float | None:
+        return next((t for t, u, r in log if (u, r) == (unit, rank)), None)
 
 
 def test_openai_client_streams_a_chat_completion(cluster: Cluster) -> None:
@@ -280,10 +324,27 @@ def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Clu
         ]
     )  # fmt: skip
     restarts = {u: cluster.unit_state(u)["restarts"] for u in ("unit-0", "unit-1")}
+    verdicts = VerdictLog(cluster, ("unit-0", "unit-1"))
     # max-model-len 256 here: the long answers are 200 tokens.
-    result = soak(cluster.url, cluster.api_key, cluster.run_dir, cluster.model, schedule,
-                  duration=90.0, seed=1, clients=4, long_tokens=200)  # fmt: skip
+    try:
+        result = soak(cluster.url, cluster.api_key, cluster.run_dir, cluster.model, schedule,
+                      duration=90.0, seed=1, clients=4, long_tokens=200)  # fmt: skip
+    finally:
+        verdicts.stop()
     print({k: result[k] for k in ("requests", "statuses", "by_kind", "fault_delays_s")})
+    # The throttled rank is found slow while it is throttled (the soak's clock starts
+    # about when the log's does), in the leader's metrics and on the proxy; a busy
+    # healthy unit is never flagged: unit-1 before its own leader's throttle.
+    print("degraded (s, unit, rank): leader", verdicts.leader, "proxy", verdicts.proxy)
+    found = verdicts.first(verdicts.leader, "unit-0", 1)
+    assert found is not None and 10.0 < found < 50.0, verdicts.leader
+    assert verdicts.first(verdicts.proxy, "unit-0", 1) is not None, verdicts.proxy
+    assert [v for v in verdicts.leader if v[1] == "unit-1" and v[0] < 50.0] == []
+    assert [v for v in verdicts.leader if v[1] == "unit-0" and v[2] == 0] == []
+    print(
+        f"unit-0 rank 1 found slow {found - 10.0:.1f} s after its throttle began; unit-1 "
+        f"rank 0 {(verdicts.first(verdicts.leader, 'unit-1', 0) or 0) - 50.0:.1f} s after"
+    )
     assert [f["error"] for f in result["faults"]] == [None, None], result["faults"]
     assert all(v == 0 for v in result["zero_counts"].values()), (
         result["zero_counts"], result["false_ejections"], result["unexpected"][:5],

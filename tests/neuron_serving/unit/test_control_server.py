@@ -18,6 +18,7 @@ from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejec
 from neuron_serving.unit.late_beats import SATURATED_FACTOR
 from neuron_serving.unit.messages import Heartbeat, Start
 from neuron_serving.unit.node_status import NodeState
+from neuron_serving.unit.step_timing import StepTiming
 from neuron_serving.versions import runtime_versions
 from tests.procs import TEST_TOKEN, free_port_block
 
@@ -326,3 +327,40 @@ def test_a_leader_whose_beats_came_late_gets_more_silence_from_its_follower(lead
     # The silence the follower itself measured: past the relaxed limit, not the calm 1.5 s.
     silent = float(re.search(r"no heartbeat from the leader for ([0-9.]+) s", msg).group(1))
     assert silent >= 4.5, msg
+
+
+def test_a_slow_follower_is_judged_from_its_beats_and_can_fail_the_unit(monkeypatch):
+    """The follower's step totals travel in its heartbeats; the leader's detector
+    compares them with its own and, with the "fail" action, fails the unit for the
+    slow rank. Round trips of the beats are measured on both sides."""
+    for name, value in (("WINDOW_S", "0.3"), ("WINDOWS", "2"), ("MIN_STEPS", "2"),
+                        ("ACTION", "fail")):  # fmt: skip
+        monkeypatch.setenv(f"NEURON_SERVING_STRAGGLER_{name}", value)
+    leader_timing, follower_timing = StepTiming(), StepTiming()
+    lead = Leader(heartbeat_interval_s=0.05)
+    lead.server.timing = leader_timing
+    f = Follower(FollowerConfig("127.0.0.1", lead.port, 1, join_timeout_s=5),
+                 exit_fn=lambda code, msg: None, timing=follower_timing)  # fmt: skip
+    try:
+        f.join()
+        lead.server.wait_for_followers(5)
+        f.start_background()
+        lead.server.start_unit(Start("127.0.0.1", lead.port + 1, "tcp://x"))
+        f.wait_start()
+        deadline = time.monotonic() + 10
+        while not lead.failures and time.monotonic() < deadline:
+            # Rank 0 waits 40 ms of each 50 ms step for rank 1, which waits 1 ms.
+            leader_timing.collective(0.04)
+            leader_timing.step(0.05)
+            follower_timing.collective(0.001)
+            follower_timing.step(0.05)
+            time.sleep(0.01)
+        assert lead.failures, "the slow rank did not fail the unit"
+        rank, reason = lead.failures[0]
+        assert rank == 1 and "rank 1 is slow: its peers waited 78% of each 50 ms step" in reason
+        assert "NEURON_SERVING_STRAGGLER_ACTION=fail" in reason
+        assert set(lead.server.heartbeat_rtts()) == {"1"}
+        assert 0 <= lead.server.heartbeat_rtts()["1"] < 1.0
+        assert set(f.heartbeat_rtts()) == {"0"}
+    finally:
+        lead.server.close(clean=False)

@@ -9,6 +9,7 @@ import pytest
 from neuron_serving.unit import gc_pauses
 from neuron_serving.unit.node_metrics import NodeCollector, render
 from neuron_serving.unit.node_status import NodeStatus
+from tests.neuron_serving.unit.exposition import samples
 
 
 @pytest.fixture
@@ -21,14 +22,14 @@ def test_install_is_idempotent_and_records_each_generation() -> None:
     pauses = gc_pauses.install()
     assert gc_pauses.install() is pauses
     assert gc.callbacks.count(pauses.callback) == 1
-    before = list(pauses.count)
+    before = [h.count for h in pauses.generations]
     for generation in (0, 1, 2):
         gc.collect(generation)
-    for generation in (0, 1, 2):
-        assert pauses.count[generation] >= before[generation] + 1
-        # Every pause lands in one bucket or past the last bound.
-        assert sum(pauses.buckets[generation]) <= pauses.count[generation]
-        assert pauses.sum_s[generation] > 0
+    for generation, h in enumerate(pauses.generations):
+        assert h.count >= before[generation] + 1
+        # Every pause lands in one bucket (the last: past every bound).
+        assert sum(h.buckets) == h.count
+        assert h.sum_s > 0
 
 
 def test_a_slow_collection_lands_in_its_bucket() -> None:
@@ -36,9 +37,9 @@ def test_a_slow_collection_lands_in_its_bucket() -> None:
     pauses = gc_pauses.GcPauses(clock=lambda: next(clock))
     pauses.callback("start", {"generation": 2})
     pauses.callback("stop", {"generation": 2, "collected": 0})
-    assert pauses.count == [0, 0, 1]
-    assert pauses.buckets[2][gc_pauses.BUCKETS.index(0.5)] == 1
-    assert pauses.sum_s[2] == pytest.approx(0.3)
+    assert [h.count for h in pauses.generations] == [0, 0, 1]
+    assert pauses.generations[2].buckets[gc_pauses.BUCKETS.index(0.5)] == 1
+    assert pauses.generations[2].sum_s == pytest.approx(0.3)
 
 
 def test_freeze_heap_moves_the_live_heap_out_of_the_collector(unfrozen) -> None:
@@ -55,9 +56,9 @@ def test_freeze_heap_moves_the_live_heap_out_of_the_collector(unfrozen) -> None:
 def test_node_metrics_export_pauses_and_frozen_objects(unfrozen) -> None:
     text = render(NodeCollector(NodeStatus("unit-0", 1, 2))).decode()
     for generation in "012":
-        assert (f'neuron_serving_gc_pause_seconds_bucket{{generation="{generation}",le="+Inf",'
-                f'rank="1",unit_id="unit-0"}}') in text  # fmt: skip
-    assert 'neuron_serving_gc_frozen_objects{rank="1",unit_id="unit-0"} 0.0' in text
+        assert samples(text, "neuron_serving_gc_pause_seconds_bucket", generation=generation,
+                       le="+Inf", rank="1", unit="unit-0")  # fmt: skip
+    assert samples(text, "neuron_serving_gc_frozen_objects", rank="1", unit="unit-0") == [0.0]
     gc_pauses.freeze_heap()
     text = render(NodeCollector(NodeStatus("unit-0", 1, 2))).decode()
-    assert 'neuron_serving_gc_frozen_objects{rank="1",unit_id="unit-0"} 0.0' not in text
+    assert samples(text, "neuron_serving_gc_frozen_objects", rank="1", unit="unit-0")[0] > 0

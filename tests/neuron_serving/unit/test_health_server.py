@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from neuron_serving.unit.health_server import HealthLimits, HealthServer
 from neuron_serving.unit.node_status import NodeState, NodeStatus
+from tests.neuron_serving.unit.exposition import samples
 from tests.procs import free_port_block, non_loopback_ipv4
 
 
@@ -77,12 +78,11 @@ def test_metrics_endpoint_reports_control_plane():
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port + 1}/metrics", timeout=2) as r:
             text = r.read().decode()
-        assert 'neuron_serving_control_broadcasts_total{rank="0",unit_id="unit-m"} 2.0' in text
+        assert samples(text, "neuron_serving_control_broadcasts_total", rank="0",
+                       unit="unit-m") == [2.0]  # fmt: skip
         assert "neuron_serving_control_broadcast_payload_bytes_total" in text and "10000.0" in text
-        assert (
-            'neuron_serving_control_broadcast_seconds_bucket{le="0.0001",rank="0",unit_id="unit-m"} 1.0'
-            in text
-        )
+        assert samples(text, "neuron_serving_control_broadcast_seconds_bucket", le="0.0001",
+                       rank="0", unit="unit-m") == [1.0]  # fmt: skip
         assert 'neuron_serving_follower_heartbeat_age_seconds{follower_rank="1"' in text
     finally:
         server.stop()

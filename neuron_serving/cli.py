@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "models": "models",
     "simulate": "simulate",
     "faults": "faults",
+    "monitoring": "monitoring",
 }
 
 

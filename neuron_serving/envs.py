@@ -207,7 +207,7 @@ _REGISTRY: dict[str, tuple[Callable[[], Any], str]] = {
     "NEURON_SERVING_UNIT_RESTARTS": (
         _int("NEURON_SERVING_UNIT_RESTARTS", 0),
         "Set by the local supervisor on a unit's processes: how many times it restarted "
-        "the unit before (exported as neuron_serving_unit_restarts).",
+        "the unit before (exported as neuron_serving_node_restarts).",
     ),
     "NEURON_SERVING_STRAGGLER_WINDOW_S": (
         _float("NEURON_SERVING_STRAGGLER_WINDOW_S", 10.0),

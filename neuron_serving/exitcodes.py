@@ -45,3 +45,9 @@ class ExitCode(enum.IntEnum):
     PROCESSES_LEFT = 7
     """``up``: shut down, but some processes survived SIGKILL (listed on stderr);
     their ports and memory are still taken."""
+
+    CHECKPOINT_REJECTED = 8
+    """Follower: its host cannot serve the checkpoint its leader loads (another
+    version or manifest, its rank's files missing or corrupt), found before any
+    weight was read. Restarting the same way fails the same way: fix the host's
+    copy or the rollout."""

@@ -289,6 +289,8 @@ class ProxyServer:
             self.transport.name_for,
             self.admission.snapshot(),
         )
+        if self.batch_runner is not None:
+            self.metrics.batches_active.set(len((await self.batch_runner.status())["active"]))
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -422,7 +424,7 @@ class ProxyServer:
             blobs: Blobs = S3Blobs(cfg.files_url, s3_client())
         else:
             blobs = LocalBlobs(data / "files")
-        self.batch_runner = BatchRunner(db, blobs, self.pipeline, cfg)
+        self.batch_runner = BatchRunner(db, blobs, self.pipeline, cfg, self.metrics)
         (data / "tmp").mkdir(parents=True, exist_ok=True)
         self.batch_api = BatchAPI(cfg, db, blobs, self.batch_runner, self.pipeline.deps.model_names)
         self._batch_db = db

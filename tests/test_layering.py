@@ -100,6 +100,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("neuron_serving.deploy",),
     ("neuron_serving.local",),
     ("neuron_serving.ecs",),
+    ("neuron_serving.monitoring",),
     ("neuron_serving.sharding",),
     ("neuron_serving.triton",),
     ("neuron_serving.unit",),

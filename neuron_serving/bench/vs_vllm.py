@@ -195,7 +195,7 @@ def unit_binds(arm: ArmSpec, model_dir: Path) -> list[str]:
     --units auto` picks on this host's allowed CPUs (``auto_layout``)."""
     if arm.units:
         return fleet_binds(model_dir, arm.units)
-    from neuron_serving.commands.up import auto_layout
+    from neuron_serving.local.spec import auto_layout
 
     units, bind, _ = auto_layout(1, sorted(os.sched_getaffinity(0)))
     return [bind] * units

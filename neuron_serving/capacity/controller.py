@@ -137,6 +137,10 @@ class CapacityController:
         self.m_desired = Gauge(
             "capacity_desired_units", "Units the last capacity decision asked for", registry=r
         )
+        self.m_max = Gauge(
+            "capacity_max_units", "The policy's bound on units (max_units)", registry=r
+        )
+        self.m_max.set(config.policy.max_units)
         self.m_units = Gauge(
             "capacity_units", "Units paid for, by phase (last decision)", ["phase"], registry=r
         )

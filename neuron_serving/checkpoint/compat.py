@@ -14,6 +14,7 @@ leader loads and its own rank's files (``check_follower``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,16 @@ def manifest_identity(model_dir: Path) -> tuple[str, str]:
     except ValueError as e:
         raise CheckpointMismatch(f"{path}: {e}") from e
     return version, sha256_bytes(raw)
+
+
+def model_label(model_dir: str, version: str) -> str:
+    """The model's name for metric labels: its directory's name, or the parent's
+    when the directory is the version itself (a published checkpoint:
+    ``.../NAME/VERSION``). "" for no directory."""
+    path = os.path.normpath(model_dir) if model_dir else ""
+    if version and os.path.basename(path) == version:
+        path = os.path.dirname(path)
+    return os.path.basename(path)
 
 
 def check_follower(

@@ -37,7 +37,12 @@ def run(args: argparse.Namespace) -> int:
     from neuron_serving.devices.registry import get_backend
     from neuron_serving.exitcodes import ExitCode
     from neuron_serving.unit.auth import AuthError
-    from neuron_serving.unit.follower import Follower, FollowerConfig, FollowerRejected
+    from neuron_serving.unit.follower import (
+        CheckpointRejected,
+        Follower,
+        FollowerConfig,
+        FollowerRejected,
+    )
     from neuron_serving.unit.node_status import NodeState, NodeStatus
     from neuron_serving.unit.worker_import import WorkerImport, engine_env
 
@@ -113,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     except (FollowerRejected, AuthError, TimeoutError, ValueError) as e:
         status.set_state(NodeState.FAILED, str(e))
         print(f"neuron-serving follower: {e}", file=sys.stderr)
-        rc = ExitCode.FAILED
+        rc = ExitCode.CHECKPOINT_REJECTED if isinstance(e, CheckpointRejected) else ExitCode.FAILED
     except Exception as e:
         status.set_state(NodeState.FAILED, str(e))
         logging.getLogger("neuron_serving.follower").exception("follower failed")

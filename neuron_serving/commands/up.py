@@ -152,14 +152,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "default 0 (capacity/README.md, 'Fast scale-up')",
     )
     a.add_argument(
-        "--autoscale-metrics-port",
-        type=int,
-        default=None,
-        metavar="PORT",
-        help="the controller's GET /metrics and /status (admin token) on --host at "
-        "this port; default any free port, shown by `status --json` (capacity.metrics_url)",
-    )
-    a.add_argument(
         "--autoscale-config",
         default=None,
         metavar="FILE",
@@ -168,7 +160,33 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "decisions_kept, max_adds_per_tick, max_removes_per_tick); the flags win. "
         "unit_curve defaults to up's measured engine curve; [] makes it linear",
     )
+    m = p.add_argument_group("monitoring (neuron_serving/monitoring)")
+    m.add_argument(
+        "--metrics-port", type=int, default=0, metavar="PORT",
+        help="the supervisor's GET /metrics and /status (admin token: unit restarts and "
+        "failures, the autoscaler's decisions) on --host at this port; default any free "
+        "port, shown at start and by `status --json` (metrics_url)",
+    )  # fmt: skip
+    m.add_argument(
+        "--prometheus-port", type=int, default=DEFAULT_PROMETHEUS_PORT, metavar="PORT",
+        help="the cluster's Prometheus (Debian's prometheus package) on --host at this port "
+        f"(default {DEFAULT_PROMETHEUS_PORT}; when taken, or 0, any free port, said at "
+        "start); it scrapes every process and evaluates the alert rules of "
+        "neuron_serving/monitoring/rules",
+    )  # fmt: skip
+    m.add_argument(
+        "--no-prometheus", action="store_true",
+        help="do not start a Prometheus (one of your own can scrape the files in "
+        "RUN_DIR/prometheus/targets)",
+    )  # fmt: skip
+    m.add_argument(
+        "--scrape-interval", type=float, default=5.0, metavar="S",
+        help="how often Prometheus scrapes every process and evaluates the rules (default 5)",
+    )  # fmt: skip
     p.set_defaults(func=run)
+
+
+DEFAULT_PROMETHEUS_PORT = 9090
 
 
 def _units_arg(raw: str) -> int | str:
@@ -183,25 +201,6 @@ def _units_arg(raw: str) -> int | str:
 AUTO = "auto"
 
 
-def auto_layout(tp: int, cpus: list[int]) -> tuple[int, str, str]:
-    """``--units auto``: (units, every unit's CPU binding, why), for TP=1 units.
-
-    One unit whose engine's OpenMP threads use every allowed CPU: on 2 cores it served
-    more and answered sooner than two units of one core each, and as much as `vllm
-    serve` with one engine on both cores (bench/README.md, "vs-vllm"): a small model's
-    decode step scales across the cores of one engine better than the work splits
-    between engines. Measured on 2 cores only; a larger host gets the same layout until
-    a run there says otherwise."""
-    if tp != 1:
-        raise ValueError("--units auto is for TP=1 units (the measured layouts)")
-    if not cpus:
-        raise ValueError("--units auto: no CPU allowed to this process")
-    bind = ",".join(str(c) for c in cpus)
-    why = (f"--units auto: 1 unit on all {len(cpus)} allowed CPUs ({bind}): one engine "
-           "over every core beat one unit per core in bench vs-vllm (bench/README.md)")  # fmt: skip
-    return 1, bind, why
-
-
 def _capacity_config(args: argparse.Namespace) -> Any:
     """The autoscaler's config (ValueError on a bad one), or None without --autoscale;
     sets ``args.units`` to the initial count."""
@@ -211,11 +210,9 @@ def _capacity_config(args: argparse.Namespace) -> Any:
             or args.units_max is not None
             or args.autoscale_config
             or args.warm_units is not None
-            or args.autoscale_metrics_port is not None
         ):
             raise ValueError(
-                "--units-min, --units-max, --warm-units, --autoscale-metrics-port and "
-                "--autoscale-config need --autoscale"
+                "--units-min, --units-max, --warm-units and --autoscale-config need --autoscale"
             )
         args.units = 2 if args.units is None else args.units
         return None
@@ -253,16 +250,14 @@ def _capacity_config(args: argparse.Namespace) -> Any:
     return cfg
 
 
-def _start_autoscaler(
-    cluster: Any, spec: Any, cfg: Any, say: Callable[[str], None], metrics_port: int
-) -> tuple[Any, Any]:
+def _start_autoscaler(cluster: Any, spec: Any, cfg: Any, say: Callable[[str], None]) -> Any:
     """The capacity controller on this `up`: the LocalActuator over the supervisor API
     socket (the same path `deploy` and the e2e tests take), the reader over every
     replica's admin port; every decision one JSON line in logs/capacity/decisions.log,
-    the ones that act (or fail) also here; its status in supervisor.json."""
+    the ones that act (or fail) also here; its status in supervisor.json, its metrics on
+    the supervisor's endpoint (``_start_monitoring``)."""
     from neuron_serving.capacity.controller import CapacityController
     from neuron_serving.capacity.local_actuator import LocalActuator
-    from neuron_serving.capacity.metrics_server import CapacityMetricsServer
     from neuron_serving.capacity.reader import ProxyReader
     from neuron_serving.local.rotating_log import RotatingLog
     from neuron_serving.proxy_admin import AdminFanOut
@@ -299,28 +294,60 @@ def _start_autoscaler(
             )
 
     controller = CapacityController(reader, actuator, cfg, log_line=log_line)
-    server: CapacityMetricsServer | None
-    try:
-        server = CapacityMetricsServer(
-            spec.host, metrics_port, cluster.admin_token, controller.render_metrics,
-            controller.status,
-        )  # fmt: skip
-    except OSError as e:  # the port is taken: autoscale all the same, say so
-        server = None
-        say(f"capacity: no metrics endpoint on {spec.host}:{metrics_port}: {e}")
-        cluster.capacity_view = controller.status
-    else:
-        server.start()
-        url = server.url
-        cluster.capacity_view = lambda: {**controller.status(), "metrics_url": url}
+    cluster.capacity_view = lambda: {**controller.status(), "metrics_url": cluster.metrics_url}
     controller.start()
     p = cfg.policy
-    where = f"; metrics {server.url}/metrics with the admin token" if server else ""
     say(
         f"autoscaling {p.min_units}..{p.max_units} units every {p.tick_s:g} s "
-        f"(decisions in {decisions.path}{where})"
+        f"(decisions in {decisions.path})"
     )
-    return controller, server
+    return controller
+
+
+def _start_monitoring(
+    cluster: Any, spec: Any, args: argparse.Namespace, controller: Any, say: Callable[[str], None]
+) -> tuple[Any, Any]:
+    """The supervisor's metrics endpoint (its own metrics and the autoscaler's) and the
+    cluster's Prometheus (unless --no-prometheus, or not installed: said, never fatal);
+    (endpoint or None, prometheus or None)."""
+    from neuron_serving.local import supervisor_metrics
+    from neuron_serving.local.prometheus import LocalPrometheus
+    from neuron_serving.monitoring.endpoint import MetricsEndpoint
+
+    def metrics() -> bytes:
+        more = controller.render_metrics if controller is not None else None
+        return supervisor_metrics.render(lambda: cluster.units_view()["units"], more)
+
+    def status() -> dict[str, Any]:
+        return {"units": cluster.units_view()["units"],
+                "capacity": controller.status() if controller is not None else None}  # fmt: skip
+
+    endpoint = None
+    try:
+        endpoint = MetricsEndpoint(
+            spec.host, args.metrics_port, cluster.admin_token, metrics, status
+        )
+    except OSError as e:  # the port is taken: serve all the same, say so
+        say(f"monitoring: no supervisor metrics endpoint on {spec.host}:{args.metrics_port}: {e}")
+    else:
+        endpoint.start()
+        cluster.metrics_url = endpoint.url
+        say(f"monitoring: supervisor metrics {endpoint.url}/metrics (admin token)")
+    prometheus = None
+    if not args.no_prometheus:
+        prometheus = LocalPrometheus.start(
+            spec.run_dir, spec.host, args.prometheus_port, args.scrape_interval,
+            spec.run_dir / "admin-token", say,
+        )  # fmt: skip
+    if prometheus is not None:
+        cluster.prometheus_url = prometheus.url
+
+        def refresh() -> None:
+            prometheus.refresh(cluster.scrape_targets())
+
+        refresh()
+        cluster.tick_hooks.append(refresh)
+    return endpoint, prometheus
 
 
 def _examples(base: str, model: str, api_key: str) -> str:
@@ -383,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     from neuron_serving.exitcodes import ExitCode
     from neuron_serving.local.cache import default_run_dir, demo_model_dir
     from neuron_serving.local.cluster import ClusterSupervisor, StartupFailed
-    from neuron_serving.local.spec import ClusterSpec
+    from neuron_serving.local.spec import ClusterSpec, auto_layout
 
     t0 = time.monotonic()
 
@@ -455,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
         f"run dir {spec.run_dir}"
     )
     rc = ExitCode.OK
-    controller = metrics_server = None
+    controller = endpoint = prometheus = None
     try:
         cluster.prepare()
         cluster.start()
@@ -483,9 +510,8 @@ Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
             stamp=False,
         )
         if capacity is not None:
-            controller, metrics_server = _start_autoscaler(
-                cluster, spec, capacity, say, args.autoscale_metrics_port or 0
-            )
+            controller = _start_autoscaler(cluster, spec, capacity, say)
+        endpoint, prometheus = _start_monitoring(cluster, spec, args, controller, say)
         cluster.serve(stop)
     except StartupFailed as e:
         if not stop.is_set():
@@ -494,8 +520,10 @@ Ctrl-C drains (up to {spec.drain_timeout_s:.0f} s) and stops everything.""",
     finally:
         if controller is not None:
             controller.stop()  # no unit added or removed while everything stops
-        if metrics_server is not None:
-            metrics_server.stop()
+        if endpoint is not None:
+            endpoint.stop()
+        if prometheus is not None:
+            prometheus.stop()
         survivors = cluster.shutdown(drain=signals["count"] <= 1)
         if survivors:
             print(f"neuron-serving up: processes left running: {survivors}", file=sys.stderr)

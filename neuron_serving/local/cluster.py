@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neuron_serving.checkpoint.compat import manifest_identity, model_label
+from neuron_serving.checkpoint.errors import CheckpointMismatch
 from neuron_serving.local import plan
 from neuron_serving.local.group_supervisor import GroupPhase, GroupPlan, GroupSupervisor
 from neuron_serving.local.process import ProcessSpec
@@ -62,6 +64,7 @@ from neuron_serving.local.replicas import ProxyReplicas
 from neuron_serving.local.spec import MAX_UNITS, ClusterSpec
 from neuron_serving.local.supervisor_api import SOCKET_NAME, SupervisorApiServer
 from neuron_serving.logsafe import RateLimitedLog
+from neuron_serving.monitoring.targets import FleetTargets, UnitTargets
 
 # 2: "proxies" (every replica's client and admin address and group state) replaced
 # "proxy" and "admin_url".
@@ -158,6 +161,12 @@ class ClusterSupervisor:
         # The capacity controller's view (`up --autoscale`), in supervisor.json as
         # "capacity"; None without one. A callable: local sits below capacity.
         self.capacity_view: Callable[[], dict[str, Any]] | None = None
+        # Called on every tick of serve(), after the state file (the local Prometheus
+        # keeps its scrape targets current from it); each must not raise.
+        self.tick_hooks: list[Callable[[], None]] = []
+        # The supervisor's metrics endpoint (monitoring/endpoint.py), once up started it.
+        self.metrics_url: str | None = None
+        self.prometheus_url: str | None = None  # the cluster's Prometheus, once started
 
     # ---- start ---------------------------------------------------------------------
 
@@ -749,7 +758,33 @@ class ClusterSupervisor:
             "proxies": self.replicas.snapshot() if self.replicas else [],
             "units": [self._unit_snapshot(u) for u in self.groups()],
             "capacity": self._capacity(),
+            "metrics_url": self.metrics_url,
+            "prometheus_url": self.prometheus_url,
         }
+
+    def scrape_targets(self) -> FleetTargets:
+        """Every endpoint Prometheus scrapes in this cluster, as it is now: each unit's
+        leader and followers (units come, go and are recreated on the same ports),
+        each proxy replica's admin port, the supervisor's own endpoint."""
+        spec, hostname = self.spec, socket.gethostname()
+        units = []
+        for u in self.groups():
+            with self._lock:
+                index = self._info_of(u.group_id).index
+                model_dir = self.unit_models.get(u.group_id, spec.model_dir)
+            ports = spec.unit_ports(index)
+            try:
+                version = manifest_identity(Path(model_dir))[0]
+            except CheckpointMismatch:  # an unreadable manifest: the unit's own failure
+                version = ""
+            units.append(UnitTargets(
+                u.group_id, "127.0.0.1", hostname, model_label(str(model_dir), version),
+                ports.metrics,
+                tuple(ports.health(r) + 1 for r in range(1, spec.tp)),
+            ))  # fmt: skip
+        proxies = [(r.replica_id, r.admin_url.removeprefix("http://")) for r in spec.replicas()]
+        supervisor = self.metrics_url.removeprefix("http://") if self.metrics_url else None
+        return FleetTargets(units, proxies, supervisor)
 
     def _capacity(self) -> dict[str, Any] | None:
         view = self.capacity_view
@@ -791,6 +826,11 @@ class ClusterSupervisor:
         Nothing in it may end it but ``stop``: its ``finally`` would shut every unit down."""
         while not stop.wait(tick_s):
             self.write_state()
+            for hook in list(self.tick_hooks):
+                try:
+                    hook()
+                except Exception as e:  # noqa: BLE001 - a view's refresh must not end serving
+                    self._state_errors.warning(f"a monitoring refresh failed: {e}")
             try:
                 self._refresh_deploys()
             except Exception as e:  # noqa: BLE001 - a view's refresh must not end serving

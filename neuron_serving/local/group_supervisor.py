@@ -21,6 +21,7 @@ reads ``snapshot()`` (under the lock) or calls ``stop()``.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import signal
@@ -34,6 +35,7 @@ from pathlib import Path
 import psutil
 
 from neuron_serving import proctree
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.local.backoff import RestartBackoff
 from neuron_serving.local.process import (
     DEFAULT_LOG_BACKUPS,
@@ -88,6 +90,20 @@ class GroupFailure:
     log_tail: str
 
 
+def failure_cause(returncode: int | None) -> str:
+    """A group failure's cause for metrics, from the exit code of the process that
+    ended first: the code's name (exitcodes.py) in lower case, "signal" for a death
+    by a signal, "timeout" when nothing exited (not ready in time, a probe failed)."""
+    if returncode is None:
+        return "timeout"
+    if returncode < 0:
+        return "signal"
+    try:
+        return ExitCode(returncode).name.lower()
+    except ValueError:
+        return "other"
+
+
 @dataclass(slots=True)
 class GroupPlan:
     """What to run for one group, and how to tell it is ready."""
@@ -133,6 +149,8 @@ class GroupSupervisor:
         # Written by the supervisor thread under _lock; read by snapshot().
         self.phase = GroupPhase.STOPPED
         self.restarts = 0
+        # Failures by cause since the supervisor started (failure_cause).
+        self.failure_causes: collections.Counter[str] = collections.Counter()
         self.failures: list[GroupFailure] = []
         self.launched_at: float | None = None  # time.time() of the current incarnation
         self.ready_at: float | None = None
@@ -207,6 +225,7 @@ class GroupSupervisor:
                 "generation": self.generation,
                 "recreations": self.recreations,
                 "restarts": self.restarts,
+                "failure_causes": dict(self.failure_causes),
                 "launched_at": self.launched_at,
                 "ready_at": self.ready_at,
                 "first_ready_s": self.first_ready_s,
@@ -273,6 +292,7 @@ class GroupSupervisor:
                     # One update: readers never see the new count with the old phase
                     # or without the failure's log tail (a deploy reports it).
                     self.failures = [*self.failures[-9:], failure]
+                    self.failure_causes[failure_cause(failure.returncode)] += 1
                     self.restarts += 1
                     self.phase = GroupPhase.BACKOFF
                     self.next_start_at = time.time() + delay

@@ -249,3 +249,22 @@ class ClusterSpec:
     def api_key_file(self) -> Path:
         """The client API key `up` generated, plain (what `status` and clients read)."""
         return self.run_dir / API_KEY_FILE
+
+
+def auto_layout(tp: int, cpus: list[int]) -> tuple[int, str, str]:
+    """``--units auto``: (units, every unit's CPU binding, why), for TP=1 units.
+
+    One unit whose engine's OpenMP threads use every allowed CPU: on 2 cores it served
+    more and answered sooner than two units of one core each, and as much as `vllm
+    serve` with one engine on both cores (bench/README.md, "vs-vllm"): a small model's
+    decode step scales across the cores of one engine better than the work splits
+    between engines. Measured on 2 cores only; a larger host gets the same layout until
+    a run there says otherwise."""
+    if tp != 1:
+        raise ValueError("--units auto is for TP=1 units (the measured layouts)")
+    if not cpus:
+        raise ValueError("--units auto: no CPU allowed to this process")
+    bind = ",".join(str(c) for c in cpus)
+    why = (f"--units auto: 1 unit on all {len(cpus)} allowed CPUs ({bind}): one engine "
+           "over every core beat one unit per core in bench vs-vllm (bench/README.md)")  # fmt: skip
+    return 1, bind, why

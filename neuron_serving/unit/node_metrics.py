@@ -168,7 +168,7 @@ def _process(status: NodeStatus, labels: list[str], lv: list[str]) -> Iterable:
     rss.add_metric(lv, resident_bytes())
     yield rss
     restarts = GaugeMetricFamily(
-        "neuron_serving_unit_restarts",
+        "neuron_serving_node_restarts",
         "Times the unit's supervisor restarted it before this process started",
         labels=labels,
     )

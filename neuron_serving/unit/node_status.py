@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import enum
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from neuron_serving.checkpoint.compat import model_label
 from neuron_serving.versions import runtime_versions
 
 
@@ -66,10 +66,7 @@ class NodeStatus:
         """The model's name from its directory: the directory's own name, or its
         parent's when the directory is the version (a checkpoint as published:
         ``.../NAME/VERSION``)."""
-        path = os.path.normpath(model_path) if model_path else ""
-        if version and os.path.basename(path) == version:
-            path = os.path.dirname(path)
-        self.model, self.version = os.path.basename(path), version
+        self.model, self.version = model_label(model_path, version), version
 
     def metric_labels(self) -> tuple[list[str], list[str]]:
         """(names, values) of the labels on every metric the node exports: the same

@@ -48,6 +48,7 @@ from proxy.errors import APIError
 from proxy.protocol import parse_openai
 from proxy.serving.dispatch import NoRoutableUnit, OpenAIJob
 from proxy.serving.flow_control import Overloaded
+from proxy.serving.metrics import ProxyMetrics
 from proxy.traffic_class import TrafficClass
 from proxy.upstream.base import UpstreamError
 
@@ -59,7 +60,11 @@ FINALIZE_STALE_S = 120.0  # a "finalizing" batch untouched this long: its finish
 
 
 class BatchRunner:
-    def __init__(self, db: BatchDB, blobs: Blobs, pipeline: Pipeline, cfg: BatchConfig) -> None:
+    def __init__(
+        self, db: BatchDB, blobs: Blobs, pipeline: Pipeline, cfg: BatchConfig,
+        metrics: ProxyMetrics | None = None,
+    ) -> None:  # fmt: skip
+        self.metrics = metrics
         self.db = db
         self.store = db.store
         self.blobs = blobs
@@ -266,6 +271,8 @@ class BatchRunner:
             raise
         if await self.db.call(self.store.complete, line, self.owner, ok, result):
             self.lines_done += 1
+            if self.metrics is not None:
+                self.metrics.batch_requests.labels("completed" if ok else "failed").inc()
         else:
             log.warning(
                 "batch %s line %d: lease lost; its result was dropped", line.batch_id, line.idx

@@ -91,6 +91,10 @@ TICK_S = 0.05
 CLASSES = tuple(TrafficClass)
 
 
+# Why flow control refuses a request (proxy_class_rejected_total's reason label).
+REJECT_REASONS = ("queue_full", "deadline", "shed")
+
+
 class Overloaded(Exception):
     """A request that cannot start: 429 (queue full, deadline) or 503 (shed)."""
 
@@ -200,6 +204,12 @@ class FlowController(Generic[_JobT]):
         self.active = 0
         self._ticker: asyncio.Task[None] | None = None
         self._pump_scheduled = False
+        if metrics is not None:
+            # Every refusal series exists at 0 from the start: an alert's increase()
+            # cannot see a counter's first step when its series appears with it.
+            for c in CLASSES:
+                for reason in REJECT_REASONS:
+                    metrics.child(metrics.flow_rejected, c.label, reason)
 
     # ---- what the rest of the proxy reads -------------------------------------------------
 
@@ -214,6 +224,7 @@ class FlowController(Generic[_JobT]):
         return {
             c.label: {
                 "queued": q.waiting,
+                "queue_size": q.cfg.queue_size,
                 "active": q.active,
                 "oldest_wait_s": round(self._oldest_wait(q), 3),
                 "dispatched": q.dispatched,
@@ -387,6 +398,7 @@ class FlowController(Generic[_JobT]):
         return False
 
     def _reject(self, cls: TrafficClass, reason: str) -> None:
+        assert reason in REJECT_REASONS, reason
         if reason == "queue_full":
             self._classes[cls].refused += 1
         if self.metrics is not None:

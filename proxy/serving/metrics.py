@@ -162,6 +162,25 @@ class ProxyMetrics:
         self.flow_queued = Gauge(
             "proxy_class_queued", "Requests waiting in the class's queue", ["class"], registry=r
         )
+        self.batches_active = Gauge(
+            "proxy_batches_active",
+            "Batches not final yet (validating, in progress, finalizing, cancelling)",
+            registry=r,
+        )
+        self.batch_requests = Counter(
+            "proxy_batch_requests",
+            "Batch lines this replica finished, by outcome (completed: a 200 answer)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("completed", "failed"):  # from 0: increase() sees the first line
+            self.batch_requests.labels(outcome)
+        self.flow_queue_limit = Gauge(
+            "proxy_class_queue_limit",
+            "Requests the class's queue holds (its queue_size); beyond it: 429",
+            ["class"],
+            registry=r,
+        )
         self.flow_active = Gauge(
             "proxy_class_active", "Requests of the class started and running", ["class"], registry=r
         )
@@ -247,6 +266,8 @@ class ProxyMetrics:
         self.active.set(active)
         for name, c in (classes or {}).items():
             self.flow_queued.labels(name).set(c["queued"])
+            if "queue_size" in c:
+                self.flow_queue_limit.labels(name).set(c["queue_size"])
             self.flow_active.labels(name).set(c["active"])
 
     def render(self) -> bytes:

@@ -143,6 +143,43 @@ class Cluster:
         return "\n".join(out)
 
 
+class AlertWatch:
+    """The cluster's own Prometheus (`up` starts it), polled every half second: when
+    each alert (by name and unit) was first seen firing, on this process's clock."""
+
+    def __init__(self, c: Cluster) -> None:
+        self.url = c.state().get("prometheus_url")
+        assert self.url, "up started no Prometheus (is Debian's prometheus package installed?)"
+        self.firing: dict[tuple[str, str], float] = {}
+        self.pending: dict[tuple[str, str], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                with urllib.request.urlopen(f"{self.url}/api/v1/alerts", timeout=5) as r:
+                    alerts = json.loads(r.read())["data"]["alerts"]
+            except (OSError, ValueError, KeyError):
+                continue
+            now = time.monotonic()
+            for a in alerts:
+                key = (a["labels"]["alertname"], a["labels"].get("unit", ""))
+                seen = self.firing if a["state"] == "firing" else self.pending
+                seen.setdefault(key, now)
+
+    def wait_firing(self, name: str, unit: str, timeout_s: float) -> float:
+        """When ``name`` for ``unit`` first fired (waiting up to ``timeout_s``)."""
+        wait_for(lambda: (name, unit) in self.firing, timeout_s, interval=0.5,
+                 what=f"alert {name} for {unit} firing")  # fmt: skip
+        return self.firing[(name, unit)]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
 def leader_requests(c: Cluster, unit_id: str) -> float:
     """Requests ``unit_id``'s leader has taken, every outcome: one per engine request."""
     return metric_sum(c.leader_metrics(unit_id), "neuron_serving_triton_requests_total")
@@ -166,7 +203,7 @@ def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | Non
     run_dir = tmp / "run"
     args = ["up", "--model", str(model), "--port", str(port), "--admin-port",
             str(admin), "--proxies", str(proxies), "--base-port", str(base), "--run-dir",
-            str(run_dir), *extra_args]  # fmt: skip
+            str(run_dir), "--prometheus-port", "0", "--scrape-interval", "1", *extra_args]  # fmt: skip
     proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, name or model.name)
     print("up:", " ".join(args), "logs in", run_dir)
@@ -275,7 +312,9 @@ def chat(c: Cluster, max_tokens: int = 4) -> str:
     return r.choices[0].message.content or ""
 
 
-def kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> None:
+def kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> float:
+    """SIGKILL ``victim`` of ``unit`` under load, check every stream and the unit's
+    recreation; the kill's time (time.monotonic())."""
     old_tree = c.unit_tree(unit)
     restarts = c.unit_state(unit)["restarts"]
     other_before = c.proxy_unit(other)["requests_total"]
@@ -306,6 +345,7 @@ def kill_under_load(c: Cluster, unit: str, other: str, victim: str) -> None:
              RECREATE_TIMEOUT_S, interval=1.0, what=f"{unit} recreated and routable")  # fmt: skip
     print(f"{unit} routable again {time.monotonic() - killed:.1f} s after the kill "
           f"(recreation took {time.monotonic() - t:.1f} s after the restart was counted)")  # fmt: skip
+    return killed
     new_tree = c.unit_tree(unit)
     assert c.pid_of(unit, victim) != pid
     # No orphan: every process of the old incarnation is gone from the process table.

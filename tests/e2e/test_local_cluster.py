@@ -31,6 +31,7 @@ from neuron_serving.faults.schedule import Fault, FaultSchedule
 from neuron_serving.proxy_admin import AdminFanOut, Replica
 from tests.e2e.local_cluster import (
     STREAMS,
+    AlertWatch,
     Cluster,
     StreamResult,
     alive,
@@ -133,7 +134,16 @@ def test_client_api_requires_the_generated_key(cluster: Cluster) -> None:
 
 
 def test_follower_sigkill_under_load(cluster: Cluster) -> None:
-    kill_under_load(cluster, "unit-0", "unit-1", "follower-1")
+    """...and the cluster's own Prometheus fires the unit-down alert for it."""
+    alerts = AlertWatch(cluster)
+    try:
+        killed = kill_under_load(cluster, "unit-0", "unit-1", "follower-1")
+        fired = alerts.wait_firing("NeuronServingUnitNotRoutable", "unit-0", 120)
+    finally:
+        alerts.stop()
+    print(f"NeuronServingUnitNotRoutable fired for unit-0 {fired - killed:.1f} s after the "
+          "follower's SIGKILL")  # fmt: skip
+    assert fired > killed
 
 
 def test_leader_sigkill_under_load(cluster: Cluster) -> None:
@@ -325,12 +335,14 @@ def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Clu
     )  # fmt: skip
     restarts = {u: cluster.unit_state(u)["restarts"] for u in ("unit-0", "unit-1")}
     verdicts = VerdictLog(cluster, ("unit-0", "unit-1"))
+    alerts = AlertWatch(cluster)
     # max-model-len 256 here: the long answers are 200 tokens.
     try:
         result = soak(cluster.url, cluster.api_key, cluster.run_dir, cluster.model, schedule,
                       duration=90.0, seed=1, clients=4, long_tokens=200)  # fmt: skip
     finally:
         verdicts.stop()
+        alerts.stop()
     print({k: result[k] for k in ("requests", "statuses", "by_kind", "fault_delays_s")})
     # The throttled rank is found slow while it is throttled (the soak's clock starts
     # about when the log's does), in the leader's metrics and on the proxy; a busy
@@ -341,6 +353,11 @@ def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Clu
     assert verdicts.first(verdicts.proxy, "unit-0", 1) is not None, verdicts.proxy
     assert [v for v in verdicts.leader if v[1] == "unit-1" and v[0] < 50.0] == []
     assert [v for v in verdicts.leader if v[1] == "unit-0" and v[2] == 0] == []
+    # ...and the cluster's Prometheus fired the alert for it.
+    fired = alerts.firing.get(("NeuronServingRankDegraded", "unit-0"))
+    assert fired is not None, (alerts.firing, alerts.pending)
+    print(f"NeuronServingRankDegraded fired for unit-0 {fired - verdicts.t0 - 10.0:.1f} s "
+          "after its follower's throttle began")  # fmt: skip
     print(
         f"unit-0 rank 1 found slow {found - 10.0:.1f} s after its throttle began; unit-1 "
         f"rank 0 {(verdicts.first(verdicts.leader, 'unit-1', 0) or 0) - 50.0:.1f} s after"

@@ -30,6 +30,9 @@ class FakeCluster:
         self.spec = spec
         self.stopping = threading.Event()
         self.api_key = "k" * 43
+        self.admin_token = "a" * 43
+        self.tick_hooks: list = []
+        self.metrics_url = self.prometheus_url = None
         self.start_fails = start_fails
         self.survivors = survivors
         self.calls: list[str] = []
@@ -50,6 +53,9 @@ class FakeCluster:
     def serve(self, stop: threading.Event) -> None:
         self.calls.append("serve")
 
+    def units_view(self) -> dict:
+        return {"units": []}
+
     def shutdown(self, drain: bool = True) -> list[int]:
         self.calls.append("shutdown")
         return self.survivors
@@ -63,7 +69,13 @@ def _model(tmp_path: Path) -> Path:
 
 
 def _fake_cluster(monkeypatch: pytest.MonkeyPatch, start_fails=False, survivors=()) -> None:
+    """`up` over a FakeCluster; its supervisor endpoint is real (a free port), its
+    Prometheus is said to be missing (tests/neuron_serving/local/test_prometheus.py
+    runs the real one)."""
+    from neuron_serving.local.prometheus import LocalPrometheus
+
     FakeCluster.made.clear()
+    monkeypatch.setattr(LocalPrometheus, "start", classmethod(lambda cls, *a, **k: None))
     monkeypatch.setattr(
         cluster_module,
         "ClusterSupervisor",
@@ -227,7 +239,7 @@ def test_timeouts_reach_every_replica_and_old_keys_say_what_replaced_them(
 
 def _autoscale_args(**kw: object) -> argparse.Namespace:
     base = dict(autoscale=True, units=None, units_min=1, units_max=3, autoscale_config=None,
-                warm_units=None, autoscale_metrics_port=None)  # fmt: skip
+                warm_units=None)  # fmt: skip
     return argparse.Namespace(**{**base, **kw})
 
 

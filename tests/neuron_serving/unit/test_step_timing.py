@@ -63,7 +63,7 @@ def test_node_metrics_carry_every_label_and_the_new_families() -> None:
     assert samples(text, "neuron_serving_rank_degraded", peer_rank="1") == [1.0]
     assert samples(text, "neuron_serving_rank_peer_wait_share", peer_rank="1") == [0.4]
     assert samples(text, "neuron_serving_heartbeat_rtt_seconds", peer="1") == [0.0012]
-    assert samples(text, "neuron_serving_unit_restarts") == [2.0]
+    assert samples(text, "neuron_serving_node_restarts") == [2.0]
     assert samples(text, "neuron_serving_resident_memory_bytes")[0] > 10 << 20
     follower = NodeStatus("unit-3", 1, 2)
     assert follower.metric_labels()[1][3:] == ["follower", "", "unversioned"]

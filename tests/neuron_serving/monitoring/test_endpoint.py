@@ -1,5 +1,6 @@
-"""The controller's GET /metrics and /status: a real socket on loopback, the admin token
-required, hostile requests answered with a 4xx and the server still serving."""
+"""The supervisor's GET /metrics and /status (here serving the capacity controller's):
+a real socket on loopback, the admin token required, hostile requests answered with a
+4xx and the server still serving."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from neuron_serving.capacity.controller import CapacityController, ControllerConfig
-from neuron_serving.capacity.metrics_server import TIMEOUT_S, CapacityMetricsServer
+from neuron_serving.monitoring.endpoint import TIMEOUT_S, MetricsEndpoint
 from tests.neuron_serving.capacity.helpers import fleet, signals
 from tests.neuron_serving.capacity.test_controller import FAST, FakeActuator, Script
 
@@ -20,17 +21,17 @@ TOKEN = "t" * 43
 
 
 @pytest.fixture
-def server() -> Iterator[CapacityMetricsServer]:
+def server() -> Iterator[MetricsEndpoint]:
     c = CapacityController(Script([signals(0, fleet(1), rt=30)]), FakeActuator(),
                            ControllerConfig(policy=FAST), log_line=lambda _: None)  # fmt: skip
     c.tick()
-    srv = CapacityMetricsServer("127.0.0.1", 0, TOKEN, c.render_metrics, c.status)
+    srv = MetricsEndpoint("127.0.0.1", 0, TOKEN, c.render_metrics, c.status)
     srv.start()
     yield srv
     srv.stop()
 
 
-def _get(srv: CapacityMetricsServer, path: str, token: str | None = TOKEN,
+def _get(srv: MetricsEndpoint, path: str, token: str | None = TOKEN,
          method: str = "GET") -> tuple[int, bytes]:  # fmt: skip
     host, port = srv.httpd.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=10)
@@ -42,7 +43,7 @@ def _get(srv: CapacityMetricsServer, path: str, token: str | None = TOKEN,
     return resp.status, body
 
 
-def test_metrics_and_status_with_the_admin_token(server: CapacityMetricsServer) -> None:
+def test_metrics_and_status_with_the_admin_token(server: MetricsEndpoint) -> None:
     status, body = _get(server, "/metrics")
     assert status == 200
     names = {f.name for f in text_string_to_metric_families(body.decode())}
@@ -53,7 +54,7 @@ def test_metrics_and_status_with_the_admin_token(server: CapacityMetricsServer) 
     assert server.url.startswith("http://127.0.0.1:")
 
 
-def test_hostile_requests_get_a_4xx_and_the_server_goes_on(server: CapacityMetricsServer) -> None:
+def test_hostile_requests_get_a_4xx_and_the_server_goes_on(server: MetricsEndpoint) -> None:
     assert _get(server, "/metrics", token=None)[0] == 401
     status, body = _get(server, "/status", token="x" * 43)
     assert status == 401 and json.loads(body) == {"error": "missing or wrong admin token"}

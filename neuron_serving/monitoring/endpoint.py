@@ -1,10 +1,11 @@
-"""The capacity controller's own endpoint: ``GET /metrics`` (Prometheus text) and
-``GET /status`` (``CapacityController.status()`` as JSON), for Prometheus and for a
-tool that wants the controller without the supervisor's state file.
+"""The local supervisor's own endpoint: ``GET /metrics`` (Prometheus text: the
+supervisor's unit restarts and failures, and the capacity controller's decisions when
+`up` autoscales) and ``GET /status`` (JSON), for Prometheus and for tools that want
+them without the supervisor's state file.
 
 It binds the cluster's host (loopback unless `up --host` says otherwise) on the port
-given (`up --autoscale-metrics-port`; 0 = any free port, recorded in supervisor.json's
-``capacity.metrics_url``), and every request must carry the proxies' admin token
+given (`up --metrics-port`; 0 = any free port, recorded in supervisor.json's
+``metrics_url``), and every request must carry the proxies' admin token
 (``Authorization: Bearer``, checked in constant time by neuron_serving/bearer.py), as
 their admin ports do. Nothing is read from a request but its request line and
 headers (the standard library bounds both: 64 KiB per line, 100 headers), and a
@@ -30,7 +31,7 @@ TIMEOUT_S = 5.0
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class CapacityMetricsServer:
+class MetricsEndpoint:
     def __init__(
         self,
         host: str,
@@ -69,7 +70,7 @@ class CapacityMetricsServer:
             do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
 
             def log_message(self, *args: object) -> None:
-                pass  # the controller's decisions are the log
+                pass  # scrapes every few seconds: not worth a line each
 
         self.token = token
         self.metrics = metrics
@@ -81,7 +82,7 @@ class CapacityMetricsServer:
 
         self.httpd = Server((host, port), Handler)
         self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="capacity-metrics", daemon=True
+            target=self.httpd.serve_forever, name="supervisor-metrics", daemon=True
         )
 
     @property

@@ -1,9 +1,10 @@
-"""`neuron-serving monitoring prometheusrule|rules|config`: the monitoring files for a
-Prometheus of your own (neuron_serving/monitoring/README.md).
+"""`neuron-serving monitoring prometheusrule|rules|dashboards|config`: the monitoring
+files for a Prometheus and Grafana of your own (neuron_serving/monitoring/README.md).
 
 ``prometheusrule`` prints the alert rules as a Kubernetes PrometheusRule; ``rules``
-prints the rule file's path (for ``rule_files:``); ``config`` prints a prometheus.yml
-scraping the file SD targets of a local cluster's run directory (what `up` runs).
+prints the rule file's path (for ``rule_files:``); ``dashboards --out DIR`` writes the
+Grafana dashboards; ``config`` prints a prometheus.yml scraping the file SD targets of
+a local cluster's run directory (what `up` runs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rule.add_argument("--label", action="append", default=[], metavar="K=V",
                       help="a label the operator's ruleSelector matches (repeatable)")  # fmt: skip
     verbs.add_parser("rules", help="the path of the alert rule file")
+    dash = verbs.add_parser("dashboards", help="write the Grafana dashboards (JSON)")
+    dash.add_argument("--out", required=True, metavar="DIR")
     cfg = verbs.add_parser("config", help="a prometheus.yml for a local cluster's run directory")
     cfg.add_argument("--run-dir", required=True, metavar="DIR")
     cfg.add_argument("--listen", default="127.0.0.1:9090", metavar="HOST:PORT")
@@ -51,6 +54,12 @@ def _run(args: argparse.Namespace) -> int:
         return ExitCode.OK
     if args.verb == "rules":
         print(prometheus.ALERT_RULES)
+        return ExitCode.OK
+    if args.verb == "dashboards":
+        from neuron_serving.monitoring import dashboards
+
+        for path in dashboards.write_all(Path(args.out)):
+            print(path)
         return ExitCode.OK
     run_dir = Path(args.run_dir)
     config = prometheus.config(run_dir / "prometheus" / "targets", args.scrape_interval,

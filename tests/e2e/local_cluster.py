@@ -180,6 +180,31 @@ class AlertWatch:
         self._thread.join(timeout=10)
 
 
+def exported_names(c: Cluster) -> dict[str, set[str]]:
+    """Every endpoint the cluster's Prometheus scrapes (the file SD targets the
+    supervisor writes), fetched now: the metric names each job exports, as sample names
+    (a family without samples yet counts with its type's suffixes)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("_sum", "_count")}  # fmt: skip
+    out: dict[str, set[str]] = {}
+    targets = c.run_dir / "prometheus" / "targets"
+    for path in sorted(targets.glob("*.json")):
+        names = out.setdefault(path.stem, set())
+        for group in json.loads(path.read_text()):
+            for addr in group["targets"]:
+                req = urllib.request.Request(f"http://{addr}/metrics")
+                if path.stem in ("proxies", "supervisor"):
+                    req.add_header("Authorization", f"Bearer {c.admin_token}")
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    text = r.read().decode()
+                for family in text_string_to_metric_families(text):
+                    names.update(s.name for s in family.samples)
+                    names.update(family.name + x for x in suffixes.get(family.type, ("",)))
+    return out
+
+
 def leader_requests(c: Cluster, unit_id: str) -> float:
     """Requests ``unit_id``'s leader has taken, every outcome: one per engine request."""
     return metric_sum(c.leader_metrics(unit_id), "neuron_serving_triton_requests_total")

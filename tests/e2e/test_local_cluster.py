@@ -37,6 +37,7 @@ from tests.e2e.local_cluster import (
     alive,
     chat,
     check_streams,
+    exported_names,
     kill_under_load,
     start_cluster,
     start_streams,
@@ -106,6 +107,27 @@ def test_openai_client_streams_a_chat_completion(cluster: Cluster) -> None:
     assert out.finish_reason == "length" and out.text
     models = [m.id for m in cluster.client().models.list()]
     assert models == [cluster.model]
+
+
+def test_every_dashboard_query_reads_metrics_the_cluster_exports(cluster: Cluster) -> None:
+    """After a request has gone through: each dashboard's metrics (but the autoscaler's,
+    which this cluster does not run: tests/e2e/test_local_scale.py) are exported by the
+    endpoints the cluster's Prometheus scrapes, and every job has its endpoints."""
+    from neuron_serving.monitoring import dashboards
+
+    names = exported_names(cluster)
+    assert {job: len(n) > 0 for job, n in names.items()} == {
+        "followers": True, "leaders": True, "proxies": True, "supervisor": True}  # fmt: skip
+    everything = set().union(*names.values())
+    for d in dashboards.DASHBOARDS:
+        if d is dashboards.CAPACITY:
+            continue
+        assert dashboards.queried_metrics(d) - everything == set(), d.uid
+    # The node metrics carry the same labels on every rank.
+    assert {"neuron_serving_step_seconds_bucket", "neuron_serving_rank_degraded"} <= names[
+        "leaders"
+    ]
+    assert "neuron_serving_collective_wait_seconds_sum" in names["followers"]
 
 
 def test_client_api_requires_the_generated_key(cluster: Cluster) -> None:

@@ -41,6 +41,7 @@ from tests.e2e.local_cluster import (
     alive,
     chat,
     check_streams,
+    exported_names,
     start_cluster,
     start_streams,
 )
@@ -366,3 +367,8 @@ def test_autoscale_promotes_a_warm_spare_under_load_and_removes_a_unit_after(
     assert 'capacity_pool_actions_total{op="promote"} 1.0' in text, text[-2000:]
     with pytest.raises(urllib.error.HTTPError, match="401"):
         urllib.request.urlopen(f"{view['metrics_url']}/metrics", timeout=10)
+    # The capacity dashboard's metrics are what this cluster's Prometheus scrapes.
+    from neuron_serving.monitoring import dashboards
+
+    exported = set().union(*exported_names(c).values())
+    assert dashboards.queried_metrics(dashboards.CAPACITY) - exported == set()

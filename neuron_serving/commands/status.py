@@ -28,6 +28,10 @@ is for scripts: the whole merged view with every key always present (``proxy``,
 ``prefix_cache`` as /status has them). Under `up --autoscale` one more line shows
 the capacity controller (desired and current units, the last action and its
 reason); ``--json`` has its whole section (the last decisions with their signals).
+
+``--watch`` is the live view: the same table every ``--interval`` seconds (redrawn in
+place on a terminal, 80 columns into a pipe unless ``--width`` says otherwise), each
+node a line: a rank its leader finds slow shows as ``degraded``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -60,8 +67,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="fit the table to this many columns (default: the terminal's, or $COLUMNS; "
-        "0 = no limit)",
+        "0 = no limit; 80 with --watch into a pipe)",
     )
+    p.add_argument(
+        "--watch", action="store_true",
+        help="a live view: the table again every --interval seconds, per unit and per "
+        "rank (a slow rank shows as degraded), until Ctrl-C",
+    )  # fmt: skip
+    p.add_argument("--interval", type=float, default=2.0, metavar="S", help="--watch's period")
+    p.add_argument(
+        "--count", type=int, default=0, metavar="N",
+        help="--watch: stop after N views (default 0: until Ctrl-C)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -211,9 +228,21 @@ def width(args: argparse.Namespace) -> int:
     return shutil.get_terminal_size((0, 0)).columns
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
+@dataclass
+class View:
+    """One reading of the proxy and the supervisor's state, as `status` shows it."""
 
+    base: str
+    proxy: dict[str, Any] | None
+    problem: str
+    warning: str | None
+    rows: list[dict[str, Any]]
+    have_state: bool
+    proxies: list[dict[str, Any]] | None
+    capacity: dict[str, Any] | None
+
+
+def read_view(args: argparse.Namespace) -> View:
     from neuron_serving.local.cluster import _pid_alive, read_state
     from neuron_serving.local.probe import get_json, http_status
 
@@ -223,20 +252,72 @@ def run(args: argparse.Namespace) -> int:
     problem = "unreachable"
     if proxy is None and (code := http_status(f"{base}/status", 3.0, token=key)):
         problem = f"answered /status with HTTP {code}"  # not the proxy, or not its port
-    warning = redaction_warning(proxy, key)
     state = read_state(_state_path(args))
     if state is not None and not _pid_alive(state.get("pid")):
         state = None  # a dead supervisor's file describes nothing that runs
-    rows = merge(proxy, state)
-    proxies = None if state is None else state.get("proxies")
-    capacity = None if state is None else state.get("capacity")
+    return View(base, proxy, problem, redaction_warning(proxy, key), merge(proxy, state),
+                state is not None, None if state is None else state.get("proxies"),
+                None if state is None else state.get("capacity"))  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    if args.watch:
+        return watch(args)
+    v = read_view(args)
     if args.json:
-        print(json.dumps(json_view(base, proxy, problem, warning, rows, proxies, capacity)))
-        return ExitCode.OK if proxy is not None else ExitCode.FAILED
+        print(json.dumps(json_view(v.base, v.proxy, v.problem, v.warning, v.rows, v.proxies,
+                                   v.capacity)))  # fmt: skip
+        return ExitCode.OK if v.proxy is not None else ExitCode.FAILED
     console = Console(highlight=False, soft_wrap=True)
-    lines = render_text(
-        base, proxy, state is not None, problem, warning, rows, width(args), proxies, capacity
-    )
-    for line in lines:
+    for line in _lines(v, width(args)):
         console.print(line)
-    return ExitCode.OK if proxy is not None else ExitCode.FAILED
+    return ExitCode.OK if v.proxy is not None else ExitCode.FAILED
+
+
+def _lines(v: View, cols: int) -> list[Any]:
+    return render_text(v.base, v.proxy, v.have_state, v.problem, v.warning, v.rows, cols,
+                       v.proxies, v.capacity)  # fmt: skip
+
+
+def watch(args: argparse.Namespace) -> int:
+    """The table again every ``--interval`` seconds, redrawn in place on a terminal
+    (rich's Live) and one view after another into a pipe; the time of each view on
+    its first line. Ctrl-C ends it (exit 0)."""
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    if args.json:
+        print("neuron-serving status: --watch shows the table; --json is for one view",
+              file=sys.stderr)  # fmt: skip
+        return ExitCode.USAGE
+    console = Console(highlight=False, soft_wrap=True)
+    cols = width(args) or 80
+
+    def frame() -> Group:
+        v = read_view(args)
+        head = Text(f"{time.strftime('%H:%M:%S')}  every {args.interval:g} s  (Ctrl-C ends)",
+                    style="dim")  # fmt: skip
+        return Group(head, *_lines(v, cols))
+
+    shown = 0
+    try:
+        if console.is_terminal:
+            with Live(frame(), console=console, auto_refresh=False) as live:
+                shown = 1
+                while not args.count or shown < args.count:
+                    time.sleep(max(0.1, args.interval))
+                    live.update(frame(), refresh=True)
+                    shown += 1
+        else:
+            while not args.count or shown < args.count:
+                if shown:
+                    time.sleep(max(0.1, args.interval))
+                    console.print()
+                console.print(frame())
+                shown += 1
+    except KeyboardInterrupt:
+        pass
+    return ExitCode.OK

@@ -85,3 +85,48 @@ def test_capacity_line_fits_80_columns_and_json_has_the_whole_section() -> None:
     assert text[-1] == line and all(len(t) <= 80 for t in text)
     view = json.loads(json.dumps(json_view(BASE, PROXY, "", None, rows, None, c)))
     assert view["capacity"]["decisions"] == [{"desired": 2, "reason": "hold"}]
+
+
+def test_watch_redraws_the_view_each_interval_within_80_columns(tmp_path) -> None:
+    """`status --watch` against a real HTTP server answering /status: N views, every line
+    within 80 columns into a pipe, a slow rank shown as degraded."""
+    import copy
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    status = copy.deepcopy(PROXY)
+    status["units"][0]["nodes"][1]["state"] = "degraded"
+    body = json.dumps(status).encode()
+    hits: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            hits.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cmd = [sys.executable, "-m", "neuron_serving.cli", "status", "--proxy",
+               f"http://127.0.0.1:{server.server_address[1]}", "--state",
+               str(tmp_path / "none.json"), "--api-key", "k", "--watch", "--count", "3",
+               "--interval", "0.2"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sum("every 0.2 s" in ln for ln in lines) == 3 and len(hits) == 3
+    assert max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    assert any("degraded" in ln for ln in lines)
+    bad = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--watch" in bad.stderr

@@ -225,6 +225,28 @@ def health_check(spec: DeploymentSpec) -> dict[str, Any]:
     }
 
 
+# Docker labels the CloudWatch agent's ECS service discovery reads (its docker_label
+# mode: sd_port_label, sd_metrics_path_label, sd_job_name_label; AWS's "Detailed guide
+# for autodiscovery on Amazon ECS clusters"); its result file is Prometheus file SD,
+# so a Prometheus of your own can scrape the same targets (ecs/README.md, Monitoring).
+PROMETHEUS_PORT_LABEL = "ECS_PROMETHEUS_EXPORTER_PORT"
+PROMETHEUS_PATH_LABEL = "ECS_PROMETHEUS_METRICS_PATH"
+PROMETHEUS_JOB_LABEL = "ECS_PROMETHEUS_JOB_NAME"
+
+
+def prometheus_labels(spec: DeploymentSpec, role: str) -> dict[str, str]:
+    """Where Prometheus scrapes this container: a leader's merged Triton + vLLM + node
+    metrics port, a follower's node metrics (its health port + 1); the job names are
+    the local cluster's (monitoring/prometheus.py), so the same rules and dashboards
+    apply."""
+    from neuron_serving.monitoring.prometheus import JOB_PREFIX
+
+    port = TRITON_METRICS_PORT if role == "leader" else spec.health_port + 1
+    job = JOB_PREFIX + ("leaders" if role == "leader" else "followers")
+    return {PROMETHEUS_PORT_LABEL: str(port), PROMETHEUS_PATH_LABEL: "/metrics",
+            PROMETHEUS_JOB_LABEL: job}  # fmt: skip
+
+
 def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
     itype = spec.instance
     devices = [
@@ -257,6 +279,7 @@ def container_definition(spec: DeploymentSpec, role: str) -> dict[str, Any]:
             {"name": "nofile", "softLimit": 65535, "hardLimit": 65535},
         ],
         "healthCheck": health_check(spec),
+        "dockerLabels": prometheus_labels(spec, role),
         # The leader's own exit path waits for Triton (15 s) before SIGKILL.
         "stopTimeout": 30,
         "logConfiguration": {

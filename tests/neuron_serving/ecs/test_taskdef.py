@@ -378,3 +378,19 @@ def test_cli_render(tmp_path, capsys):
     assert main(["ecs", "render", "--unit-spec", str(spec_file), "--out", str(tmp_path / "x")]) == 2
     assert "unknown instance_type 'p5.48xlarge'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("role", taskdef.ROLES)
+def test_docker_labels_tell_the_cloudwatch_agent_where_to_scrape(role):
+    """ECS has no Prometheus service discovery of its own: the CloudWatch agent's
+    docker-label mode finds each node's metrics port, under the local cluster's job
+    names (so the same alert rules and dashboards apply); the port is one the task
+    publishes."""
+    spec = make_spec()
+    (c,) = taskdef.task_definition(spec, role)["containerDefinitions"]
+    labels = c["dockerLabels"]
+    port = int(labels["ECS_PROMETHEUS_EXPORTER_PORT"])
+    assert port in {p["containerPort"] for p in c["portMappings"]}
+    assert port == (8002 if role == "leader" else spec.health_port + 1)
+    assert labels["ECS_PROMETHEUS_METRICS_PATH"] == "/metrics"
+    assert labels["ECS_PROMETHEUS_JOB_NAME"] == f"neuron-serving-{role}s"

@@ -271,6 +271,32 @@ class BatchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HistoryConfig:
+    """The dashboard's time series (``GET /status/history``, ``serving/history.py``):
+    read from a Prometheus that scrapes the fleet when ``prometheus_url`` is set (`up`
+    sets its own), else from a window this proxy keeps in memory."""
+
+    prometheus_url: str = ""  # "" = the proxy's own window
+    interval_s: float = 5.0  # one point every interval (both sources)
+    window_s: float = 900.0  # how far back the series go
+    prometheus_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        _check(
+            not self.prometheus_url or self.prometheus_url.startswith(("http://", "https://")),
+            "history.prometheus_url must be empty or an http(s) URL",
+        )
+        _check(1.0 <= self.interval_s <= 60.0, "history.interval_s must be in [1, 60]")
+        _check(
+            self.interval_s * 2 <= self.window_s <= self.interval_s * 2000,
+            "history.window_s must hold 2 to 2000 intervals",
+        )
+        _check(
+            0 < self.prometheus_timeout_s <= 30, "history.prometheus_timeout_s must be in (0, 30]"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class LimitsConfig:
     """Bounds of the client-facing HTTP server against slow or hostile clients.
 
@@ -444,6 +470,7 @@ class ProxyConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    history: HistoryConfig = field(default_factory=HistoryConfig)
     models: tuple[ModelSpec, ...] = ()
     units: tuple[UnitSpec, ...] = ()
 
@@ -511,6 +538,7 @@ _SECTIONS = {
     "limits": LimitsConfig,
     "routing": RoutingConfig,
     "batch": BatchConfig,
+    "history": HistoryConfig,
 }
 
 

@@ -148,6 +148,18 @@ class UnitState:
     def is_ejected(self, now: float) -> bool:
         return now < self.ejected_until
 
+    def routing_state(self, now: float) -> str:
+        """What routing sees: draining, ejected, routable (degraded: routable with a
+        rank its leader finds slow) or unhealthy."""
+        if self.draining:
+            return "draining"
+        if self.is_ejected(now):
+            return "ejected"
+        if not self.nodes_healthy():
+            return "unhealthy"
+        load = self.engine_load
+        return "degraded" if load is not None and load.degraded_ranks else "routable"
+
 
 @dataclass(frozen=True, slots=True)
 class Event:

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from neuron_serving import envs
@@ -59,6 +60,7 @@ from proxy.routing.kv.metrics import KvIndexCollector
 from proxy.routing.kv.sink import KvIndexSink
 from proxy.serving.dispatch import Dispatcher, GenerationJob, OpenAIJob
 from proxy.serving.flow_control import FlowController
+from proxy.serving.history import PrometheusHistory, ProxyHistory, history_view
 from proxy.serving.metrics import REQUEST_UNIT, ProxyMetrics
 from proxy.serving.outlier import OutlierDetector
 from proxy.upstream.channel import ChannelUpstream
@@ -72,6 +74,8 @@ log = logging.getLogger(__name__)
 # Routes any caller may use: liveness, the dashboard page (static; the data it shows
 # comes from /status) and /status (redacted without a key).
 PUBLIC_PATHS = frozenset(("/health", "/healthz", "/dashboard", "/status"))
+# The dashboard's vendored chart library: loaded by a <script> tag, which sends no key.
+PUBLIC_PREFIX = "/dashboard/vendor/"
 
 
 def unauthorized(message: str = "") -> APIError:
@@ -174,6 +178,14 @@ class ProxyServer:
         self.batch_runner: BatchRunner | None = None
         self._batch_db: BatchDB | None = None
         self._background: set[asyncio.Task[None]] = set()
+        # The dashboard's time series: this proxy's own window, and the fleet's
+        # Prometheus when configured (serving/history.py).
+        self.history = ProxyHistory(self.metrics.registry, self._units_now,
+                                    self._queued_now, config.history)  # fmt: skip
+        self.prometheus_history = (
+            PrometheusHistory(config.history) if config.history.prometheus_url else None
+        )
+        self._history_session: aiohttp.ClientSession | None = None
         self.port = config.port
         self.admin_port = config.admin_port
         for spec in config.units:
@@ -280,6 +292,25 @@ class ProxyServer:
             body["batches"] = await self.batch_runner.status()
         return web.json_response(body)
 
+    def _units_now(self) -> list[tuple[str, str, float | None]]:
+        now = time.monotonic()
+        return [(u.unit_id, u.routing_state(now),
+                 None if u.engine_load is None else u.engine_load.kv_usage)
+                for u in self.registry.units.values()]  # fmt: skip
+
+    def _queued_now(self) -> dict[str, int]:
+        return {name: int(c["queued"]) for name, c in self.admission.snapshot().items()}
+
+    async def history_handler(self, request: web.Request) -> web.Response:
+        """``GET /status/history``: the dashboard's time series (the full view only, as
+        /status's detail: queue depths and KV usage per unit are not for strangers)."""
+        if not self.is_trusted(request):
+            return web.json_response({"redacted": True})
+        if self.prometheus_history is not None and self._history_session is None:
+            self._history_session = aiohttp.ClientSession()
+        view = await history_view(self.history, self.prometheus_history, self._history_session)
+        return web.json_response(view, headers={"Cache-Control": "no-store"})
+
     async def metrics_handler(self, request: web.Request) -> web.Response:
         self.metrics.refresh(
             self.registry,
@@ -323,9 +354,9 @@ class ProxyServer:
                 if tenant is not None:
                     request[TENANT] = tenant
                     request[TRAFFIC_CLASS] = keys.class_of(tenant)
-                elif request.path not in PUBLIC_PATHS and not (
-                    request.path == "/metrics" and self.is_admin(request)
-                ):
+                elif (
+                    request.path not in PUBLIC_PATHS and not request.path.startswith(PUBLIC_PREFIX)
+                ) and not (request.path == "/metrics" and self.is_admin(request)):
                     raise unauthorized()
             return await handler(request)
 
@@ -342,6 +373,7 @@ class ProxyServer:
         app.add_routes(
             [
                 web.get("/status", self.status),
+                web.get("/status/history", self.history_handler),
                 web.get("/metrics", self.metrics_handler),
                 web.get("/health", self.healthz),  # vLLM's name
                 web.get("/healthz", self.healthz),
@@ -376,6 +408,9 @@ class ProxyServer:
         if token is None:
             log.warning("no admin token configured: the admin API refuses every request")
         self.health.start()
+        task = asyncio.get_running_loop().create_task(self.history.run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         if self.config.batch.enabled:
             await self._open_batch()
         admin_app = AdminAPI(
@@ -385,7 +420,11 @@ class ProxyServer:
         # port (reuse_port), the client port's /status and /metrics are whichever replica
         # the kernel picked.
         admin_app.add_routes(
-            [web.get("/status", self.status), web.get("/metrics", self.metrics_handler)]
+            [
+                web.get("/status", self.status),
+                web.get("/status/history", self.history_handler),
+                web.get("/metrics", self.metrics_handler),
+            ]  # fmt: skip
         )
         for app, host, port, attr, reuse_port in (
             (self.make_app(), self.config.host, self.config.port, "port", self.config.reuse_port),
@@ -446,5 +485,8 @@ class ProxyServer:
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.health.stop()
+        if self._history_session is not None:
+            await self._history_session.close()
+            self._history_session = None
         await self.transport.close()
         await self.clients.close()

@@ -304,6 +304,19 @@ def _start_autoscaler(cluster: Any, spec: Any, cfg: Any, say: Callable[[str], No
     return controller
 
 
+def _prometheus_url(args: argparse.Namespace) -> str:
+    """The URL the cluster's Prometheus will have, chosen before anything starts (the
+    proxies' configs carry it for their dashboards); "" without one."""
+    from neuron_serving.local.prometheus import free_port
+    from neuron_serving.monitoring.prometheus import find_binary
+
+    if args.no_prometheus or find_binary() is None:
+        return ""
+    host = args.host
+    port = free_port(host, args.prometheus_port)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def _start_monitoring(
     cluster: Any, spec: Any, args: argparse.Namespace, controller: Any, say: Callable[[str], None]
 ) -> tuple[Any, Any]:
@@ -335,8 +348,10 @@ def _start_monitoring(
         say(f"monitoring: supervisor metrics {endpoint.url}/metrics (admin token)")
     prometheus = None
     if not args.no_prometheus:
+        # The port _prometheus_url picked before the proxies' configs were written.
+        port = int(spec.prometheus_url.rsplit(":", 1)[1]) if spec.prometheus_url else 0
         prometheus = LocalPrometheus.start(
-            spec.run_dir, spec.host, args.prometheus_port, args.scrape_interval,
+            spec.run_dir, spec.host, port or args.prometheus_port, args.scrape_interval,
             spec.run_dir / "admin-token", say,
         )  # fmt: skip
     if prometheus is not None:
@@ -458,6 +473,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name,
             extra_leader_args=leader_args,
             cpu_bind=cpu_bind,
+            prometheus_url=_prometheus_url(args),
         )
     except ValueError as e:
         print(f"neuron-serving up: {e}", file=sys.stderr)

@@ -60,7 +60,7 @@ class LocalPrometheus:
                 "which `make install` runs where apt-get exists); running without it: no "
                 "metrics history or alerts")  # fmt: skip
             return None
-        free = _free_port(host, port)
+        free = free_port(host, port)
         if free != port and port:
             say(f"prometheus: port {port} is taken on {host}; using {free}")
         p = cls(binary, run_dir, host, free, interval_s, token_file, say)
@@ -98,7 +98,7 @@ class LocalPrometheus:
         self.process.terminate(STOP_TIMEOUT_S)
 
 
-def _free_port(host: str, port: int) -> int:
+def free_port(host: str, port: int) -> int:
     """``port`` if it can be bound on ``host`` now, else (or for 0) one the OS picks.
     Released before Prometheus binds it: another process may take it meanwhile, which
     Prometheus then reports by exiting (said, and tried again)."""

@@ -109,6 +109,8 @@ def proxy_config(
         "routing": {"policy": spec.routing_policy},
         **({"admission": dict(spec.admission)} if spec.admission else {}),
         **({"timeouts": dict(spec.timeouts)} if spec.timeouts else {}),
+        # The dashboard's time series from the cluster's Prometheus when it runs one.
+        **({"history": {"prometheus_url": spec.prometheus_url}} if spec.prometheus_url else {}),
         # The Batch API's store and files live with the cluster's run dir, shared by the
         # replicas (SQLite in WAL mode on one host; a lease per line, owned by a replica
         # id). Ids are fixed, so a restarted replica takes its own leased lines back at once.

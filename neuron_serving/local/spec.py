@@ -101,6 +101,9 @@ class ClusterSpec:
     max_num_seqs: int = 16
     # Every unit's VLLM_CPU_OMP_THREADS_BIND; "" = unit_cpu_bind's round robin.
     cpu_bind: str = ""
+    # The cluster's Prometheus (`up` starts it), whose history the proxies' dashboards
+    # draw; "" = none (each proxy keeps its own window).
+    prometheus_url: str = ""
     # Proxy probing: interval 0.5 s x 2 failures -> a dead unit leaves rotation in
     # about 1-1.5 s, inside the 3 s the local cluster promises.
     health_interval_s: float = 0.5

@@ -9,6 +9,13 @@ prefix cache hits against the predicted ones (full view only), the Batch API's
 unfinished batches (full view only), and the registry's recent events. Polling
 rather than SSE or a WebSocket keeps the proxy free of long-lived dashboard
 connections; one ``/status`` per viewer per second is negligible next to the probes.
+
+Above them, the history (full view only): throughput, TTFT and ITL p50/p99, queue
+depth per class and KV use per unit as time series, and a health timeline per unit
+with its events marked, from ``GET /status/history`` every 5 s
+(``serving/history.py``: the cluster's Prometheus, or this proxy's own window). The
+charts are drawn by uPlot, vendored (``static/vendor/uplot``, served by name from
+``VENDOR`` at ``/dashboard/vendor/``, public like the page: a script tag sends no key).
 """
 
 from __future__ import annotations
@@ -22,9 +29,15 @@ from aiohttp import web
 # makes that a rule rather than a habit (no external scripts, no inline event
 # handlers injected through registry strings).
 _CSP = (
-    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "default-src 'none'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
     "connect-src 'self'; img-src 'self' data:; base-uri 'none'; frame-ancestors 'none'"
 )
+# The chart library, vendored (static/vendor/uplot/README.md): served by name from this
+# fixed list only, never a path from the request.
+VENDOR = {
+    "uPlot.iife.min.js": "application/javascript",
+    "uPlot.min.css": "text/css",
+}
 
 
 @cache
@@ -42,5 +55,19 @@ async def dashboard(request: web.Request) -> web.Response:
     )
 
 
+@cache
+def vendor_file(name: str) -> bytes:
+    return resources.files("proxy").joinpath(f"static/vendor/uplot/{name}").read_bytes()
+
+
+async def vendor(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    ctype = VENDOR.get(name)
+    if ctype is None:
+        raise web.HTTPNotFound()
+    return web.Response(body=vendor_file(name), content_type=ctype,
+                        headers={"Cache-Control": "max-age=86400"})  # fmt: skip
+
+
 def routes() -> list[web.RouteDef]:
-    return [web.get("/dashboard", dashboard)]
+    return [web.get("/dashboard", dashboard), web.get("/dashboard/vendor/{name}", vendor)]

@@ -49,14 +49,9 @@ def _unit(
 ) -> dict[str, Any]:
     ejected = u.is_ejected(now)
     degraded = u.engine_load.degraded_ranks if u.engine_load is not None else ()
-    if u.draining:
-        state = "draining"
-    elif ejected:
-        state = "ejected"
-    elif u.nodes_healthy():
-        state = "routable"
-    else:
-        state = "unhealthy"
+    state = u.routing_state(now)
+    if state == "degraded":
+        state = "routable"  # it is: the slow rank's own node shows "degraded"
     return {
         "unit_id": u.unit_id,
         "state": state,

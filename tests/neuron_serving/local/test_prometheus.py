@@ -4,6 +4,7 @@ metrics endpoint found through the file SD targets, with the alert rules loaded;
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.parse
@@ -17,7 +18,17 @@ from neuron_serving.monitoring.targets import FleetTargets, UnitTargets
 from neuron_serving.unit.health_server import HealthServer
 from neuron_serving.unit.node_metrics import NodeCollector
 from neuron_serving.unit.node_status import NodeStatus
+from proxy.config import HistoryConfig
+from proxy.serving.history import PROMQL, PrometheusHistory
 from tests.procs import free_port_block, wait_for
+
+
+async def _history(url: str) -> dict:
+    import aiohttp
+
+    cfg = HistoryConfig(prometheus_url=url, interval_s=1, window_s=30)
+    async with aiohttp.ClientSession() as session:
+        return await PrometheusHistory(cfg).view(session)
 
 
 def query(url: str, promql: str) -> list[dict]:
@@ -59,6 +70,12 @@ def test_it_scrapes_a_node_found_through_the_targets_and_loads_the_rules(tmp_pat
         with urllib.request.urlopen(f"{prom.url}/api/v1/rules", timeout=5) as r:
             groups = json.loads(r.read())["data"]["groups"]
         assert sum(len(g["rules"]) for g in groups) == 20
+        # The proxy's dashboard history from this Prometheus: every series on one time
+        # axis (empty here: no proxy is scraped).
+        view = asyncio.run(_history(prom.url))
+        assert view["source"] == "prometheus" and len(view["t"]) == 31
+        assert set(PROMQL) <= set(view["series"])
+        assert all(len(v) == 31 for v in view["series"].values())
     finally:
         prom.stop()
         node.stop()
@@ -99,6 +116,6 @@ def test_a_taken_port_falls_back_to_a_free_one(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         taken = s.getsockname()[1]
-        got = local_prometheus._free_port("127.0.0.1", taken)
+        got = local_prometheus.free_port("127.0.0.1", taken)
         assert got != taken and got > 0
-    assert local_prometheus._free_port("127.0.0.1", 0) > 0
+    assert local_prometheus.free_port("127.0.0.1", 0) > 0

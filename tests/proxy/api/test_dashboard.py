@@ -52,6 +52,52 @@ async def test_dashboard_is_html(fleet) -> None:
         assert "connect-src 'self'" in resp.headers["Content-Security-Policy"]
         body = await resp.text()
     assert 'fetch("status"' in body and 'id="grid"' in body
+    assert "script-src 'self'" in resp.headers["Content-Security-Policy"]
+    # The vendored chart library, byte for byte what its README's hashes say, and
+    # nothing else under its path.
+    import hashlib
+    import re
+
+    readme = (Path(__file__).parents[3] / "proxy/static/vendor/uplot/README.md").read_text()
+    hashes = dict(re.findall(r"\| `([^`]+)` \| `([0-9a-f]{64})` \|", readme))
+    assert set(hashes) == {"uPlot.iife.min.js", "uPlot.min.css", "LICENSE"}
+    for name in ("uPlot.iife.min.js", "uPlot.min.css"):
+        async with fleet.session().get(url(proxy, f"/dashboard/vendor/{name}")) as resp:
+            assert resp.status == 200
+            assert hashlib.sha256(await resp.read()).hexdigest() == hashes[name]
+    for bad in ("LICENSE", "..%2Fdashboard.html", "x.js", "%2e%2e/%2e%2e/etc/passwd"):
+        async with fleet.session().get(url(proxy, f"/dashboard/vendor/{bad}")) as resp:
+            assert resp.status == 404, bad
+
+
+async def test_history_is_the_proxys_own_window_without_prometheus(fleet) -> None:
+    """``GET /status/history``: the series this proxy samples (requests, tokens, TTFT and
+    ITL quantiles, queues per class, KV use and health per unit), aligned on ``t``."""
+    u1 = await fleet.unit("u1")
+    proxy = await fleet.proxy([u1], history={"interval_s": 1, "window_s": 10})
+    session = fleet.session()
+    body = {"model": "llm", "prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        async with session.post(url(proxy, "/v1/completions"), json=body) as r:
+            assert r.status == 200
+            await r.read()
+    proxy.history.sample()  # a point now, after the requests (the task adds one a second)
+    async with session.get(url(proxy, "/status/history")) as r:
+        assert r.status == 200
+        h = await r.json()
+    assert h["source"] == "proxy" and h["interval_s"] == 1 and "fallback" not in h
+    n = len(h["t"])
+    assert n >= 2 and all(len(v) == n for v in h["series"].values())
+    assert {"requests_per_s", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p99_s",
+            "queued:real-time", "kv_usage:u1"} <= set(h["series"])  # fmt: skip
+    assert max(x or 0 for x in h["series"]["requests_per_s"]) > 0
+    assert max(x or 0 for x in h["series"]["tokens_per_s"]) > 0
+    assert any(x is not None for x in h["series"]["ttft_p99_s"])
+    assert h["health"]["u1"][-1] == "routable"
+    # A window of 10 s at 1 s keeps 11 points at most.
+    for _ in range(15):
+        proxy.history.sample()
+    assert len(proxy.history.view()["t"]) == 11
 
 
 async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None:
@@ -65,7 +111,7 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
     health = {"interval_s": 0.2, "timeout_s": 0.2, "unhealthy_threshold": 2}
     proxy = await fleet.proxy(
         [u1, u2], health=health, routing={"policy": "round_robin"},
-        outlier={"consecutive_errors": 1},
+        outlier={"consecutive_errors": 1}, history={"interval_s": 1, "window_s": 120},
     )  # fmt: skip
     session = fleet.session()
 
@@ -81,7 +127,7 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
         try:
             page = await browser.new_page(viewport={"width": 1280, "height": 800})
             page.set_default_timeout(15_000)
-            await page.goto(url(proxy, "/dashboard?interval=200"))
+            await page.goto(url(proxy, "/dashboard?interval=200&history=500"))
             # A marker that a reload would wipe: the checks below must see it survive.
             await page.evaluate("window.__sameDocument = true")
 
@@ -138,6 +184,18 @@ async def test_dashboard_updates_live_in_chromium(fleet, tmp_path: Path) -> None
             await page.wait_for_selector('#events-body tr[data-kind="drain"]')
             assert await page.evaluate("window.__sameDocument === true")
 
+            # History: the five charts drawn by the vendored uPlot from the proxy's own
+            # window, and a health timeline per unit with the ejection marked on it.
+            for chart in ("throughput", "ttft", "itl", "queue", "kv"):
+                await page.wait_for_selector(f"#chart-{chart} canvas")
+            await page.wait_for_selector('#history-note:has-text("own window")')
+            await page.wait_for_selector('[data-tl-unit="u1"] span[data-state="draining"]')
+            await page.wait_for_selector('[data-tl-unit="u2"] span[data-state="unhealthy"]')
+            await page.wait_for_selector('[data-tl-unit="u1"] i[data-kind="ejected"]')
+            assert await page.locator('[data-tl-unit="u1"] span[data-state="routable"]').count() > 0
+            legend = await page.locator("#chart-throughput .u-legend").text_content()
+            assert "requests_per_s" in legend and "tokens_per_s" in legend
+
             shot = tmp_path / "dashboard.png"
             await page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 5_000
@@ -171,6 +229,7 @@ async def test_dashboard_with_api_keys_redacts_unless_given_a_key(fleet) -> None
             await page.wait_for_selector('#updated:has-text("redacted")')
             await page.wait_for_selector('#batches-summary:has-text("hidden")')
             await page.wait_for_selector('#kv-summary:has-text("hidden")')
+            await page.wait_for_selector('#history-note:has-text("hidden")')
             assert await page.locator("#kv-body tr").count() == 0
             assert not await page.evaluate("document.body.classList.contains('stale')")
             title = await page.locator('[data-node="u1/leader"]').get_attribute("title")
@@ -187,6 +246,8 @@ async def test_dashboard_with_api_keys_redacts_unless_given_a_key(fleet) -> None
                 await asyncio.sleep(0.1)
             assert u1.triton.addr in (await leader.get_attribute("title") or "")
             assert "redacted" not in (await page.locator("#updated").text_content())
+            # The key unlocks the history too, and the chart library loads without one.
+            await page.wait_for_selector("#chart-throughput canvas")
             assert await leader.get_attribute("data-state") == "healthy"
         finally:
             await browser.close()

@@ -21,8 +21,9 @@ BENCHMARKS = ("executor", "serving", "proxy", "routing", "failover", "scaling", 
 # peak-sized and minimum-sized fleets of TP=1 units, one cluster after another).
 # soak: a cluster under mixed traffic and a fault schedule for 30 minutes (--quick 5).
 # vs-vllm: make serve's fleet against `vllm serve` tuned three ways, one arm at a time.
+# scrape: what monitoring costs each process (a cluster with its Prometheus).
 DIAGNOSTIC = ("cpu", "failures", "serving_mn", "startup", "classes", "capacity", "soak",
-              "vs-vllm")  # fmt: skip
+              "vs-vllm", "scrape")  # fmt: skip
 # bench all (quick): repeats below a benchmark's own --quick default, to stay ~20 minutes.
 ALL_QUICK_REPEATS = {"load": 1}
 
@@ -127,6 +128,10 @@ def _call(name: str, quick: bool, args: argparse.Namespace, model: str | None = 
 
         return soak.main(quick, model, emit_json, repeats, duration_s=args.duration,
                          seed=args.seed, faults_file=args.faults)  # fmt: skip
+    if name == "scrape":
+        from neuron_serving.bench import scrape
+
+        return scrape.main(quick, emit_json)
     if name == "vs-vllm":
         from neuron_serving.bench import vs_vllm
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from neuron_serving import ports
 from neuron_serving.local.process import ManagedProcess, ProcessSpec
 from neuron_serving.monitoring import prometheus as prom
 from neuron_serving.monitoring.targets import FleetTargets, ensure_files, write_file_sd
@@ -99,15 +100,16 @@ class LocalPrometheus:
 
 
 def free_port(host: str, port: int) -> int:
-    """``port`` if it can be bound on ``host`` now, else (or for 0) one the OS picks.
-    Released before Prometheus binds it: another process may take it meanwhile, which
-    Prometheus then reports by exiting (said, and tried again)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    for candidate in (port, 0) if port else (0,):
+    """``port`` if it can be bound on ``host`` now, else (or for 0) another free one
+    (ports.py: below the ephemeral range). Released before Prometheus binds it:
+    another process may take it meanwhile, which Prometheus then reports by exiting
+    (said, and tried again)."""
+    if port:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as s:
             try:
-                s.bind((host, candidate))
+                s.bind((host, port))
+                return port
             except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise OSError(f"no free port on {host}")
+                pass
+    return ports.free_port(host)

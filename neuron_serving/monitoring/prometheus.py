@@ -34,13 +34,18 @@ def find_binary(name: str = "prometheus") -> str | None:
     return str(debian) if debian.exists() else None
 
 
+def duration(seconds: float) -> str:
+    """A Prometheus duration: whole milliseconds ("1.6s" is not one; "1600ms" is)."""
+    return f"{round(seconds * 1000)}ms"
+
+
 def config(
     sd_dir: Path, interval_s: float, token_file: Path | None, self_addr: str,
     rule_files: tuple[Path, ...] = (ALERT_RULES,),
 ) -> dict[str, Any]:  # fmt: skip
     """prometheus.yml as a dict: every job scraped and every rule evaluated each
     ``interval_s``; ``token_file`` holds the admin token for the authorized jobs."""
-    interval = f"{interval_s:g}s"
+    interval = duration(interval_s)
     scrape: list[dict[str, Any]] = []
     for job in JOBS:
         cfg: dict[str, Any] = {
@@ -59,7 +64,7 @@ def config(
         "global": {
             "scrape_interval": interval,
             # Under the interval: a hung endpoint costs one missed scrape, not a pile-up.
-            "scrape_timeout": f"{max(1.0, interval_s * 0.8):g}s",
+            "scrape_timeout": duration(max(1.0, interval_s * 0.8)),
             "evaluation_interval": interval,
         },
         "rule_files": [str(p) for p in rule_files],

@@ -228,7 +228,7 @@ def start_cluster(model: Path, tmp: Path, extra_args: list[str], name: str | Non
     run_dir = tmp / "run"
     args = ["up", "--model", str(model), "--port", str(port), "--admin-port",
             str(admin), "--proxies", str(proxies), "--base-port", str(base), "--run-dir",
-            str(run_dir), "--prometheus-port", "0", "--scrape-interval", "1", *extra_args]  # fmt: skip
+            str(run_dir), "--prometheus-port", "0", "--scrape-interval", "2", *extra_args]  # fmt: skip
     proc = Proc("up", args, tmp, dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     c = Cluster(proc, f"http://127.0.0.1:{port}", run_dir, name or model.name)
     print("up:", " ".join(args), "logs in", run_dir)

@@ -56,7 +56,10 @@ def test_every_alert_is_tested_firing_and_has_a_runbook_entry() -> None:
 def test_the_rendered_config_is_valid(tmp_path: Path) -> None:
     token = tmp_path / "admin-token"
     token.write_text("t" * 43)
-    cfg = prometheus.config(tmp_path / "targets", 5.0, token, "127.0.0.1:9090")
+    # An interval whose scrape timeout (0.8 of it) is a fraction of a second: Prometheus
+    # refuses "1.6s", so durations are written in milliseconds.
+    cfg = prometheus.config(tmp_path / "targets", 2.0, token, "127.0.0.1:9090")
+    assert cfg["global"]["scrape_timeout"] == "1600ms"
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(cfg))
     out = run("check", "config", str(path))

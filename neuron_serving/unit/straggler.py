@@ -18,7 +18,9 @@ idle unit, a rank that just joined) leaves every verdict as it was.
 
 Not covered: the leader's own work outside the forward (scheduling, sampling) makes
 the followers wait in the next broadcast, not in a collective, so it is not counted
-against the leader; a unit of one rank has no peers to compare.
+against the leader; nor is the first collective of a step (``step_timing``: rank 0
+waits there for its head start, whatever the ranks' speed); a unit of one rank has no
+peers to compare.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_event_final_and_compact_encoding() -> None:
 def test_events_and_loads_share_the_leaders_frames() -> None:
     messages = [oc.Event(3, b"x", finish_reason="stop"), oc.Load(5, 2, 0.375, 8)]
     raw = msgspec.msgpack.encode(messages)
-    assert msgspec.msgpack.decode(raw)[1] == [1, 5, 2, 0.375, 8, 0]  # tag 1, then the fields
+    assert msgspec.msgpack.decode(raw)[1] == [1, 5, 2, 0.375, 8, 0, []]  # tag 1, then the fields
     decoded = msgspec.msgpack.decode(raw, type=oc.ToProxy)
     assert decoded == messages and type(decoded[1]) is oc.Load
     assert not oc.Event(3).final  # Load has no ``final``; it is not a call's
@@ -108,8 +108,11 @@ def test_messages_to_the_proxy_are_typed(hostile) -> None:
 
 def test_trailing_fields_are_ignored_as_msgspec_does_for_every_message() -> None:
     """A later wire version may append fields to a message; this one reads its own."""
-    raw = msgspec.msgpack.encode([[1, 5, 2, 0.5, 8, 36, "a later field"]])
-    assert msgspec.msgpack.decode(raw, type=oc.ToProxy) == [oc.Load(5, 2, 0.5, 8, 36)]
+    raw = msgspec.msgpack.encode([[1, 5, 2, 0.5, 8, 36, [1], "a later field"]])
+    assert msgspec.msgpack.decode(raw, type=oc.ToProxy) == [oc.Load(5, 2, 0.5, 8, 36, (1,))]
+    # A leader from before degraded_ranks: its Load reads with none.
+    older = msgspec.msgpack.encode([[1, 5, 2, 0.5, 8, 36]])
+    assert msgspec.msgpack.decode(older, type=oc.ToProxy)[0].degraded_ranks == ()
 
 
 def test_the_proxys_frame_bound_holds() -> None:

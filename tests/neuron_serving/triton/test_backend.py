@@ -478,14 +478,14 @@ def test_the_load_report_turns_idle_when_the_last_request_ends(backend) -> None:
     backend.load.bind(backend.engine)
     backend.load.record(1, 0, 0.2)  # the stats of a step that still ran it
     unfinished[0] = 0  # then it was aborted: no step, no stats
-    assert backend.load.snapshot() == (1, 0, 0.2, 4, 0)  # no vLLM config: 0 blocks
+    assert backend.load.snapshot() == (1, 0, 0.2, 4, 0, ())  # no vLLM config: 0 blocks
     backend.engine.step_s = 0.01
     s = Sender(cancel_after=2)
     backend.execute(
         [Request(s, text_input=b"hi", stream=True, sampling_parameters='{"max_tokens": 60}')]
     )
     assert wait_final(s).error.code == TritonError.CANCELLED
-    assert backend.load.snapshot() == (0, 0, 0.0, 4, 0)
+    assert backend.load.snapshot() == (0, 0, 0.0, 4, 0, ())
 
 
 def test_engine_error_mid_stream_is_one_internal_final(backend) -> None:

@@ -30,12 +30,12 @@ def test_the_logger_records_vllms_scheduler_stats() -> None:
     logger = load.stat_logger(CONFIG, 0)
     assert isinstance(logger, StatLoggerBase)
     logger.log_engine_initialized()
-    assert load.snapshot() == (0, 0, 0.0, 8, 36)
+    assert load.snapshot() == (0, 0, 0.0, 8, 36, ())
     stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.41234)
     logger.record(stats, None, engine_idx=0)
-    assert load.snapshot() == (3, 2, 0.412, 8, 36)  # KV usage to 3 decimals
+    assert load.snapshot() == (3, 2, 0.412, 8, 36, ())  # KV usage to 3 decimals
     logger.record(None, None)  # outputs without stats change nothing
-    assert load.snapshot() == (3, 2, 0.412, 8, 36) and load.records == 1
+    assert load.snapshot() == (3, 2, 0.412, 8, 36, ()) and load.records == 1
 
 
 def test_listeners_hear_changes_only() -> None:
@@ -48,7 +48,7 @@ def test_listeners_hear_changes_only() -> None:
     load.record(1, 0, 0.1)  # the same again: not a change
     load.record(1, 0, 0.10001)  # below the KV resolution: not a change either
     load.record(2, 0, 0.1)
-    assert heard == [(1, 0, 0.1, 8, 36), (2, 0, 0.1, 8, 36)]
+    assert heard == [(1, 0, 0.1, 8, 36, ()), (2, 0, 0.1, 8, 36, ())]
     load.unsubscribe(listener)
     load.record(3, 0, 0.1)
     assert len(heard) == 2
@@ -63,16 +63,16 @@ def test_idle_when_the_front_end_holds_no_request() -> None:
     engine = Engine(unfinished=1)
     load.bind(engine)
     load.record(1, 0, 0.05)
-    assert load.snapshot() == (1, 0, 0.05, 8, 36)
+    assert load.snapshot() == (1, 0, 0.05, 8, 36, ())
     engine.unfinished = 0  # aborted: no step, no stats
-    assert load.snapshot() == (1, 0, 0.05, 8, 36)
+    assert load.snapshot() == (1, 0, 0.05, 8, 36, ())
     load.refresh()
-    assert load.snapshot() == (0, 0, 0.0, 8, 36)
+    assert load.snapshot() == (0, 0, 0.0, 8, 36, ())
     load.record(1, 0, 0.05)  # the stale step that still had it
-    assert load.snapshot() == (0, 0, 0.0, 8, 36)
+    assert load.snapshot() == (0, 0, 0.0, 8, 36, ())
     engine.unfinished = 1
     load.record(1, 1, 0.05)
-    assert load.snapshot() == (1, 1, 0.05, 8, 36)
+    assert load.snapshot() == (1, 1, 0.05, 8, 36, ())
 
 
 def test_a_failing_listener_never_reaches_vllms_output_handler() -> None:
@@ -83,3 +83,14 @@ def test_a_failing_listener_never_reaches_vllms_output_handler() -> None:
     load.subscribe(lambda: heard.append(1))
     logger.record(SchedulerStats(num_running_reqs=1), None)
     assert heard == [1] and load.snapshot()[0] == 1
+
+
+def test_slow_ranks_go_out_in_the_load_report_when_they_change() -> None:
+    load = EngineLoadTracker()
+    load.max_num_seqs = 8
+    heard: list = []
+    load.subscribe(lambda: heard.append(load.snapshot()))
+    load.set_degraded((1,))
+    load.set_degraded((1,))  # unchanged: nothing sent
+    load.set_degraded(())
+    assert heard == [(0, 0, 0.0, 8, 0, (1,)), (0, 0, 0.0, 8, 0, ())]

@@ -341,8 +341,8 @@ def test_the_engines_load_report_follows_a_stream(served, engine_load) -> None:
 
     thread.call(run(), TIMEOUT_S)
     assert max(snapshot[0] for snapshot in during) >= 1, during  # running
-    *idle, num_blocks = engine_load.snapshot()
-    assert idle == [0, 0, 0.0, 2]  # max_num_seqs: the fixture's
+    *idle, num_blocks, degraded = engine_load.snapshot()
+    assert idle == [0, 0, 0.0, 2] and degraded == ()  # max_num_seqs: the fixture's
     assert num_blocks > 0  # the engine's KV cache size, from its vLLM config
     loggers = thread.engine.logger_manager.stat_loggers
     assert any(isinstance(logger, PrometheusStatLogger) for logger in loggers)

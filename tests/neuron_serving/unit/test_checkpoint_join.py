@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from neuron_serving.checkpoint.compat import CheckpointMismatch, check_follower, manifest_identity
+from neuron_serving.exitcodes import ExitCode
 from neuron_serving.unit.config import UnitConfig
 from neuron_serving.unit.control_server import ControlServer, UnitJoinError
 from neuron_serving.unit.follower import Follower, FollowerConfig
@@ -54,7 +55,8 @@ def _follower_fails_join(server: ControlServer, tmp_path: Path) -> tuple[str, st
         with pytest.raises(UnitJoinError) as e:
             server.wait_for_followers(60)
         assert time.monotonic() - t0 < 30  # not the join timeout
-        assert proc.wait(timeout=30) == 1
+        # Its own exit code, which the supervisor counts as checkpoint_rejected.
+        assert proc.wait(timeout=30) == ExitCode.CHECKPOINT_REJECTED
         assert server.links == {}
         return str(e.value), proc.stderr()
     finally:

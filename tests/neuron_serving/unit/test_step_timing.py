@@ -29,7 +29,8 @@ def test_collectives_count_as_the_running_steps_wait() -> None:
     time_collectives(Communicator, timing)
     time_collectives(Communicator, timing)  # idempotent: wrapped once
     c = Communicator()
-    # The step's first collective is not counted (rank 0's head start on its peers).
+    # The step's first collective counts above its floor only (rank 0's head start on
+    # its peers); the first ever is its own floor.
     assert c.all_reduce(1) == 2 and c.all_reduce(2) == 3
     with pytest.raises(RuntimeError, match="peer gone"):
         c.gather(0)  # a failed collective still counts its time
@@ -42,12 +43,30 @@ def test_collectives_count_as_the_running_steps_wait() -> None:
     assert Communicator.all_reduce.__name__ == "all_reduce"
 
 
+def test_the_head_start_at_a_steps_first_collective_is_not_waiting() -> None:
+    """Rank 0 waits 5 ms at every step's first collective (its peers' receive and
+    decode): none of it counts. A peer that starts 45 ms late on some steps does."""
+    timing = StepTiming()
+    for _ in range(200):
+        timing.collective(0.005)
+        timing.collective(0.001)
+        timing.step(0.02)
+    steps, _, wait = timing.totals()
+    assert steps == 200 and wait == pytest.approx(0.001 * 200, rel=0.05)
+    for i in range(50):
+        timing.collective(0.05 if i % 2 else 0.005)
+        timing.collective(0.001)
+        timing.step(0.07 if i % 2 else 0.02)
+    late = timing.totals()[2] - wait
+    assert late == pytest.approx(25 * 0.045 + 50 * 0.001, rel=0.05)
+
+
 def test_node_metrics_carry_every_label_and_the_new_families() -> None:
     status = NodeStatus("unit-3", 0, 2, host="h1")
     status.set_checkpoint("/models/llama/v7/", "v7")
     status.restarts = 2
     timing = StepTiming()
-    timing.collective(0.001)  # the step's first: not counted
+    timing.collective(0.001)  # the step's first: its own floor, nothing counted
     timing.collective(0.004)
     timing.step(0.03)
     verdicts = {1: RankVerdict(share=0.4, over=3, degraded=True, reason="slow")}

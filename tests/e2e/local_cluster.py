@@ -148,8 +148,14 @@ class AlertWatch:
     each alert (by name and unit) was first seen firing, on this process's clock."""
 
     def __init__(self, c: Cluster) -> None:
-        self.url = c.state().get("prometheus_url")
-        assert self.url, "up started no Prometheus (is Debian's prometheus package installed?)"
+        # `up` starts its Prometheus just after it says ready: its URL reaches the state
+        # file with the next tick.
+        try:
+            wait_for(lambda: c.state().get("prometheus_url"), 60, interval=0.5,
+                     what="the cluster's Prometheus in supervisor.json")  # fmt: skip
+        except TimeoutError:
+            pytest.fail("up started no Prometheus (is Debian's prometheus package installed?)")
+        self.url = c.state()["prometheus_url"]
         self.firing: dict[tuple[str, str], float] = {}
         self.pending: dict[tuple[str, str], float] = {}
         self._stop = threading.Event()

@@ -356,6 +356,13 @@ def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Clu
         ]
     )  # fmt: skip
     restarts = {u: cluster.unit_state(u)["restarts"] for u in ("unit-0", "unit-1")}
+    # Healthy units under full load are never flagged slow: through every test before
+    # this one (streams, kills, a batch of 2000 lines across both units), no leader
+    # logged a slow rank.
+    logs = sorted((cluster.run_dir / "logs").glob("unit-*/leader.log"))
+    flagged = [ln for p in logs for ln in p.read_text(errors="replace").splitlines()
+               if " is slow: " in ln]  # fmt: skip
+    assert len(logs) == 2 and flagged == [], flagged
     verdicts = VerdictLog(cluster, ("unit-0", "unit-1"))
     alerts = AlertWatch(cluster)
     # max-model-len 256 here: the long answers are 200 tokens.
@@ -367,13 +374,13 @@ def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Clu
         alerts.stop()
     print({k: result[k] for k in ("requests", "statuses", "by_kind", "fault_delays_s")})
     # The throttled rank is found slow while it is throttled (the soak's clock starts
-    # about when the log's does), in the leader's metrics and on the proxy; a busy
-    # healthy unit is never flagged: unit-1 before its own leader's throttle.
+    # about when the log's does), in the leader's metrics and on the proxy. The other
+    # unit's ranks may be flagged meanwhile: on 2 cores its follower shares a core with
+    # the throttled one, whose stops and starts (5 a second) slow it for real.
     print("degraded (s, unit, rank): leader", verdicts.leader, "proxy", verdicts.proxy)
     found = verdicts.first(verdicts.leader, "unit-0", 1)
     assert found is not None and 10.0 < found < 50.0, verdicts.leader
     assert verdicts.first(verdicts.proxy, "unit-0", 1) is not None, verdicts.proxy
-    assert [v for v in verdicts.leader if v[1] == "unit-1" and v[0] < 50.0] == []
     assert [v for v in verdicts.leader if v[1] == "unit-0" and v[2] == 0] == []
     # ...and the cluster's Prometheus fired the alert for it.
     fired = alerts.firing.get(("NeuronServingRankDegraded", "unit-0"))

